@@ -1,0 +1,155 @@
+"""The typed records shared by the recorder, the trace reader and the analyzer.
+
+A trace is a sequence of these records per rank. The recorder writes them (through
+``moedoctor.trace.format``), the reader yields them, the analyzer consumes them. Nothing here
+imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Phase(str, Enum):
+    """Where in a training step a collective was issued."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    CHECKPOINT_SAVE = "checkpoint_save"
+    CHECKPOINT_LOAD = "checkpoint_load"
+    OTHER = "other"
+
+
+#: Normalized collective names: the vocabulary the analyzer compares across ranks.
+COLLECTIVE_OPS = frozenset({
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "all_to_all", "gather",
+    "scatter", "reduce", "all_reduce_coalesced", "all_gather_coalesced", "reduce_scatter_coalesced",
+    "monitored_barrier",
+})
+P2P_OPS = frozenset({"send", "recv"})
+
+
+@dataclass(frozen=True, slots=True)
+class TraceHeader:
+    """First record of every per-rank trace file."""
+
+    format: str
+    version: int
+    rank: int
+    local_rank: int
+    world_size: int
+    host: str
+    pid: int
+    torch_version: str
+    moedoctor_version: str
+    start_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A process group as seen by one rank. ``name`` agrees across ranks; ``ranks`` are global."""
+
+    name: str
+    desc: str
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CallSite:
+    """The first frame outside torch and moedoctor, plus a short bounded stack (innermost first)."""
+
+    file: str
+    line: int
+    function: str
+    stack: tuple[str, ...] = ()
+
+    @property
+    def short(self) -> str:
+        """``file:line`` with the file's base name, as reports show it."""
+        return f"{self.file.rsplit('/', 1)[-1]}:{self.line}"
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} {self.function}"
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveEvent:
+    """One collective (or p2p op) issued by one rank.
+
+    ``seq`` counts collectives per group on this rank, starting at 1; p2p ops do not advance it
+    and carry ``peer`` and ``p2p_seq`` (counted per group and peer pair) instead.
+    """
+
+    rank: int
+    event_id: int
+    time: float
+    group: Group
+    seq: int
+    op: str
+    raw_op: str
+    in_shapes: tuple[tuple[int, ...], ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    reduce_op: str | None
+    async_op: bool
+    thread: str
+    call_site: CallSite | None
+    phase: Phase
+    step: int
+    module: str | None = None
+    peer: int | None = None
+    p2p_seq: int | None = None
+    completed: float | None = None
+
+    @property
+    def is_p2p(self) -> bool:
+        return self.op in P2P_OPS
+
+    def signature(self) -> tuple:
+        """What must agree across the ranks of a group at one sequence number.
+
+        Rooted ops are compared on the side every rank has: scatter's non-root ranks pass no
+        inputs, gather's no outputs."""
+        if self.op == "scatter":
+            return (self.op, self.out_shapes, self.reduce_op)
+        return (self.op, self.in_shapes, self.dtypes, self.reduce_op)
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """A fact other than a collective that the analysis uses: a gradient norm, parameters without
+    gradients, the start or end of backward / optimizer step / checkpoint save or load."""
+
+    rank: int
+    time: float
+    kind: str
+    step: int
+    data: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupCoverage:
+    """Recorded collectives of one group against the backend's own sequence counter."""
+
+    group: str
+    recorded: int
+    backend: int | None
+
+    @property
+    def gap(self) -> int | None:
+        return None if self.backend is None else self.backend - self.recorded
+
+
+@dataclass(frozen=True, slots=True)
+class Coverage:
+    rank: int
+    time: float
+    reason: str
+    groups: tuple[GroupCoverage, ...]
+    dropped: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.dropped == 0 and all(g.gap in (0, None) for g in self.groups)

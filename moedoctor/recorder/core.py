@@ -1,0 +1,411 @@
+"""The recorder: one per rank process, fed by Python kernels registered at the dispatcher.
+
+Every collective is written to this rank's trace with ``os.write`` before the op is issued, so the
+record survives a SIGKILL or a Gloo SIGABRT a millisecond later. A small background thread notices
+completed ``Work`` objects, answers snapshot requests from the watchdog and keeps nothing else.
+
+The kernels sit at the ``BackendSelect`` dispatch key, which is in every thread's default included
+set and a fallthrough for these ops: below autograd (so the functional collectives keep their
+registered autograd formulas, and their backward collectives are seen too), and still reached where
+autograd's guard has excluded everything above the backends: inside DTensor's ``__torch_dispatch__``
+(``clip_grad_norm_`` on DTensors), for inference-mode tensors, from C++ callers such as the DDP
+reducer and from every thread. A collective issued from inside another one's kernel (a functional
+collective calling its process group) is not counted twice. The coverage check compares the counts
+with the backend's own sequence counter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup, ReduceOp
+
+import moedoctor
+from moedoctor.events import Phase
+from moedoctor.recorder import callsite
+from moedoctor.recorder.ops import OpSpec, all_specs
+from moedoctor.trace import format as fmt
+
+DEFAULT_MAX_EVENTS = 2_000_000
+_REDUCE_NAMES = {int(v): k.lower() for k, v in ReduceOp.RedOpType.__members__.items()}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_json_strings: dict[str, str] = {}
+
+
+def _json_str(value: str) -> str:
+    encoded = _json_strings.get(value)
+    if encoded is None:
+        encoded = _json_strings[value] = json.dumps(value)
+    return encoded
+
+
+def _shapes(tensors: list[torch.Tensor]) -> str:
+    return "[" + ",".join("[" + ",".join(map(str, t.shape)) + "]" for t in tensors[:MAX_SHAPES]) + "]"
+
+
+def _dtypes(tensors: list[torch.Tensor]) -> str:
+    names = dict.fromkeys(_dtype_name(t.dtype) for t in tensors[:MAX_SHAPES])
+    return "[" + ",".join(f'"{n}"' for n in names) + "]"
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in an op argument: a tensor, a list of them, or a list of lists (all_gather)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        out = []
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                out.append(item)
+            elif isinstance(item, (list, tuple)):
+                out.extend(t for t in item if isinstance(t, torch.Tensor))
+        return out
+    return []
+
+
+MAX_SHAPES = 64  # tensors described per side of one collective; the rest are counted, not listed
+
+
+class Recorder:
+    """Writes this rank's trace. Created by ``install``; opened when the default group exists."""
+
+    def __init__(self, run_dir: Path, max_events: int = DEFAULT_MAX_EVENTS, poll_interval: float = 0.05):
+        self.run_dir = Path(run_dir)
+        self.max_events = max_events
+        self.poll_interval = poll_interval
+        self.step = 0
+        self.optimizer_depth = 0
+        self.checkpoint: Phase | None = None
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+        self._next_event = 0
+        self._written = 0
+        self._dropped = 0
+        self._group_ids: dict[str, int] = {}
+        self._group_ranks: dict[str, tuple[int, ...]] = {}
+        self._seq: dict[str, int] = {}
+        self._p2p_seq: dict[tuple, int] = {}
+        self._sites: dict[tuple, int] = {}
+        self._pending: deque[tuple[int, object]] = deque()  # (event id, Work) not yet complete
+        self._rank = -1
+        self._errors = 0
+        self._snapshot_seen = 0.0
+        self._libraries: list[torch.library.Library] = []
+        self._stop = threading.Event()
+        self._inside = threading.local()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    @property
+    def is_open(self) -> bool:
+        return self._fd is not None
+
+    def register_kernels(self) -> None:
+        """Put a recording kernel in front of every collective op this torch build has."""
+        libraries: dict[str, torch.library.Library] = {}
+        for spec in all_specs():
+            lib = libraries.get(spec.namespace)
+            if lib is None:
+                lib = libraries[spec.namespace] = torch.library.Library(spec.namespace, "IMPL")
+            lib.impl(spec.raw_name, self._kernel(spec), "BackendSelect", with_keyset=True)
+        self._libraries = list(libraries.values())
+
+    def unregister_kernels(self) -> None:
+        for lib in self._libraries:
+            lib._destroy()
+        self._libraries = []
+
+    def open(self) -> None:
+        """Create this rank's trace file and write its header; start the progress thread."""
+        if self._fd is not None:
+            return
+        rank, world = dist.get_rank(), dist.get_world_size()
+        traces = self.run_dir / "traces"
+        traces.mkdir(parents=True, exist_ok=True)
+        path = traces / fmt.trace_file_name(rank)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        self._rank = rank
+        header = {
+            "format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "rank": rank,
+            "local_rank": int(os.environ.get("LOCAL_RANK", rank)), "world_size": world,
+            "host": socket.gethostname(), "pid": os.getpid(), "torch": torch.__version__,
+            "moedoctor": moedoctor.__version__, "start_time": time.time(),
+        }
+        self._write(fmt.encode(header))
+        threading.Thread(target=self._progress_loop, name="moedoctor-progress", daemon=True).start()
+
+    def close(self, reason: str) -> None:
+        """Write the coverage record and stop the progress thread (idempotent)."""
+        if self._fd is None:
+            return
+        self.write_coverage(reason)
+        self._stop.set()
+        self._poll_pending()
+
+    # -- the hot path ----------------------------------------------------------------------------
+
+    def _kernel(self, spec: OpSpec) -> Callable:
+        handle = spec.packet._handle
+        after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+        track = spec.namespace == "c10d"
+        inside = self._inside
+
+        def kernel(keyset, *args, **kwargs):
+            # Redispatch with an explicit keyset: calling the op from Python would probe every
+            # ScriptObject argument for __torch_function__, which costs more than the recording.
+            if getattr(inside, "active", False):  # a functional collective's own c10d call
+                return handle.redispatch_boxed(keyset & after, *args, **kwargs)
+            event_id = None
+            if self._fd is not None:
+                try:
+                    event_id = self._record(spec, args, kwargs)
+                except Exception as e:  # the job must never fail because of the recorder
+                    self._internal_error(spec, e)
+            inside.active = True
+            try:
+                out = handle.redispatch_boxed(keyset & after, *args, **kwargs)
+            finally:
+                inside.active = False
+            if event_id is not None and track:
+                work = out[-1] if isinstance(out, tuple) else out
+                self._pending.append((event_id, work))
+            return out
+
+        return kernel
+
+    def _arg(self, spec: OpSpec, index: int | None, args: tuple, kwargs: dict, default=None):
+        if index is None:
+            return default
+        if index < len(args):
+            return args[index]
+        return kwargs.get(spec.arg_names[index], default)
+
+    def _record(self, spec: OpSpec, args: tuple, kwargs: dict) -> int | None:
+        """Write one collective record; returns its event id (None once the cap is reached)."""
+        group_arg = self._arg(spec, spec.group, args, kwargs)
+        if spec.namespace == "c10d":
+            group_name = ProcessGroup.unbox(group_arg).group_name
+        else:
+            group_name = group_arg if isinstance(group_arg, str) else group_arg.group_name
+        attribution = callsite.attribute(3)
+        phase = self._phase(attribution)
+        inputs = _tensors(self._arg(spec, spec.inputs, args, kwargs))
+        outputs = _tensors(self._arg(spec, spec.outputs, args, kwargs))
+        # The line is formatted by hand: json.dumps costs three times as much, on every collective.
+        extra = ""
+        if spec.reduce_op is not None:
+            extra += f',"red":"{self._reduce_name(self._arg(spec, spec.reduce_op, args, kwargs))}"'
+        if len(inputs) > MAX_SHAPES or len(outputs) > MAX_SHAPES:
+            extra += f',"n":[{len(inputs)},{len(outputs)}]'
+        if attribution.fsdp_module is not None:
+            extra += f',"mod":{_json_str(attribution.fsdp_module)}'
+        peer = None
+        if spec.peer is not None:
+            peer = self._global_rank(group_name, self._arg(spec, spec.peer, args, kwargs))
+            extra += f',"peer":{"null" if peer is None else peer}'
+        body = (
+            f'"t":{time.time():.6f},"op":"{spec.op}","raw":"{spec.qualified}",'
+            f'"in":{_shapes(inputs)},"out":{_shapes(outputs)},"dt":{_dtypes(inputs)},'
+            f'"async":{"true" if self._is_async(spec, args, kwargs) else "false"},'
+            f'"th":{_json_str(threading.current_thread().name)},"ph":"{phase.value}","step":{self.step}{extra}}}\n'
+        )
+        with self._lock:
+            gid = self._group_id(group_name)
+            sid = self._site_id(attribution) if attribution.frames else "null"
+            event_id = self._next_event
+            self._next_event += 1
+            if peer is not None or spec.op in ("send", "recv"):
+                key = (group_name, peer)
+                pseq = self._p2p_seq[key] = self._p2p_seq.get(key, 0) + 1
+                self._count_p2p(group_name)
+                seq = f'{self._seq.get(group_name, 0)},"pseq":{pseq}'  # collectives before it; not advanced
+            else:
+                seq = self._seq[group_name] = self._seq.get(group_name, 0) + 1
+            if self._written >= self.max_events:
+                self._drop()
+                return None
+            self._written += 1
+            self._write(f'{{"k":"c","i":{event_id},"g":{gid},"seq":{seq},"s":{sid},{body}'.encode())
+        return event_id
+
+    def _phase(self, attribution: callsite.Attribution) -> Phase:
+        if self.checkpoint is not None:
+            return self.checkpoint
+        if attribution.checkpoint is not None:
+            return Phase.CHECKPOINT_LOAD if attribution.checkpoint == "load" else Phase.CHECKPOINT_SAVE
+        if self.optimizer_depth:
+            return Phase.OPTIMIZER
+        if torch._C._current_graph_task_id() != -1:
+            return Phase.BACKWARD
+        if attribution.in_module_call:
+            return Phase.FORWARD
+        return Phase.OTHER
+
+    def _is_async(self, spec: OpSpec, args: tuple, kwargs: dict) -> bool:
+        if spec.namespace != "c10d":
+            return True  # functional collectives return before completion; wait_tensor waits
+        return bool(self._arg(spec, spec.async_op, args, kwargs, default=True))
+
+    @staticmethod
+    def _reduce_name(value) -> str | None:
+        if isinstance(value, str):
+            return value.lower()
+        try:
+            return _REDUCE_NAMES.get(int(value.op()), str(value))
+        except Exception:
+            return None
+
+    # -- interning (called under the lock) -------------------------------------------------------
+
+    def _group_id(self, name: str) -> int:
+        gid = self._group_ids.get(name)
+        if gid is None:
+            gid = self._group_ids[name] = len(self._group_ids)
+            ranks = self._ranks_of(name)
+            desc = getattr(self._process_group(name), "group_desc", "")
+            self._write(fmt.encode({"k": fmt.GROUP, "id": gid, "name": name, "desc": desc, "ranks": list(ranks)}))
+        return gid
+
+    def _site_id(self, attribution: callsite.Attribution) -> int:
+        sid = self._sites.get(attribution.site_key)
+        if sid is None:
+            sid = self._sites[attribution.site_key] = len(self._sites)
+            file, line, fn, stack = callsite.describe(attribution.frames)
+            self._write(fmt.encode({"k": fmt.SITE, "id": sid, "file": file, "line": line, "fn": fn, "stack": stack}))
+        return sid
+
+    def _count_p2p(self, group_name: str) -> None:
+        key = ("#p2p", group_name)
+        self._p2p_seq[key] = self._p2p_seq.get(key, 0) + 1
+
+    # -- process groups --------------------------------------------------------------------------
+
+    @staticmethod
+    def _process_group(name: str):
+        from torch.distributed.distributed_c10d import _world
+
+        for pg, pg_name in list(_world.pg_names.items()):
+            if pg_name == name:
+                return pg
+        return None
+
+    def _ranks_of(self, name: str) -> tuple[int, ...]:
+        ranks = self._group_ranks.get(name)
+        if ranks is None:
+            pg = self._process_group(name)
+            if pg is None:
+                ranks = ()
+            else:
+                from torch.distributed.distributed_c10d import _world
+
+                mapping = _world.pg_group_ranks.get(pg, {})
+                ranks = tuple(sorted(mapping, key=mapping.get)) or tuple(range(dist.get_world_size()))
+            self._group_ranks[name] = ranks
+        return ranks
+
+    def _global_rank(self, group_name: str, group_rank) -> int | None:
+        if group_rank is None:
+            return None
+        ranks = self._ranks_of(group_name)
+        return ranks[group_rank] if 0 <= group_rank < len(ranks) else int(group_rank)
+
+    # -- output ----------------------------------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        fd = self._fd
+        while data:
+            written = os.write(fd, data)
+            data = data[written:]
+
+    def _drop(self) -> None:
+        if self._dropped == 0:
+            self._write(fmt.encode({"k": fmt.CAP, "t": time.time(), "limit": self.max_events}))
+        self._dropped += 1
+
+    def write_evidence(self, kind: str, data: dict | None = None) -> None:
+        if self._fd is None:
+            return
+        record = {"k": fmt.EVIDENCE, "t": time.time(), "kind": kind, "step": self.step}
+        if data:
+            record["data"] = data
+        with self._lock:
+            self._write(fmt.encode(record))
+
+    def write_coverage(self, reason: str) -> None:
+        """Compare each group's recorded count with the backend's own sequence counter."""
+        from torch.distributed.distributed_c10d import _world
+
+        groups = []
+        for pg, name in list(_world.pg_names.items()):
+            try:
+                backend = int(pg._get_sequence_number_for_group())
+            except Exception:
+                backend = None
+            recorded = self._seq.get(name, 0) + self._p2p_seq.get(("#p2p", name), 0)
+            groups.append([name, recorded, backend])
+        with self._lock:
+            self._write(fmt.encode({"k": fmt.COVERAGE, "t": time.time(), "reason": reason,
+                                    "groups": groups, "dropped": self._dropped}))
+
+    def _internal_error(self, spec: OpSpec, error: Exception) -> None:
+        self._errors += 1
+        if self._errors <= 3:
+            self.write_evidence("recorder_error", {"op": spec.qualified, "error": repr(error)})
+
+    # -- the progress thread ---------------------------------------------------------------------
+
+    def _progress_loop(self) -> None:
+        snapshot_file = self.run_dir / "control" / "snapshot"
+        next_control = 0.0
+        while not self._stop.wait(self.poll_interval):
+            self._poll_pending()
+            now = time.monotonic()
+            if now >= next_control:
+                next_control = now + 0.5
+                self._answer_snapshot(snapshot_file)
+
+    def _poll_pending(self) -> None:
+        done = []
+        # The kernels append on the right while this pops on the left; deque makes both thread-safe.
+        for _ in range(len(self._pending)):
+            event_id, work = self._pending.popleft()
+            try:
+                completed = work.is_completed()
+            except Exception:
+                completed = True  # a failed work: nothing more to learn from it
+            if completed:
+                done.append(event_id)
+            else:
+                self._pending.append((event_id, work))
+        if done:
+            now = time.time()
+            data = b"".join(fmt.encode({"k": fmt.DONE, "i": i, "t": now}) for i in done)
+            with self._lock:
+                self._write(data)
+
+    def _answer_snapshot(self, snapshot_file: Path) -> None:
+        try:
+            requested = snapshot_file.stat().st_mtime
+        except OSError:
+            return
+        if requested > self._snapshot_seen:
+            self._snapshot_seen = requested
+            self.write_coverage("snapshot")

@@ -1,0 +1,195 @@
+"""Evidence hooks: the facts besides collectives that the analysis needs.
+
+- optimizer steps (global step pre/post hooks): begin/end, the step index, and which parameters had
+  no gradient at step time (written only when that set changes);
+- gradient norms from ``clip_grad_norm_`` / ``get_total_norm``: value and finiteness, rank-local
+  (a DTensor norm is read from its local part, so recording issues no collective of its own);
+- begin/end of ``torch.autograd.backward`` and of ``torch.distributed.checkpoint`` save/load.
+
+Each hook wraps a public torch entry point, keeps its signature and result, and writes one record.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+
+import torch
+
+from moedoctor._imports import when_imported
+from moedoctor.events import Phase
+from moedoctor.recorder import callsite
+from moedoctor.recorder.core import Recorder
+
+
+def install(recorder: Recorder) -> None:
+    _install_optimizer_hooks(recorder)
+    _install_norm_hooks(recorder)
+    _install_backward_hook(recorder)
+    when_imported("torch.distributed.checkpoint", lambda module: _install_checkpoint_hooks(recorder, module))
+    _ModuleRegistry.install()
+
+
+# -- optimizer -------------------------------------------------------------------------------------
+
+
+def _install_optimizer_hooks(recorder: Recorder) -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    primary: list = []  # a weak reference to the optimizer whose steps count as training steps
+    missing_before: list[frozenset] = [frozenset()]
+
+    def pre_hook(optimizer, args, kwargs):
+        recorder.optimizer_depth += 1
+        recorder.write_evidence("optimizer_step_begin", {"optimizer": type(optimizer).__name__})
+        missing = _params_without_grad(optimizer)
+        if missing != missing_before[0]:
+            missing_before[0] = missing
+            recorder.write_evidence("params_without_grad", {"names": sorted(missing), "count": len(missing)})
+
+    def post_hook(optimizer, args, kwargs):
+        recorder.optimizer_depth = max(0, recorder.optimizer_depth - 1)
+        if not primary or primary[0]() is None:
+            primary[:] = [weakref.ref(optimizer)]
+        if primary[0]() is optimizer:
+            recorder.step += 1
+        recorder.write_evidence("optimizer_step_end", {"optimizer": type(optimizer).__name__})
+
+    register_optimizer_step_pre_hook(pre_hook)
+    register_optimizer_step_post_hook(post_hook)
+
+
+def _params_without_grad(optimizer) -> frozenset[str]:
+    names = _ModuleRegistry.parameter_names()
+    missing = []
+    for group_index, group in enumerate(optimizer.param_groups):
+        for index, param in enumerate(group["params"]):
+            if param.grad is None:
+                missing.append(names.get(id(param)) or f"param_groups[{group_index}][{index}]")
+    return frozenset(missing)
+
+
+class _ModuleRegistry:
+    """Parameter names for evidence, without a per-forward hook: module registration hooks fire only
+    while models are built, and the roots found there name every parameter."""
+
+    _parents: weakref.WeakSet = weakref.WeakSet()
+    _children: weakref.WeakSet = weakref.WeakSet()
+    _names: dict[int, str] = {}
+
+    @classmethod
+    def install(cls) -> None:
+        from torch.nn.modules.module import register_module_module_registration_hook
+
+        def hook(module, name, submodule):
+            cls._parents.add(module)
+            if submodule is not None:
+                cls._children.add(submodule)
+
+        register_module_module_registration_hook(hook)
+
+    @classmethod
+    def parameter_names(cls) -> dict[int, str]:
+        roots = [m for m in list(cls._parents) if m not in cls._children]
+        names: dict[int, str] = {}
+        for root in roots:
+            for name, param in root.named_parameters(remove_duplicate=False):
+                names.setdefault(id(param), name)
+        cls._names = names
+        return names
+
+
+# -- gradient norms --------------------------------------------------------------------------------
+
+
+def _local_float(value) -> float | None:
+    try:
+        if hasattr(value, "to_local"):
+            value = value.to_local()  # a DTensor: its local part, without a collective
+        return float(value)
+    except Exception:
+        return None
+
+
+def _install_norm_hooks(recorder: Recorder) -> None:
+    import torch.nn.utils as nn_utils
+    from torch.nn.utils import clip_grad
+
+    original = clip_grad._get_total_norm
+
+    @functools.wraps(original)
+    def get_total_norm(*args, **kwargs):
+        total = original(*args, **kwargs)
+        norm = _local_float(total)
+        attribution = callsite.attribute(2)
+        site = None
+        if attribution.frames:
+            code, line = attribution.frames[0]
+            site = f"{code.co_filename}:{line}"
+        recorder.write_evidence("grad_norm", {
+            "norm": norm if norm is None or math.isfinite(norm) else str(norm),
+            "finite": norm is not None and math.isfinite(norm), "site": site,
+        })
+        return total
+
+    clip_grad._get_total_norm = get_total_norm  # clip_grad_norm_ looks it up here at call time
+    if getattr(nn_utils, "get_total_norm", None) is original:
+        nn_utils.get_total_norm = get_total_norm
+
+
+# -- backward --------------------------------------------------------------------------------------
+
+
+def _install_backward_hook(recorder: Recorder) -> None:
+    original = torch.autograd.backward
+
+    @functools.wraps(original)
+    def backward(*args, **kwargs):
+        recorder.write_evidence("backward_begin")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            recorder.write_evidence("backward_end")
+
+    torch.autograd.backward = backward  # Tensor.backward calls torch.autograd.backward
+
+
+# -- checkpoint ------------------------------------------------------------------------------------
+
+_CHECKPOINT_FUNCTIONS = {
+    "save": Phase.CHECKPOINT_SAVE, "async_save": Phase.CHECKPOINT_SAVE, "save_state_dict": Phase.CHECKPOINT_SAVE,
+    "load": Phase.CHECKPOINT_LOAD, "load_state_dict": Phase.CHECKPOINT_LOAD,
+}
+
+
+def _install_checkpoint_hooks(recorder: Recorder, package) -> None:
+    import sys
+
+    modules = [package] + [sys.modules.get(f"torch.distributed.checkpoint.{m}")
+                           for m in ("state_dict_saver", "state_dict_loader")]
+    wrapped: dict[int, object] = {}
+    for module in filter(None, modules):
+        for name, phase in _CHECKPOINT_FUNCTIONS.items():
+            original = getattr(module, name, None)
+            if original is None or getattr(original, "__moedoctor__", False):
+                continue
+            if id(original) not in wrapped:
+                wrapped[id(original)] = _checkpoint_wrapper(recorder, original, name, phase)
+            setattr(module, name, wrapped[id(original)])
+
+
+def _checkpoint_wrapper(recorder: Recorder, original, name: str, phase: Phase):
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        outer = recorder.checkpoint
+        recorder.checkpoint = phase
+        recorder.write_evidence(f"{phase.value}_begin", {"function": name})
+        try:
+            return original(*args, **kwargs)
+        finally:
+            recorder.checkpoint = outer
+            recorder.write_evidence(f"{phase.value}_end", {"function": name})
+
+    wrapper.__moedoctor__ = True
+    return wrapper

@@ -1,0 +1,73 @@
+"""Install the recorder in this process: kernels, evidence hooks, and the trace opened when the
+default process group is created (or at once if it already exists)."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import sys
+from pathlib import Path
+
+_recorder = None
+
+ENV_RUN_DIR = "MOEDOCTOR_RUN_DIR"
+ENV_MAX_EVENTS = "MOEDOCTOR_MAX_EVENTS"
+
+
+def installed_recorder():
+    return _recorder
+
+
+def activate_from_env() -> None:
+    """Called by the bootstrap once torch is imported in a process of a job under ``moedoctor run``."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return
+        from moedoctor.recorder.core import DEFAULT_MAX_EVENTS
+
+        install(Path(os.environ[ENV_RUN_DIR]), int(os.environ.get(ENV_MAX_EVENTS, DEFAULT_MAX_EVENTS)))
+    except Exception as e:
+        print(f"moedoctor: recorder not installed: {e!r}", file=sys.stderr)
+
+
+def install(run_dir: Path, max_events: int | None = None):
+    """Install the recorder once per process; returns it."""
+    global _recorder
+    if _recorder is not None:
+        return _recorder
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from moedoctor.recorder import evidence
+    from moedoctor.recorder.core import DEFAULT_MAX_EVENTS, Recorder
+
+    recorder = Recorder(run_dir, max_events or DEFAULT_MAX_EVENTS)
+    recorder.register_kernels()
+    evidence.install(recorder)
+
+    original_init = c10d.init_process_group
+    original_destroy = c10d.destroy_process_group
+
+    @functools.wraps(original_init)
+    def init_process_group(*args, **kwargs):
+        result = original_init(*args, **kwargs)
+        recorder.open()
+        return result
+
+    @functools.wraps(original_destroy)
+    def destroy_process_group(group=None):
+        if group is None or group is c10d.GroupMember.WORLD:
+            recorder.close("destroy")  # while the groups still answer their sequence counters
+        return original_destroy(group)
+
+    for module in (dist, c10d):
+        module.init_process_group = init_process_group
+        module.destroy_process_group = destroy_process_group
+    if dist.is_initialized():
+        recorder.open()
+    atexit.register(lambda: dist.is_initialized() and recorder.close("exit"))
+    _recorder = recorder
+    return recorder

@@ -1,0 +1,113 @@
+"""The collective ops moedoctor hooks, their normalized names and where their arguments are.
+
+Argument positions are read from each op's schema once, so the hot path indexes a tuple.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: c10d ops (what ``torch.distributed`` and C++ callers such as the DDP reducer dispatch to).
+C10D_OPS: dict[str, str] = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce_coalesced",
+    "allgather_": "all_gather",
+    "_allgather_base_": "all_gather",
+    "allgather_coalesced_": "all_gather_coalesced",
+    "allgather_into_tensor_coalesced_": "all_gather_coalesced",
+    "reduce_scatter_": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter_coalesced",
+    "broadcast_": "broadcast",
+    "barrier": "barrier",
+    "monitored_barrier_": "monitored_barrier",
+    "alltoall_": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "gather_": "gather",
+    "scatter_": "scatter",
+    "reduce_": "reduce",
+    "send": "send",
+    "recv_": "recv",
+    "recv_any_source_": "recv",
+}
+
+#: Functional collectives (DTensor redistribution, FSDP2 helpers, clip_grad_norm_ on DTensors).
+FUNCTIONAL_OPS: dict[str, str] = {
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce_coalesced",
+    "all_reduce_coalesced_": "all_reduce_coalesced",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather_coalesced",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_out": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_coalesced",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+}
+
+_INPUT_ARGS = ("input_tensors", "input_tensor", "input", "inputs", "tensors", "tensor", "self")
+_OUTPUT_ARGS = ("output_tensors", "output_tensor", "outputs", "out", "output")
+_GROUP_ARGS = ("process_group", "group_name")
+_PEER_ARGS = ("dst", "dstRank", "src", "srcRank")
+_ROOT_ARGS = ("root_rank", "rootRank", "dst", "src")
+
+
+@dataclass(frozen=True, slots=True)
+class OpSpec:
+    """Where one op keeps the values moedoctor records (indexes into its positional arguments)."""
+
+    namespace: str
+    raw_name: str
+    op: str
+    packet: object
+    inputs: int | None
+    outputs: int | None
+    group: int
+    reduce_op: int | None
+    async_op: int | None
+    peer: int | None
+    arg_names: tuple[str, ...]
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.namespace}::{self.raw_name}"
+
+
+def _first(names: list[str], wanted: tuple[str, ...]) -> int | None:
+    for name in wanted:
+        if name in names:
+            return names.index(name)
+    return None
+
+
+def op_spec(namespace: str, raw_name: str, normalized: str) -> OpSpec | None:
+    """The spec of one op, or None where this torch build does not have it."""
+    packet = getattr(getattr(torch.ops, namespace), raw_name, None)
+    if packet is None:
+        return None
+    try:
+        overload = packet.default
+    except AttributeError:
+        return None
+    names = [a.name for a in overload._schema.arguments]
+    group = _first(names, _GROUP_ARGS)
+    if group is None:
+        return None
+    peer = _first(names, _PEER_ARGS) if normalized in ("send", "recv") else None
+    return OpSpec(
+        namespace=namespace, raw_name=raw_name, op=normalized, packet=overload,
+        inputs=_first(names, _INPUT_ARGS), outputs=_first(names, _OUTPUT_ARGS), group=group,
+        reduce_op=_first(names, ("reduce_op",)), async_op=_first(names, ("async_op",)),
+        peer=peer, arg_names=tuple(names),
+    )
+
+
+def all_specs() -> list[OpSpec]:
+    specs = [op_spec("c10d", raw, norm) for raw, norm in C10D_OPS.items()]
+    specs += [op_spec("_c10d_functional", raw, norm) for raw, norm in FUNCTIONAL_OPS.items()]
+    return [s for s in specs if s is not None]

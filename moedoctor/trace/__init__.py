@@ -1,0 +1,1 @@
+"""The per-rank trace format: writing (``format``) and reading (``reader``). No torch here."""

@@ -1,0 +1,167 @@
+"""Read moedoctor trace files into the typed records of ``moedoctor.events``.
+
+The reader rejects files of another format or an unknown version, and mixed versions across the
+ranks of one run. A truncated or corrupt line (a rank killed mid-write) is reported as a problem of
+that file, never raised.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from moedoctor.events import (
+    CallSite, CollectiveEvent, Coverage, Evidence, Group, GroupCoverage, Phase, TraceHeader,
+)
+from moedoctor.trace import format as fmt
+
+
+class TraceError(Exception):
+    """A trace file or folder that cannot be read at all (wrong format, unknown or mixed versions)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A collective observed complete (``DONE`` record)."""
+
+    event_id: int
+    time: float
+
+
+@dataclass
+class RankTrace:
+    """Everything one rank's trace file holds, with completions folded into the events."""
+
+    path: Path
+    header: TraceHeader
+    events: list[CollectiveEvent] = field(default_factory=list)
+    evidence: list[Evidence] = field(default_factory=list)
+    coverage: list[Coverage] = field(default_factory=list)
+    groups: dict[str, Group] = field(default_factory=dict)
+    capped: bool = False
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return self.header.rank
+
+
+def read_header(path: Path) -> TraceHeader:
+    with open(path, "rb") as f:
+        first = f.readline()
+    try:
+        raw = json.loads(first)
+    except ValueError as e:
+        raise TraceError(f"{path}: not a moedoctor trace (unreadable header: {e})") from None
+    if not isinstance(raw, dict) or raw.get("format") != fmt.FORMAT_NAME:
+        raise TraceError(f"{path}: not a moedoctor trace (format {raw.get('format')!r})"
+                         if isinstance(raw, dict) else f"{path}: not a moedoctor trace")
+    if raw.get("version") != fmt.FORMAT_VERSION:
+        raise TraceError(f"{path}: trace format version {raw.get('version')!r} is not supported "
+                         f"(this moedoctor reads version {fmt.FORMAT_VERSION})")
+    try:
+        return TraceHeader(
+            format=raw["format"], version=raw["version"], rank=int(raw["rank"]),
+            local_rank=int(raw["local_rank"]), world_size=int(raw["world_size"]), host=str(raw["host"]),
+            pid=int(raw["pid"]), torch_version=str(raw["torch"]), moedoctor_version=str(raw["moedoctor"]),
+            start_time=float(raw["start_time"]),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise TraceError(f"{path}: malformed header ({e!r})") from None
+
+
+class TraceFile:
+    """One rank's trace, streamed: iterate to get ``CollectiveEvent``, ``Completion``, ``Evidence``
+    and ``Coverage`` records in file order. ``problems`` fills as lines fail to parse."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self.header = read_header(self.path)
+        self.problems: list[str] = []
+        self.capped = False
+        self.groups: dict[int, Group] = {}
+        self._sites: dict[int, CallSite] = {}
+
+    def __iter__(self) -> Iterator[CollectiveEvent | Completion | Evidence | Coverage]:
+        rank = self.header.rank
+        with open(self.path, "rb") as f:
+            f.readline()
+            for lineno, line in enumerate(f, start=2):
+                if not line.endswith(b"\n"):
+                    self.problems.append(f"{self.path.name}: last record truncated (line {lineno})")
+                    return
+                try:
+                    rec = json.loads(line)
+                    item = self._parse(rec, rank)
+                except (ValueError, KeyError, TypeError, IndexError) as e:
+                    self.problems.append(f"{self.path.name}: corrupt record at line {lineno} ({e!r})")
+                    continue
+                if item is not None:
+                    yield item
+
+    def _parse(self, rec: dict, rank: int):
+        kind = rec["k"]
+        if kind == fmt.COLLECTIVE:
+            site = rec.get("s")
+            return CollectiveEvent(
+                rank=rank, event_id=rec["i"], time=rec["t"], group=self.groups[rec["g"]],
+                seq=rec["seq"], op=rec["op"], raw_op=rec["raw"],
+                in_shapes=tuple(tuple(s) for s in rec["in"]),
+                out_shapes=tuple(tuple(s) for s in rec["out"]),
+                dtypes=tuple(rec["dt"]), reduce_op=rec.get("red"), async_op=bool(rec["async"]),
+                thread=rec["th"], call_site=None if site is None else self._sites[site],
+                phase=Phase(rec["ph"]), step=rec["step"], module=rec.get("mod"),
+                peer=rec.get("peer"), p2p_seq=rec.get("pseq"),
+            )
+        if kind == fmt.DONE:
+            return Completion(rec["i"], rec["t"])
+        if kind == fmt.GROUP:
+            self.groups[rec["id"]] = Group(rec["name"], rec.get("desc", ""), tuple(rec["ranks"]))
+        elif kind == fmt.SITE:
+            self._sites[rec["id"]] = CallSite(rec["file"], rec["line"], rec["fn"], tuple(rec.get("stack", ())))
+        elif kind == fmt.EVIDENCE:
+            return Evidence(rank, rec["t"], rec["kind"], rec["step"], rec.get("data", {}))
+        elif kind == fmt.COVERAGE:
+            groups = tuple(GroupCoverage(name, recorded, backend) for name, recorded, backend in rec["groups"])
+            return Coverage(rank, rec["t"], rec["reason"], groups, rec.get("dropped", 0))
+        elif kind == fmt.CAP:
+            self.capped = True
+        return None
+
+
+def read_trace(path: Path | str) -> RankTrace:
+    """Load one rank's whole trace, completions folded into their events."""
+    tf = TraceFile(path)
+    trace = RankTrace(path=tf.path, header=tf.header)
+    index: dict[int, int] = {}
+    for item in tf:
+        if isinstance(item, CollectiveEvent):
+            index[item.event_id] = len(trace.events)
+            trace.events.append(item)
+        elif isinstance(item, Completion):
+            pos = index.get(item.event_id)
+            if pos is not None:
+                trace.events[pos] = replace(trace.events[pos], completed=item.time)
+        elif isinstance(item, Evidence):
+            trace.evidence.append(item)
+        else:
+            trace.coverage.append(item)
+    trace.groups = {g.name: g for g in tf.groups.values()}
+    trace.capped = tf.capped
+    trace.problems = tf.problems
+    return trace
+
+
+def trace_paths(folder: Path | str) -> list[Path]:
+    return sorted(Path(folder).glob("rank-*.jsonl"))
+
+
+def read_traces(folder: Path | str) -> list[RankTrace]:
+    """Every rank's trace in a folder, ordered by rank. Refuses mixed format versions."""
+    traces = [read_trace(p) for p in trace_paths(folder)]
+    versions = {(t.header.format, t.header.version) for t in traces}
+    if len(versions) > 1:
+        raise TraceError(f"{folder}: traces of mixed format versions {sorted(versions)}")
+    return sorted(traces, key=lambda t: t.rank)

@@ -1,0 +1,100 @@
+"""Run real ``torchrun`` jobs from tests, with a hard timeout and the log tail shown on failure."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "fixtures"
+
+
+@dataclass
+class JobResult:
+    returncode: int
+    output: str
+    seconds: float
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.output.splitlines()[-lines:])
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def torchrun_command(script: str | Path, nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", str(script), *args]
+
+
+def run_command(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
+                cwd: Path | None = None) -> JobResult:
+    """Run ``cmd`` to completion; a job still running after ``timeout`` seconds is killed with its
+    whole session and reported as return code -9 with whatever it printed."""
+    import time
+
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env or job_env(), cwd=cwd or REPO, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill_session(proc.pid)
+        out, _ = proc.communicate()
+        code = -9
+    return JobResult(code, out, time.monotonic() - start)
+
+
+def _kill_session(pid: int) -> None:
+    import signal
+
+    # torchrun starts its workers in sessions of their own: kill every descendant, not just the group.
+    victims = [pid, *_descendants(pid)]
+    for victim in victims:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def run_fixture(name: str, nproc: int, *args: str, timeout: float = 120.0) -> JobResult:
+    return run_command(torchrun_command(FIXTURES / name / "train.py", nproc, *args), timeout)
+
+
+def assert_ok(result: JobResult) -> None:
+    assert result.returncode == 0, f"job failed with {result.returncode}:\n{result.tail()}"
+
+
+def recorded_env(run_dir: Path, **extra: str) -> dict[str, str]:
+    """The environment ``moedoctor run`` gives a job: the bootstrap first on PYTHONPATH."""
+    bootstrap = REPO / "moedoctor" / "_bootstrap"
+    path = os.pathsep.join(p for p in (str(bootstrap), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return job_env(MOEDOCTOR_RUN_DIR=str(run_dir), PYTHONPATH=path, **extra)
