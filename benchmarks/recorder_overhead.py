@@ -1,5 +1,8 @@
 """Per-collective cost of moedoctor's recorder: the same process, recorder off and on, alternating.
 
+Three modes per op: ``off`` (no kernel), ``floor`` (a pass-through kernel at the same dispatch key,
+recording nothing: the price of a Python kernel at the dispatcher) and ``on`` (the recorder).
+
 Run under torchrun, e.g. ``torchrun --standalone --nproc_per_node 2 benchmarks/recorder_overhead.py``
 (add ``--backend nccl`` on GPUs). Prints the median time per collective with and without the
 recorder and the difference, for a few ops, on rank 0.
@@ -25,6 +28,20 @@ def time_op(fn, iters: int, sync) -> float:
         fn()
     sync()
     return (time.perf_counter() - start) / iters * 1e6
+
+
+def floor_kernels() -> list:
+    """Pass-through kernels at the recorder's dispatch key, recording nothing."""
+    from moedoctor.recorder.ops import all_specs
+
+    after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+    libs: dict = {}
+    for spec in all_specs():
+        handle = spec.packet._handle
+        lib = libs.setdefault(spec.namespace, torch.library.Library(spec.namespace, "IMPL"))
+        lib.impl(spec.raw_name, lambda ks, *a, _h=handle, **kw: _h.redispatch_boxed(ks & after, *a, **kw),
+                 "BackendSelect", with_keyset=True)
+    return list(libs.values())
 
 
 def main() -> None:
@@ -55,24 +72,28 @@ def main() -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="moedoctor-bench-"))
     recorder = install(run_dir)
     recorder.unregister_kernels()
-    results: dict[str, dict[str, list[float]]] = {name: {"off": [], "on": []} for name in ops}
+    modes = ("off", "floor", "on")
+    results: dict[str, dict[str, list[float]]] = {name: {m: [] for m in modes} for name in ops}
     for name, fn in ops.items():
         time_op(fn, args.iters, sync)  # warm-up
         for _ in range(args.rounds):
-            for mode in ("off", "on"):
+            for mode in modes:
+                libs = floor_kernels() if mode == "floor" else []
                 if mode == "on":
                     recorder.register_kernels()
                 dist.barrier()
                 results[name][mode].append(time_op(fn, args.iters, sync))
-                if mode == "on":
-                    recorder.unregister_kernels()
+                recorder.unregister_kernels()
+                for lib in libs:
+                    lib._destroy()
     if dist.get_rank() == 0:
         print(f"backend={args.backend} world={world} iters={args.iters} rounds={args.rounds} "
               f"torch={torch.__version__}")
-        print(f"{'op':<24}{'off us':>10}{'on us':>10}{'added us':>10}")
+        print(f"{'op':<24}{'off us':>9}{'floor us':>10}{'on us':>9}{'floor+':>9}{'added':>9}")
         for name, r in results.items():
-            off, on = statistics.median(r["off"]), statistics.median(r["on"])
-            print(f"{name:<24}{off:>10.1f}{on:>10.1f}{on - off:>10.1f}")
+            off, floor, on = (statistics.median(r[m]) for m in modes)
+            print(f"{name:<24}{off:>9.1f}{floor:>10.1f}{on:>9.1f}{floor - off:>9.1f}{on - off:>9.1f}")
+        print("floor+ = cost of a pass-through Python kernel at the dispatcher; added = recorder's total")
         events = sum(1 for _ in open(run_dir / "traces" / "rank-00000.jsonl"))
         print(f"trace lines on rank 0: {events}")
     dist.destroy_process_group()

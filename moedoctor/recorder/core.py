@@ -104,6 +104,7 @@ class Recorder:
         self._seq: dict[str, int] = {}
         self._p2p_seq: dict[tuple, int] = {}
         self._sites: dict[tuple, int] = {}
+        self._fresh: deque[tuple[int, object, object]] = deque()  # (event id, Work, ReduceOp or None)
         self._pending: deque[tuple[int, object]] = deque()  # (event id, Work) not yet complete
         self._rank = -1
         self._errors = 0
@@ -186,7 +187,8 @@ class Recorder:
                 inside.active = False
             if event_id is not None and track:
                 work = out[-1] if isinstance(out, tuple) else out
-                self._pending.append((event_id, work))
+                reduce_op = args[spec.reduce_op] if spec.reduce_op is not None and spec.reduce_op < len(args) else None
+                self._fresh.append((event_id, work, reduce_op))
             return out
 
         return kernel
@@ -211,7 +213,9 @@ class Recorder:
         outputs = _tensors(self._arg(spec, spec.outputs, args, kwargs))
         # The line is formatted by hand: json.dumps costs three times as much, on every collective.
         extra = ""
-        if spec.reduce_op is not None:
+        if spec.reduce_op is not None and spec.namespace != "c10d":
+            # c10d passes a TorchScript ReduceOp whose .op() costs more than this whole record:
+            # the progress thread reads it within one poll interval and writes an annotation.
             extra += f',"red":"{self._reduce_name(self._arg(spec, spec.reduce_op, args, kwargs))}"'
         if len(inputs) > MAX_SHAPES or len(outputs) > MAX_SHAPES:
             extra += f',"n":[{len(inputs)},{len(outputs)}]'
@@ -383,8 +387,14 @@ class Recorder:
                 self._answer_snapshot(snapshot_file)
 
     def _poll_pending(self) -> None:
-        done = []
+        lines = []
         # The kernels append on the right while this pops on the left; deque makes both thread-safe.
+        for _ in range(len(self._fresh)):
+            event_id, work, reduce_op = self._fresh.popleft()
+            if reduce_op is not None:
+                lines.append(fmt.encode({"k": fmt.ANNOTATE, "i": event_id, "red": self._reduce_name(reduce_op)}))
+            self._pending.append((event_id, work))
+        now = time.time()
         for _ in range(len(self._pending)):
             event_id, work = self._pending.popleft()
             try:
@@ -392,14 +402,12 @@ class Recorder:
             except Exception:
                 completed = True  # a failed work: nothing more to learn from it
             if completed:
-                done.append(event_id)
+                lines.append(fmt.encode({"k": fmt.DONE, "i": event_id, "t": now}))
             else:
                 self._pending.append((event_id, work))
-        if done:
-            now = time.time()
-            data = b"".join(fmt.encode({"k": fmt.DONE, "i": i, "t": now}) for i in done)
+        if lines:
             with self._lock:
-                self._write(data)
+                self._write(b"".join(lines))
 
     def _answer_snapshot(self, snapshot_file: Path) -> None:
         try:

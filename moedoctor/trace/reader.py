@@ -30,6 +30,14 @@ class Completion:
     time: float
 
 
+@dataclass(frozen=True, slots=True)
+class Annotation:
+    """A detail of a collective written after it (``ANNOTATE`` record): its reduce op."""
+
+    event_id: int
+    reduce_op: str | None
+
+
 @dataclass
 class RankTrace:
     """Everything one rank's trace file holds, with completions folded into the events."""
@@ -73,8 +81,8 @@ def read_header(path: Path) -> TraceHeader:
 
 
 class TraceFile:
-    """One rank's trace, streamed: iterate to get ``CollectiveEvent``, ``Completion``, ``Evidence``
-    and ``Coverage`` records in file order. ``problems`` fills as lines fail to parse."""
+    """One rank's trace, streamed: iterate to get ``CollectiveEvent``, ``Completion``,
+    ``Annotation``, ``Evidence`` and ``Coverage`` records in file order. ``problems`` fills as lines fail to parse."""
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
@@ -84,7 +92,7 @@ class TraceFile:
         self.groups: dict[int, Group] = {}
         self._sites: dict[int, CallSite] = {}
 
-    def __iter__(self) -> Iterator[CollectiveEvent | Completion | Evidence | Coverage]:
+    def __iter__(self) -> Iterator[CollectiveEvent | Completion | Annotation | Evidence | Coverage]:
         rank = self.header.rank
         with open(self.path, "rb") as f:
             f.readline()
@@ -117,6 +125,8 @@ class TraceFile:
             )
         if kind == fmt.DONE:
             return Completion(rec["i"], rec["t"])
+        if kind == fmt.ANNOTATE:
+            return Annotation(rec["i"], rec.get("red"))
         if kind == fmt.GROUP:
             self.groups[rec["id"]] = Group(rec["name"], rec.get("desc", ""), tuple(rec["ranks"]))
         elif kind == fmt.SITE:
@@ -144,6 +154,10 @@ def read_trace(path: Path | str) -> RankTrace:
             pos = index.get(item.event_id)
             if pos is not None:
                 trace.events[pos] = replace(trace.events[pos], completed=item.time)
+        elif isinstance(item, Annotation):
+            pos = index.get(item.event_id)
+            if pos is not None:
+                trace.events[pos] = replace(trace.events[pos], reduce_op=item.reduce_op)
         elif isinstance(item, Evidence):
             trace.evidence.append(item)
         else:

@@ -57,6 +57,9 @@ def test_mixed_job_is_recorded_completely_and_identically(nproc, tmp_path):
                "c10d::barrier"):
         assert raw_ops[op] > 0, f"{op} not recorded: {raw_ops}"
     assert any(e.op == "recv" and e.peer == 0 for e in traces[1].events)
+    # c10d reduce ops are annotated by the progress thread; functional ones inline.
+    assert {e.reduce_op for e in rank0.events if e.op in ("all_reduce", "reduce_scatter")} <= {"sum", "avg"}
+    assert all(e.reduce_op for e in rank0.events if e.op in ("all_reduce", "reduce_scatter"))
     assert {e.thread for e in rank0.events} >= {"MainThread", "metrics-thread"}
     phases = {e.phase for e in rank0.events}
     assert {Phase.FORWARD, Phase.BACKWARD, Phase.CHECKPOINT_SAVE, Phase.OTHER} <= phases

@@ -1,0 +1,80 @@
+"""Step-time cost of moedoctor's recorder on a small FSDP2 training loop.
+
+Run the same command twice, plain and under the recorder, and compare the printed median step times:
+  torchrun --standalone --nproc_per_node 2 benchmarks/fsdp_step_overhead.py --backend nccl
+  MOEDOCTOR_RUN_DIR=/tmp/r PYTHONPATH=moedoctor/_bootstrap:. torchrun ... (same)
+(``benchmarks/run_gpu.sh`` does both). Prints the median step time, collectives per step and,
+when recorded, the trace size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, 4 * dim)
+        self.down = torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    if args.backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device, sync = torch.device("cuda"), torch.cuda.synchronize
+    else:
+        device, sync = torch.device("cpu"), (lambda: None)
+    dist.init_process_group(args.backend)
+    torch.manual_seed(0)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    model = torch.nn.Sequential(*[Block(args.dim) for _ in range(args.layers)]).to(device)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.backend == "nccl" else MixedPrecisionPolicy()
+    for block in model:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(args.tokens, args.dim, device=device)
+    times = []
+    for step in range(args.warmup + args.steps):
+        sync()
+        start = time.perf_counter()
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        sync()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    if dist.get_rank() == 0:
+        seq = dist.group.WORLD._get_sequence_number_for_group()
+        recorded = "recorded" if os.environ.get("MOEDOCTOR_RUN_DIR") else "plain"
+        print(f"{recorded}: backend={args.backend} world={dist.get_world_size()} dim={args.dim} "
+              f"layers={args.layers} tokens={args.tokens} median step {statistics.median(times) * 1e3:.3f} ms "
+              f"(min {min(times) * 1e3:.3f}) collectives/step {seq / (args.warmup + args.steps):.1f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

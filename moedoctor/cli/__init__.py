@@ -1,0 +1,1 @@
+"""The ``moedoctor`` command line: one module per subcommand, joined in ``main``."""

@@ -1,0 +1,117 @@
+"""What ``moedoctor run`` shows while the job runs: the job's own output, passed through, and a
+status of every rank on stderr (a ``rich.live.Live`` table on a terminal, a plain line every
+``LOG_EVERY`` seconds otherwise)."""
+
+from __future__ import annotations
+
+import codecs
+import sys
+import time
+
+from rich.console import Console
+from rich.live import Live
+from rich.markup import escape
+from rich.table import Table
+
+from moedoctor.runner import Outcome, RunDir, RunObserver, RunStatus
+from moedoctor.runner.launch import RankStatus
+
+LOG_EVERY = 10.0
+
+
+def status_table(status: RunStatus) -> Table:
+    table = Table(title=f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.1f}s of "
+                        f"{status.limit:.0f}s", title_justify="left", expand=False)
+    for name, justify in (("rank", "right"), ("pid", "right"), ("group", "left"), ("seq", "right"),
+                          ("op", "left"), ("state", "left"), ("phase", "left"), ("step", "right"),
+                          ("idle s", "right")):
+        table.add_column(name, justify=justify)
+    for r in status.ranks:
+        if r.last is None:
+            state = "starting" if r.idle_seconds is None else "initialized"
+            table.add_row(str(r.rank), str(r.pid or ""), "", "", "", state, "", "", _idle(r))
+            continue
+        e = r.last
+        table.add_row(str(r.rank), str(r.pid), escape(e.group.desc or e.group.name), str(e.seq), e.op,
+                      "done" if r.last_completed else "waiting", e.phase.value, str(e.step), _idle(r))
+    return table
+
+
+def status_line(status: RunStatus) -> str:
+    parts = []
+    for r in status.ranks:
+        if r.last is None:
+            parts.append(f"rank {r.rank}: {'starting' if r.idle_seconds is None else 'initialized'}")
+        else:
+            e = r.last
+            parts.append(f"rank {r.rank}: {e.op} #{e.seq} ({e.group.desc or e.group.name}) "
+                         f"{'done' if r.last_completed else 'waiting'}, {e.phase.value}, step {e.step}, "
+                         f"idle {_idle(r)}s")
+    ranks = "; ".join(parts) or "no rank started yet"
+    return f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.0f}s of {status.limit:.0f}s | {ranks}"
+
+
+def _idle(r: RankStatus) -> str:
+    return "" if r.idle_seconds is None else f"{r.idle_seconds:.1f}"
+
+
+class ConsoleObserver(RunObserver):
+    """Renders ``run_job``'s progress to a stderr console; passes the job's output through."""
+
+    def __init__(self, console: Console, live: bool):
+        self.console = console
+        self.use_live = live
+        self.live: Live | None = None
+        self.last_line = 0.0
+        self.decoders = {1: codecs.getincrementaldecoder("utf-8")("replace"),
+                         2: codecs.getincrementaldecoder("utf-8")("replace")}
+
+    def started(self, run_dir: RunDir, launcher_pid: int, joined: bool) -> None:
+        verb = "joined the run in" if joined else "recording into"
+        self.console.print(f"[bold]moedoctor:[/] {verb} {escape(str(run_dir.path))} (launcher pid {launcher_pid})",
+                           highlight=False)
+        if self.use_live:
+            # Redirected, the job's output scrolls above the table instead of tearing it.
+            self.live = Live(console=self.console, refresh_per_second=2, redirect_stdout=True,
+                             redirect_stderr=True, auto_refresh=False)
+            self.live.start()
+        self.last_line = time.monotonic()
+
+    def output(self, data: bytes, stream: int) -> None:
+        if self.live is not None:
+            out = sys.stdout if stream == 1 else sys.stderr
+            out.write(self.decoders[stream].decode(data))
+            out.flush()
+        else:
+            out = sys.stdout.buffer if stream == 1 else sys.stderr.buffer
+            out.write(data)
+            out.flush()
+
+    def status(self, status: RunStatus) -> None:
+        if self.live is not None:
+            self.live.update(status_table(status), refresh=True)
+        elif time.monotonic() - self.last_line >= LOG_EVERY:
+            self.last_line = time.monotonic()
+            self.console.print(status_line(status), highlight=False, markup=False, soft_wrap=True)
+
+    def hang_detected(self, status: RunStatus) -> None:
+        self._stop_live(status)
+        self.console.print(f"[bold red]moedoctor: hang[/]: no rank issued or completed a collective for "
+                           f"{status.idle_seconds:.1f}s; collecting stacks, GPU state and coverage...",
+                           highlight=False)
+
+    def stopping(self, outcome: Outcome) -> None:
+        self._stop_live(None)
+        why = "interrupted" if outcome == Outcome.INTERRUPTED else "hang"
+        self.console.print(f"[bold]moedoctor:[/] {why}: stopping the job's processes (SIGTERM, then SIGKILL)",
+                           highlight=False)
+
+    def close(self) -> None:
+        self._stop_live(None)
+
+    def _stop_live(self, last: RunStatus | None) -> None:
+        if self.live is not None:
+            if last is not None:
+                self.live.update(status_table(last), refresh=True)
+            self.live.stop()
+            self.live = None

@@ -1,0 +1,49 @@
+"""The ``moedoctor`` application: subcommands are joined here, and ``main`` is the one place that
+turns a ``MoedoctorError`` into a message on stderr and its exit status."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+import moedoctor
+from moedoctor.cli import run
+from moedoctor.errors import MoedoctorError
+
+app = typer.Typer(
+    name="moedoctor",
+    help="A doctor for distributed PyTorch jobs that hang: record every collective, detect the hang, "
+         "collect stacks and GPU state, explain it.",
+    pretty_exceptions_show_locals=False,
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+)
+# One Typer per subcommand module, merged into the top level (``moedoctor run``, ...).
+for module in (run,):
+    app.add_typer(module.app)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"moedoctor {moedoctor.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print moedoctor's version and exit."),
+) -> None:
+    """moedoctor: find, explain and fix collective deadlocks in distributed PyTorch jobs."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        app(args=argv, prog_name="moedoctor")
+    except MoedoctorError as e:
+        Console(stderr=True).print(f"[bold red]moedoctor:[/] {escape(e.message)}", highlight=False)
+        sys.exit(e.exit_code)

@@ -1,0 +1,90 @@
+"""``moedoctor run``: run a torchrun job under the recorder and the hang watchdog."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from moedoctor.cli.hang_report import report_after_hang, report_after_run
+from moedoctor.cli.live import ConsoleObserver
+from moedoctor.runner import RunConfig, default_run_dir, prepare_run_dir, run_job
+from moedoctor.runner.command import check_launcher
+
+app = typer.Typer()
+
+EPILOG = ("Example: moedoctor run --hang-timeout 120 -- torchrun --nproc_per_node=8 train.py "
+          "--config big.yaml.  Exit status: the job's own; 124 when a hang was detected and the job "
+          "stopped; 130 when interrupted; 2 when refused.")
+
+
+@app.command(
+    context_settings={"allow_interspersed_args": False},  # torchrun's options are not ours
+    epilog=EPILOG,
+)
+def run(
+    command: Annotated[Optional[list[str]], typer.Argument(
+        metavar="-- torchrun [TORCHRUN ARGS] SCRIPT [ARGS]",
+        help="The launcher command: torchrun ... or python -m torch.distributed.run ...",
+        show_default=False)] = None,
+    run_dir: Annotated[Optional[Path], typer.Option(
+        "--run-dir", help="Where to record the run (manifest, traces/, stacks/, gpu/, job.log). Default: a "
+        "new timestamped folder under ./moedoctor-runs/. A folder holding a running run of the same "
+        "command is joined: that is how every node of a multi-node job shares one run directory.",
+        show_default=False)] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Reuse a non-empty --run-dir, replacing the run recorded there.")] = False,
+    hang_timeout: Annotated[float, typer.Option(
+        "--hang-timeout", min=0.1, metavar="SECONDS",
+        help="Declare a hang when no rank issues or completes a collective for this long while the job "
+        "is alive.")] = 180.0,
+    startup_timeout: Annotated[float, typer.Option(
+        "--startup-timeout", min=0.1, metavar="SECONDS",
+        help="Before any rank has initialized its process group (imports, rendezvous), allow this long "
+        "(or --hang-timeout, if longer) before declaring a hang.")] = 300.0,
+    keep_alive: Annotated[bool, typer.Option(
+        "--keep-alive", help="On a hang, collect the diagnosis but leave the job running.")] = False,
+    no_stacks: Annotated[bool, typer.Option(
+        "--no-stacks", help="On a hang, do not dump the ranks' stacks with py-spy.")] = False,
+    native: Annotated[bool, typer.Option(
+        "--native", help="Include native (C/C++) frames in the stacks (py-spy dump --native).")] = False,
+    max_events: Annotated[Optional[int], typer.Option(
+        "--max-events", min=1, metavar="N",
+        help="Stop recording a rank's collectives after N events (sets MOEDOCTOR_MAX_EVENTS; the "
+        "coverage check then reports the drop).", show_default="2000000")] = None,
+) -> None:
+    """Run a torchrun job, recording every collective of every rank, and diagnose it if it hangs.
+
+    On a hang: the ranks' stacks (py-spy), a GPU snapshot (NVML) and the coverage check are written to the run directory, the job's whole process tree is stopped, and moedoctor exits 124.
+    """
+    command = check_launcher(list(command or []))
+    if run_dir is None:
+        run_dir = default_run_dir(Path("moedoctor-runs"))
+    joined = prepare_run_dir(run_dir, command, force)
+    config = RunConfig(
+        command=command, run_dir=run_dir.resolve(), env=dict(os.environ), hang_timeout=hang_timeout,
+        startup_timeout=startup_timeout, keep_alive=keep_alive, stacks=not no_stacks, native=native,
+        max_events=max_events, joined=joined,
+    )
+    console = Console(stderr=True)
+    observer = ConsoleObserver(console, live=sys.stdout.isatty() and sys.stderr.isatty())
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM stops the job too
+    try:
+        result = run_job(config, observer)
+    finally:
+        observer.close()
+        signal.signal(signal.SIGTERM, previous)
+    if result.hang is not None:
+        report_after_hang(result.run_dir.path, console)
+    else:
+        report_after_run(result, console)
+    raise typer.Exit(result.exit_code)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,63 @@
+"""Recognize the launcher command that ``moedoctor run`` wraps: ``torchrun ...`` or
+``python -m torch.distributed.run ...``. Anything else is refused, because the watchdog relies on
+torchrun's process layout (one launcher, one worker per local rank, each with ``RANK`` set)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from moedoctor.errors import EXIT_USAGE, MoedoctorError
+
+_PYTHON = re.compile(r"python(\d+(\.\d+)*)?$")
+_LAUNCH_MODULE = "torch.distributed.run"
+#: Options that legitimately differ between the nodes of one multi-node run.
+_PER_NODE_OPTIONS = ("--node_rank", "--node-rank")
+
+
+def check_launcher(command: list[str]) -> list[str]:
+    """Return ``command`` unchanged if it starts a torchrun launcher; raise ``MoedoctorError``."""
+    if not command:
+        raise MoedoctorError("no command to run: give it after '--', e.g. "
+                             "moedoctor run -- torchrun --nproc_per_node=2 train.py", EXIT_USAGE)
+    program = os.path.basename(command[0])
+    if program == "torchrun":
+        return command
+    if _PYTHON.match(program) and _module_of(command[1:]) == _LAUNCH_MODULE:
+        return command
+    raise MoedoctorError(
+        f"moedoctor run wraps a torchrun launcher, not {' '.join(command[:3])!r}: use "
+        "'torchrun [torchrun args] SCRIPT [args]' or 'python -m torch.distributed.run ...'",
+        EXIT_USAGE)
+
+
+def _module_of(args: list[str]) -> str | None:
+    """The module a python command line runs with ``-m``, skipping interpreter flags before it."""
+    for i, arg in enumerate(args):
+        if arg == "-m":
+            return args[i + 1] if i + 1 < len(args) else None
+        if arg.startswith("-m") and len(arg) > 2:
+            return arg[2:]
+        if not arg.startswith("-"):
+            return None
+    return None
+
+
+def same_job(a: list[str], b: list[str]) -> bool:
+    """Whether two nodes run the same job: equal commands except for the node rank option."""
+    return _without_node_rank(a) == _without_node_rank(b)
+
+
+def _without_node_rank(command: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in command:
+        if skip:
+            skip = False
+            continue
+        if arg in _PER_NODE_OPTIONS:
+            skip = True
+            continue
+        if arg.startswith(tuple(o + "=" for o in _PER_NODE_OPTIONS)):
+            continue
+        out.append(arg)
+    return out

@@ -1,0 +1,411 @@
+"""``run_job``: start a torchrun job with the recorder injected, watch it for hangs, diagnose and
+stop it, and record the run in its run directory. The CLI's ``moedoctor run`` is a thin shell
+around this; what the user sees is the ``RunObserver``'s business."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from importlib import metadata
+from pathlib import Path
+
+import moedoctor
+from moedoctor.errors import EXIT_HANG, EXIT_INTERRUPTED, MoedoctorError
+from moedoctor.events import CollectiveEvent
+from moedoctor.recorder.install import ENV_MAX_EVENTS, ENV_RUN_DIR
+from moedoctor.runner import procs
+from moedoctor.runner.gpu import write_gpu_snapshot
+from moedoctor.runner.manifest import (
+    CoverageCheck, HangRecord, LastCollective, NodeRecord, RankAtHang, RankExit, Status,
+    coverage_check, relevant_env, write_node,
+)
+from moedoctor.runner.progress import ProgressTracker, RankProgress
+from moedoctor.runner.rundir import RunDir
+from moedoctor.runner.stacks import StackDump, StackTarget, dump_stacks
+
+#: Marks every process of one launch, so orphans of a dead launcher are still found and stopped.
+ENV_LAUNCH_ID = "MOEDOCTOR_LAUNCH_ID"
+EXIT_NOT_FOUND = 127
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything ``run_job`` needs; built by the CLI from its options."""
+
+    command: list[str]
+    run_dir: Path
+    env: Mapping[str, str]                 # the environment to start the job in
+    hang_timeout: float = 180.0            # no progress on any rank this long = hang
+    startup_timeout: float = 300.0         # allowance before any rank has opened its trace
+    keep_alive: bool = False
+    stacks: bool = True
+    native: bool = False
+    max_events: int | None = None
+    joined: bool = False                   # another node already runs this job in run_dir
+    stop_grace: float = 5.0                # SIGTERM -> SIGKILL
+    coverage_wait: float = 1.0             # after a snapshot request, before stopping the job
+    poll_interval: float = 0.5
+    host: str = field(default_factory=socket.gethostname)
+
+
+class Outcome(str, Enum):
+    FINISHED = "finished"        # the job ended by itself
+    HANG = "hang"                # a hang was detected (the job stopped unless keep_alive)
+    INTERRUPTED = "interrupted"  # KeyboardInterrupt: the job was stopped
+
+
+@dataclass
+class RankStatus:
+    """One rank in the live status. ``last`` is None before its first collective."""
+
+    rank: int
+    pid: int | None
+    last: CollectiveEvent | None
+    last_completed: bool
+    idle_seconds: float | None   # None: no trace yet
+
+
+@dataclass
+class RunStatus:
+    elapsed: float
+    idle_seconds: float
+    limit: float                 # the timeout idle_seconds is compared with now
+    ranks: list[RankStatus]
+
+
+@dataclass
+class RunResult:
+    outcome: Outcome
+    exit_code: int               # what moedoctor should exit with
+    job_exit: int | None         # the launcher's own status (None when it was stopped)
+    run_dir: RunDir
+    hang: HangRecord | None = None
+    coverage: CoverageCheck | None = None
+
+
+class RunObserver:
+    """Hooks ``run_job`` calls as the run goes; the default does nothing. ``output`` is called
+    from reader threads, the others from the thread running ``run_job``."""
+
+    def started(self, run_dir: RunDir, launcher_pid: int, joined: bool) -> None: ...
+    def output(self, data: bytes, stream: int) -> None: ...  # stream: 1 stdout, 2 stderr
+    def status(self, status: RunStatus) -> None: ...
+    def hang_detected(self, status: RunStatus) -> None: ...
+    def stopping(self, outcome: Outcome) -> None: ...
+
+
+def job_environment(config: RunConfig, run_dir: RunDir, launch_id: str) -> dict[str, str]:
+    """The job's environment: the recorder's bootstrap first on PYTHONPATH, then this package."""
+    env = dict(config.env)
+    package = Path(moedoctor.__file__).resolve().parent
+    path = [str(package / "_bootstrap"), str(package.parent)]
+    if env.get("PYTHONPATH"):
+        path.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    env[ENV_RUN_DIR] = str(run_dir.path)
+    env[ENV_LAUNCH_ID] = launch_id
+    if config.max_events is not None:
+        env[ENV_MAX_EVENTS] = str(config.max_events)
+    return env
+
+
+def run_job(config: RunConfig, observer: RunObserver | None = None) -> RunResult:
+    """Run the job to its end, or until a hang is diagnosed (and the job stopped), or until
+    interrupted (``KeyboardInterrupt``: the job is stopped, the manifest finalized)."""
+    return _Run(config, observer or RunObserver()).run()
+
+
+def _versions() -> dict[str, str]:
+    try:
+        torch_version = metadata.version("torch")  # without importing torch: seconds saved
+    except metadata.PackageNotFoundError:
+        torch_version = None
+    return {"moedoctor_version": moedoctor.__version__, "torch_version": torch_version}
+
+
+class _Run:
+    def __init__(self, config: RunConfig, observer: RunObserver):
+        self.config = config
+        self.observer = observer
+        self.dir = RunDir(Path(config.run_dir).resolve())
+        self.launch_id = uuid.uuid4().hex
+        self.node = NodeRecord(node=f"{config.host}:{os.getpid()}", host=config.host,
+                               moedoctor_pid=os.getpid(), start=time.time())
+        self.tracker = ProgressTracker(self.dir.traces)
+        self.seen: dict[int, procs.JobProcess] = {}  # rank -> worker process, on this node
+        self.proc: subprocess.Popen | None = None
+        self.log_lock = threading.Lock()
+        self.started = time.monotonic()
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        for folder in (self.dir.traces, self.dir.control):
+            folder.mkdir(parents=True, exist_ok=True)
+        env = job_environment(self.config, self.dir, self.launch_id)
+        self.node.env = relevant_env(env)
+        self._write_manifest()
+        with open(self.dir.job_log, "ab") as log:
+            try:
+                self.proc = subprocess.Popen(self.config.command, env=env, stdin=subprocess.DEVNULL,
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                             start_new_session=True)
+            except OSError as e:
+                self._finish(Status.FINISHED, EXIT_NOT_FOUND)
+                raise MoedoctorError(f"cannot start {self.config.command[0]!r}: {e.strerror}",
+                                     EXIT_NOT_FOUND) from None
+            pumps = [threading.Thread(target=self._pump, args=(pipe, n, log), daemon=True,
+                                      name=f"moedoctor-pump-{n}")
+                     for n, pipe in ((1, self.proc.stdout), (2, self.proc.stderr))]
+            for pump in pumps:
+                pump.start()
+            self.observer.started(self.dir, self.proc.pid, self.config.joined)
+            try:
+                result = self._watch()
+            except BaseException as e:
+                # Whatever went wrong here, no process of the job may outlive moedoctor.
+                outcome = Outcome.INTERRUPTED
+                self.observer.stopping(outcome)
+                if isinstance(e, KeyboardInterrupt):
+                    self._last_coverage()
+                self._stop()
+                self._finish(Status.INTERRUPTED, None)
+                if isinstance(e, KeyboardInterrupt):
+                    result = RunResult(outcome, EXIT_INTERRUPTED, None, self.dir, coverage=self._coverage())
+                else:
+                    raise
+            finally:
+                for pump in pumps:
+                    pump.join(timeout=2)
+        return result
+
+    def _watch(self) -> RunResult:
+        hang: HangRecord | None = None
+        armed, progress_at_hang = True, None
+        next_scan = 0.0
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                return self._ended(code, hang)
+            self.tracker.poll()
+            now = time.monotonic()
+            if now >= next_scan:
+                self._scan()
+                next_scan = now + 1.0
+            status = self._status(now)
+            self.observer.status(status)
+            last = self.tracker.last_progress()
+            if not armed and last != progress_at_hang:
+                armed = True  # progress again after a kept-alive hang: watch for the next one
+            if armed and status.idle_seconds >= status.limit:
+                hang = self._diagnose(status)
+                if not self.config.keep_alive:
+                    self.observer.stopping(Outcome.HANG)
+                    self._stop()
+                    self._finish(Status.HANG, None, hang)
+                    return RunResult(Outcome.HANG, EXIT_HANG, None, self.dir, hang, self._coverage())
+                armed, progress_at_hang = False, last
+            time.sleep(self.config.poll_interval)
+
+    def _ended(self, code: int, hang: HangRecord | None) -> RunResult:
+        self.tracker.poll()
+        exit_code = 128 - code if code < 0 else code  # killed by signal N -> 128 + N, as shells say
+        self._finish(Status.HANG if hang else Status.FINISHED, code, hang)
+        return RunResult(Outcome.HANG if hang else Outcome.FINISHED, exit_code, code, self.dir, hang,
+                         self._coverage())
+
+    def _pump(self, pipe, stream: int, log) -> None:
+        fd = pipe.fileno()
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            with self.log_lock:
+                log.write(data)
+                log.flush()
+            try:
+                self.observer.output(data, stream)
+            except Exception:
+                pass  # a closed terminal must not stop the job's log
+        pipe.close()
+
+    # -- what the watchdog sees ------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        for rank, p in procs.rank_processes(procs.job_processes(self.proc.pid)).items():
+            self.seen[rank] = p
+
+    def _status(self, now: float) -> RunStatus:
+        last = self.tracker.last_progress()
+        idle = now - (last if last is not None else self.started)
+        limit = self.config.hang_timeout if last is not None else max(
+            self.config.hang_timeout, self.config.startup_timeout)
+        traced = self.tracker.ranks
+        ranks = []
+        for rank in sorted(set(traced) | set(self.seen)):
+            t = traced.get(rank)
+            if t is None:
+                ranks.append(RankStatus(rank, self.seen[rank].pid, None, False, None))
+            else:
+                ranks.append(RankStatus(rank, t.pid, t.last, t.last_completed, now - t.last_progress))
+        return RunStatus(now - self.started, idle, limit, ranks)
+
+    # -- a hang ----------------------------------------------------------------------------------
+
+    def _diagnose(self, status: RunStatus) -> HangRecord:
+        """Ask the ranks for coverage records, dump stacks and the GPUs in parallel, and return
+        the hang as recorded in the manifest."""
+        self.observer.hang_detected(status)
+        requested = self._request_snapshot()
+        local = procs.rank_processes(procs.job_processes(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id)))
+        self.seen.update(local)
+        targets = {rank: p.pid for rank, p in local.items()}
+        for rank, t in self.tracker.ranks.items():  # traced ranks of this node not found under the launcher
+            if rank not in targets and t.host == self.config.host and procs.is_alive(t.pid):
+                targets[rank] = t.pid
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            gpu = pool.submit(write_gpu_snapshot, self.dir.gpu, self.config.host)
+            dumps: list[StackDump] = []
+            if self.config.stacks:
+                dumps = dump_stacks([StackTarget(r, p) for r, p in sorted(targets.items())],
+                                    self.dir.stacks, self.config.host, self.config.native)
+            gpu_file = gpu.result()
+        self._await_coverage(requested)
+        hang = HangRecord(detected_at=requested, host=self.config.host,
+                          hang_timeout=self.config.hang_timeout, idle_seconds=round(status.idle_seconds, 1),
+                          stopped=not self.config.keep_alive, gpu_file=str(gpu_file))
+        by_rank = {d.rank: d for d in dumps}
+        now = time.monotonic()
+        for rank in sorted(set(self.tracker.ranks) | set(targets)):
+            hang.ranks.append(self._rank_at_hang(rank, self.tracker.ranks.get(rank), targets.get(rank),
+                                                 by_rank.get(rank), now))
+        self.node.status = Status.HANG
+        self.node.hang = hang
+        self._write_manifest(coverage=self._coverage())
+        return hang
+
+    def _request_snapshot(self) -> float:
+        """Ask every rank for a coverage record (they poll the request's mtime); returns its time."""
+        requested = time.time()
+        self.dir.control.mkdir(parents=True, exist_ok=True)
+        self.dir.snapshot_request.touch()
+        os.utime(self.dir.snapshot_request, (requested, requested))
+        return requested
+
+    def _last_coverage(self) -> None:
+        """Before stopping an interrupted job: its ranks' coverage records, if they come quickly."""
+        try:
+            self._await_coverage(self._request_snapshot())
+        except (KeyboardInterrupt, OSError):
+            pass  # a second Ctrl-C: stop at once
+
+    def _await_coverage(self, requested: float) -> None:
+        """Wait until ``coverage_wait`` after the request for the ranks' coverage records, and up to
+        a second more for ranks that have not answered yet."""
+        soon = time.monotonic() + max(0.0, requested + self.config.coverage_wait - time.time())
+        latest = soon + 1.0
+        while time.monotonic() < latest:
+            ranks = self.tracker.poll()
+            answered = all(r.coverage is not None and r.coverage.time >= requested - 1 for r in ranks.values())
+            if answered and time.monotonic() >= soon:
+                return
+            time.sleep(0.1)
+
+    def _rank_at_hang(self, rank: int, trace: RankProgress | None, pid: int | None,
+                      dump: StackDump | None, now: float) -> RankAtHang:
+        last = None
+        if trace is not None and trace.last is not None:
+            e = trace.last
+            last = LastCollective(group=e.group.name, seq=e.seq, op=e.op,
+                                  call_site=str(e.call_site) if e.call_site else None,
+                                  phase=e.phase.value, step=e.step, completed=trace.last_completed)
+        entry = RankAtHang(rank=rank, host=trace.host if trace else self.config.host,
+                           pid=trace.pid if trace else pid, last=last,
+                           idle_seconds=round(now - trace.last_progress, 1) if trace else None)
+        if dump is not None:
+            entry.stack_file = str(dump.path) if dump.path else None
+            entry.stack_error = dump.error
+            entry.waiting_in = str(dump.waiting_in) if dump.waiting_in else None
+            entry.user_frame = str(dump.user_frame) if dump.user_frame else None
+        return entry
+
+    def _stop(self) -> None:
+        if self.proc is None:
+            return
+        marker = (ENV_LAUNCH_ID, self.launch_id)
+        procs.stop_processes(lambda: procs.job_processes(self.proc.pid, marker), self.config.stop_grace)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    # -- the record ------------------------------------------------------------------------------
+
+    def _coverage(self) -> CoverageCheck:
+        self.tracker.poll()
+        return coverage_check(self.tracker.ranks, self._world_size())
+
+    def _world_size(self) -> int | None:
+        sizes = [p.world_size for p in self.seen.values() if p.world_size]
+        return self.tracker.world_size() or (max(sizes) if sizes else None)
+
+    def _finish(self, status: str, launcher_exit: int | None, hang: HangRecord | None = None) -> None:
+        self.node.status = status
+        self.node.end = time.time()
+        self.node.launcher_exit = launcher_exit
+        self.node.hang = hang or self.node.hang
+        self.node.ranks = self._rank_exits(status, launcher_exit)
+        self._write_manifest(coverage=self._coverage())
+
+    def _rank_exits(self, status: str, launcher_exit: int | None) -> list[RankExit]:
+        local = {r: (t.pid, t.local_rank) for r, t in self.tracker.ranks.items() if t.host == self.config.host}
+        for rank, p in self.seen.items():
+            local.setdefault(rank, (p.pid, p.local_rank))
+        reported = _torchrun_failures(self._log_tail()) if launcher_exit not in (None, 0) else {}
+        exits = []
+        for rank, (pid, local_rank) in sorted(local.items()):
+            if launcher_exit is None:
+                code, source = None, "stopped"
+            elif launcher_exit == 0:
+                code, source = 0, "launcher"
+            elif rank in reported:
+                code, source = reported[rank], "torchrun"
+            else:
+                code, source = None, "unknown"
+            exits.append(RankExit(rank, self.config.host, pid, local_rank, code, source))
+        return exits
+
+    def _log_tail(self, size: int = 1 << 20) -> str:
+        try:
+            with open(self.dir.job_log, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def _write_manifest(self, coverage: CoverageCheck | None = None) -> None:
+        hosts = sorted({t.host for t in self.tracker.ranks.values()})
+        write_node(self.dir.manifest, self.node, command=list(self.config.command), versions=_versions(),
+                   world_size=self._world_size(), hosts=hosts, coverage=coverage,
+                   trace_problems=self.tracker.problems
+                   + [p for t in self.tracker.ranks.values() for p in t.problems])
+
+
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _torchrun_failures(log: str) -> dict[int, int]:
+    """Exit codes of failed ranks, from torchrun's own failure report (``ChildFailedError``)."""
+    return {int(rank): int(code) for rank, code in _FAILURE.findall(log)}

@@ -1,0 +1,228 @@
+"""``manifest.json``: what was run, where, how it ended, the hang (if any) and the coverage check.
+
+Each node of a run (each ``moedoctor run`` against one shared run directory) owns one entry under
+``nodes``; the top-level fields are recomputed from all entries every time a node writes, under an
+``fcntl`` lock on ``manifest.json.lock``, and the file is replaced atomically.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from moedoctor.runner.progress import RankProgress
+
+MANIFEST_FORMAT = "moedoctor-manifest"
+MANIFEST_VERSION = 1
+
+_ENV_KEYS = frozenset({
+    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS", "OMP_NUM_THREADS",
+    "PYTHONPATH", "LD_LIBRARY_PATH", "SLURM_JOB_ID", "SLURM_NODEID", "SLURM_PROCID",
+})
+_ENV_PREFIXES = ("NCCL_", "TORCH_", "TORCHELASTIC_", "PYTORCH_", "GLOO_", "MOEDOCTOR_", "NVIDIA_", "UCX_", "FI_")
+
+
+def relevant_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of an environment that changes how a distributed job communicates."""
+    return {k: v for k, v in sorted(env.items()) if k in _ENV_KEYS or k.startswith(_ENV_PREFIXES)}
+
+
+class Status:
+    """How a node's run (and the run as a whole) stands or ended."""
+
+    RUNNING = "running"
+    FINISHED = "finished"          # the job ended by itself (whatever its exit status)
+    HANG = "hang"                  # a hang was detected (and the job stopped unless --keep-alive)
+    INTERRUPTED = "interrupted"    # moedoctor was interrupted and stopped the job
+
+
+@dataclass
+class RankExit:
+    """How one rank's process ended. ``source`` says how we know: ``torchrun`` (its failure
+    report), ``launcher`` (torchrun exited 0, so every rank did), ``stopped`` (moedoctor stopped
+    it: no status of its own) or ``unknown``."""
+
+    rank: int
+    host: str | None
+    pid: int | None
+    local_rank: int | None
+    exit_code: int | None
+    source: str
+
+
+@dataclass
+class LastCollective:
+    group: str
+    seq: int
+    op: str
+    call_site: str | None
+    phase: str
+    step: int
+    completed: bool
+
+
+@dataclass
+class RankAtHang:
+    """One rank when the hang was declared: its last collective and where its main thread waits."""
+
+    rank: int
+    host: str | None
+    pid: int | None
+    last: LastCollective | None
+    idle_seconds: float | None
+    waiting_in: str | None = None
+    user_frame: str | None = None
+    stack_file: str | None = None
+    stack_error: str | None = None
+
+
+@dataclass
+class HangRecord:
+    detected_at: float
+    host: str
+    hang_timeout: float
+    idle_seconds: float
+    stopped: bool
+    ranks: list[RankAtHang] = field(default_factory=list)
+    gpu_file: str | None = None
+
+
+@dataclass
+class CoverageCheck:
+    """Recorded collectives against each group's backend counter, from the ranks' last coverage
+    records; ``gaps`` lists every disagreement and every rank that could not be checked."""
+
+    complete: bool
+    gaps: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class NodeRecord:
+    node: str
+    host: str
+    moedoctor_pid: int
+    start: float
+    end: float | None = None
+    status: str = Status.RUNNING
+    launcher_exit: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    ranks: list[RankExit] = field(default_factory=list)
+    hang: HangRecord | None = None
+
+
+def coverage_check(ranks: Mapping[int, RankProgress], world_size: int | None) -> CoverageCheck:
+    gaps: list[dict] = []
+    expected = range(world_size) if world_size else sorted(ranks)
+    for rank in expected:
+        state = ranks.get(rank)
+        if state is None:
+            gaps.append({"rank": rank, "problem": "no trace"})
+            continue
+        cov = state.coverage
+        if cov is None:
+            gaps.append({"rank": rank, "problem": "no coverage record (the rank never reported its counters)"})
+            continue
+        if cov.dropped:
+            gaps.append({"rank": rank, "problem": f"{cov.dropped} events dropped at the trace cap"})
+        for g in cov.groups:
+            if g.gap not in (0, None):
+                gaps.append({"rank": rank, "group": g.group, "recorded": g.recorded, "backend": g.backend,
+                             "gap": g.gap})
+    return CoverageCheck(complete=not gaps, gaps=gaps)
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.lockf(lock, fcntl.LOCK_EX)  # POSIX record locks also hold across NFS clients
+        try:
+            yield
+        finally:
+            fcntl.lockf(lock, fcntl.LOCK_UN)
+
+
+def write_node(path: Path, node: NodeRecord, *, command: list[str], versions: dict[str, str],
+               world_size: int | None = None, hosts: list[str] = (),
+               coverage: CoverageCheck | None = None, trace_problems: list[str] = ()) -> dict:
+    """Merge this node's entry into the manifest at ``path``; return the whole manifest."""
+    with _locked(path):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            doc = {}
+        if doc.get("format") != MANIFEST_FORMAT:
+            doc = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "command": command,
+                   **versions, "env": node.env, "nodes": {}}
+        doc["nodes"][node.node] = asdict(node)
+        nodes = list(doc["nodes"].values())
+        doc["world_size"] = world_size or doc.get("world_size")
+        doc["hosts"] = sorted({n["host"] for n in nodes} | set(doc.get("hosts", ())) | set(hosts))
+        doc["start"] = min(n["start"] for n in nodes)
+        doc["end"] = None if any(n["end"] is None for n in nodes) else max(n["end"] for n in nodes)
+        doc["status"] = _overall_status([n["status"] for n in nodes])
+        doc["ranks"] = _merge_ranks(nodes)
+        doc["hang"] = _merge_hangs([n["hang"] for n in nodes if n["hang"]])
+        if coverage is not None:
+            doc["coverage"] = asdict(coverage)
+        doc.setdefault("coverage", None)
+        if trace_problems:
+            doc["trace_problems"] = list(trace_problems)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, path)
+        return doc
+
+
+def _overall_status(statuses: list[str]) -> str:
+    for status in (Status.RUNNING, Status.HANG, Status.INTERRUPTED):
+        if status in statuses:
+            return status
+    return Status.FINISHED
+
+
+def _merge_ranks(nodes: list[dict]) -> dict[str, dict]:
+    merged: dict[int, dict] = {}
+    for node in nodes:
+        for entry in node["ranks"]:
+            # A node knows the exit of its own ranks best; other entries only fill gaps.
+            current = merged.get(entry["rank"])
+            if current is None or (current["exit_code"] is None and entry["exit_code"] is not None):
+                merged[entry["rank"]] = entry
+    return {str(rank): merged[rank] for rank in sorted(merged)}
+
+
+def _merge_hangs(hangs: list[dict]) -> dict | None:
+    """The first node's hang, with each rank's entry taken from the node that dumped its stack."""
+    if not hangs:
+        return None
+    hangs = sorted(hangs, key=lambda h: h["detected_at"])
+    merged = dict(hangs[0])
+    by_rank: dict[int, dict] = {}
+    for hang in hangs:
+        for entry in hang["ranks"]:
+            if entry["rank"] not in by_rank or (entry["stack_file"] and not by_rank[entry["rank"]]["stack_file"]):
+                by_rank[entry["rank"]] = entry
+    merged["ranks"] = [by_rank[r] for r in sorted(by_rank)]
+    merged["gpu_files"] = sorted({h["gpu_file"] for h in hangs if h.get("gpu_file")})
+    return merged
+
+
+def load_manifest(path: Path) -> dict:
+    """The manifest as written (JSON); ``hang_of`` gives its hang as typed records."""
+    return json.loads(Path(path).read_text())
+
+
+def hang_of(manifest: dict) -> HangRecord | None:
+    raw = manifest.get("hang")
+    if not raw:
+        return None
+    ranks = [RankAtHang(**{**r, "last": LastCollective(**r["last"]) if r.get("last") else None})
+             for r in raw["ranks"]]
+    fields = {k: raw[k] for k in ("detected_at", "host", "hang_timeout", "idle_seconds", "stopped")}
+    return HangRecord(**fields, ranks=ranks, gpu_file=raw.get("gpu_file"))

@@ -1,0 +1,138 @@
+"""Follow the per-rank trace files of a running job, incrementally, for the watchdog and the live
+status: per rank the last collective, its phase and step, and when the rank last made progress.
+
+Progress is a collective issued or observed complete (a ``c`` or ``d`` record), seen as the file
+grows; evidence and coverage records are not progress. Times are the watchdog's own monotonic clock
+at the moment it read the record, so the clocks of other nodes do not matter.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moedoctor.events import CollectiveEvent, Coverage
+from moedoctor.trace.reader import Completion, TraceError, TraceFile, trace_paths
+
+
+@dataclass
+class RankProgress:
+    """What one rank's trace says so far."""
+
+    rank: int
+    host: str
+    pid: int
+    local_rank: int
+    world_size: int
+    last_progress: float
+    issued: int = 0
+    last: CollectiveEvent | None = None
+    last_completed: bool = False
+    coverage: Coverage | None = None
+    capped: bool = False
+    problems: list[str] = field(default_factory=list)
+
+
+class _Follower:
+    """Reads the records appended to one trace file since the last call."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.trace: TraceFile | None = None
+        self.offset = 0
+        self.partial = b""
+
+    def read_new(self) -> list:
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            return []
+        if self.trace is not None and size < self.offset:  # rewritten by a restarted rank
+            self.trace, self.offset, self.partial = None, 0, b""
+        if self.trace is None and not self._open():
+            return []
+        if size == self.offset:
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(size - self.offset)
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()  # an incomplete last line waits for the rest
+        items = []
+        for line in lines:
+            try:
+                # The reader's own parser, so there is one definition of each record.
+                item = self.trace._parse(json.loads(line), self.trace.header.rank)
+            except (ValueError, KeyError, TypeError, IndexError) as e:
+                self.trace.problems.append(f"{self.path.name}: corrupt record ({e!r})")
+                continue
+            if item is not None:
+                items.append(item)
+        return items
+
+    def _open(self) -> bool:
+        with open(self.path, "rb") as f:
+            first = f.readline()
+        if not first.endswith(b"\n"):
+            return False  # the header is being written
+        self.trace = TraceFile(self.path)
+        self.offset = len(first)
+        return True
+
+
+class ProgressTracker:
+    """Polled by the watchdog: ``poll()`` reads what every trace file gained and returns the
+    per-rank state. Files that are not moedoctor traces are reported in ``problems``, once."""
+
+    def __init__(self, traces_dir: Path, clock: Callable[[], float] = time.monotonic):
+        self.traces_dir = Path(traces_dir)
+        self.clock = clock
+        self.ranks: dict[int, RankProgress] = {}
+        self.problems: list[str] = []
+        self._followers: dict[Path, _Follower] = {}
+        self._rejected: set[Path] = set()
+
+    def poll(self) -> dict[int, RankProgress]:
+        now = self.clock()
+        for path in trace_paths(self.traces_dir) if self.traces_dir.is_dir() else ():
+            if path in self._rejected:
+                continue
+            follower = self._followers.setdefault(path, _Follower(path))
+            try:
+                items = follower.read_new()
+            except TraceError as e:
+                self._rejected.add(path)
+                self.problems.append(str(e))
+                continue
+            if follower.trace is not None:
+                self._apply(follower.trace, items, now)
+        return self.ranks
+
+    def _apply(self, trace: TraceFile, items: list, now: float) -> None:
+        h = trace.header
+        state = self.ranks.get(h.rank)
+        if state is None or state.pid != h.pid:  # new, or restarted with a new process
+            state = self.ranks[h.rank] = RankProgress(h.rank, h.host, h.pid, h.local_rank, h.world_size, now)
+        for item in items:
+            if isinstance(item, CollectiveEvent):
+                state.issued += 1
+                state.last, state.last_completed, state.last_progress = item, False, now
+            elif isinstance(item, Completion):
+                state.last_progress = now
+                if state.last is not None and item.event_id == state.last.event_id:
+                    state.last_completed = True
+            elif isinstance(item, Coverage):
+                state.coverage = item
+        state.capped = trace.capped
+        state.problems = trace.problems
+
+    def last_progress(self) -> float | None:
+        """When any rank last made progress (None before any rank opened its trace)."""
+        return max((r.last_progress for r in self.ranks.values()), default=None)
+
+    def world_size(self) -> int | None:
+        return max((r.world_size for r in self.ranks.values()), default=None)

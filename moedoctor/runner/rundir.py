@@ -1,0 +1,99 @@
+"""The run directory: the unit of capture (manifest, per-rank traces, stacks, GPU snapshots, the
+job's log), and the rules for choosing, reusing and joining one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from moedoctor.errors import EXIT_USAGE, MoedoctorError
+from moedoctor.runner.command import same_job
+
+MANIFEST_NAME = "manifest.json"
+#: What ``--force`` clears from a reused run directory; other files of the user's are left alone.
+_OWN_ENTRIES = ("traces", "stacks", "gpu", "control", MANIFEST_NAME, MANIFEST_NAME + ".lock", "job.log")
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths inside one run directory."""
+
+    path: Path
+
+    @property
+    def traces(self) -> Path:
+        return self.path / "traces"
+
+    @property
+    def stacks(self) -> Path:
+        return self.path / "stacks"
+
+    @property
+    def gpu(self) -> Path:
+        return self.path / "gpu"
+
+    @property
+    def control(self) -> Path:
+        return self.path / "control"
+
+    @property
+    def snapshot_request(self) -> Path:
+        """Touched by the watchdog; every rank answers a newer mtime with a coverage record."""
+        return self.control / "snapshot"
+
+    @property
+    def manifest(self) -> Path:
+        return self.path / MANIFEST_NAME
+
+    @property
+    def job_log(self) -> Path:
+        return self.path / "job.log"
+
+
+def default_run_dir(base: Path, now: datetime | None = None) -> Path:
+    """A new timestamped folder under ``base`` (``base/20250101-120000``, ``-2``, ... if taken)."""
+    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    candidate, n = base / stamp, 1
+    while candidate.exists():
+        n += 1
+        candidate = base / f"{stamp}-{n}"
+    return candidate
+
+
+def prepare_run_dir(path: Path, command: list[str], force: bool) -> bool:
+    """Make ``path`` ready for a run of ``command``; return True when joining a run in progress.
+
+    A run directory whose manifest describes a still-running run of the same job is joined (each
+    node of a multi-node job runs the same command against one shared directory). Any other
+    non-empty directory is refused unless ``force``, which clears moedoctor's own entries in it.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise MoedoctorError(f"run directory {path} exists and is not a directory", EXIT_USAGE)
+    if path.is_dir() and any(path.iterdir()):
+        if _running_same_job(RunDir(path), command):
+            return True
+        if not force:
+            raise MoedoctorError(
+                f"run directory {path} is not empty: choose another --run-dir, or pass --force to "
+                "replace the run recorded there", EXIT_USAGE)
+        for name in _OWN_ENTRIES:
+            entry = path / name
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            elif entry.exists():
+                entry.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    return False
+
+
+def _running_same_job(run_dir: RunDir, command: list[str]) -> bool:
+    try:
+        manifest = json.loads(run_dir.manifest.read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(manifest, dict) and manifest.get("status") == "running"
+            and isinstance(manifest.get("command"), list) and same_job(manifest["command"], command))
