@@ -111,10 +111,14 @@ class CollectiveEvent:
         """What must agree across the ranks of a group at one sequence number.
 
         Rooted ops are compared on the side every rank has: scatter's non-root ranks pass no
-        inputs, gather's no outputs."""
+        inputs. The reduce op is not part of it: a c10d collective's reduce op is known only when
+        the recorder saw it still running (see ``reduce_ops_agree``)."""
         if self.op == "scatter":
-            return (self.op, self.out_shapes, self.reduce_op)
-        return (self.op, self.in_shapes, self.dtypes, self.reduce_op)
+            return (self.op, self.out_shapes)
+        return (self.op, self.in_shapes, self.dtypes)
+
+    def reduce_ops_agree(self, other: "CollectiveEvent") -> bool:
+        return self.reduce_op is None or other.reduce_op is None or self.reduce_op == other.reduce_op
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup, ReduceOp
+from torch._C._distributed_c10d import ProcessGroup, ReduceOp, Work
 
 import moedoctor
 from moedoctor.events import Phase
@@ -58,10 +58,14 @@ def _json_str(value: str) -> str:
 
 
 def _shapes(tensors: list[torch.Tensor]) -> str:
+    if len(tensors) == 1:
+        return f"[[{','.join(map(str, tensors[0].shape))}]]"
     return "[" + ",".join("[" + ",".join(map(str, t.shape)) + "]" for t in tensors[:MAX_SHAPES]) + "]"
 
 
 def _dtypes(tensors: list[torch.Tensor]) -> str:
+    if len(tensors) == 1:
+        return f'["{_dtype_name(tensors[0].dtype)}"]'
     names = dict.fromkeys(_dtype_name(t.dtype) for t in tensors[:MAX_SHAPES])
     return "[" + ",".join(f'"{n}"' for n in names) + "]"
 
@@ -104,8 +108,10 @@ class Recorder:
         self._seq: dict[str, int] = {}
         self._p2p_seq: dict[tuple, int] = {}
         self._sites: dict[tuple, int] = {}
-        self._fresh: deque[tuple[int, object, object]] = deque()  # (event id, Work, ReduceOp or None)
-        self._pending: deque[tuple[int, object]] = deque()  # (event id, Work) not yet complete
+        self._fresh: deque[tuple[int, int, object, object]] = deque()  # (event, group, Work, ReduceOp)
+        self._pending: deque[tuple[int, int, object]] = deque()  # (event, group, Work) not yet complete
+        self._last_done: dict[int, int] = {}  # group id -> latest event id seen complete
+        self._deferred: deque[tuple[Callable, Callable]] = deque()  # evidence waiting on the GPU
         self._rank = -1
         self._errors = 0
         self._snapshot_seen = 0.0
@@ -157,9 +163,10 @@ class Recorder:
         """Write the coverage record and stop the progress thread (idempotent)."""
         if self._fd is None:
             return
-        self.write_coverage(reason)
         self._stop.set()
+        self._run_deferred(wait=True)
         self._poll_pending()
+        self.write_coverage(reason)
 
     # -- the hot path ----------------------------------------------------------------------------
 
@@ -177,7 +184,7 @@ class Recorder:
             event_id = None
             if self._fd is not None:
                 try:
-                    event_id = self._record(spec, args, kwargs)
+                    event_id, group_id = self._record(spec, args, kwargs)
                 except Exception as e:  # the job must never fail because of the recorder
                     self._internal_error(spec, e)
             inside.active = True
@@ -188,7 +195,7 @@ class Recorder:
             if event_id is not None and track:
                 work = out[-1] if isinstance(out, tuple) else out
                 reduce_op = args[spec.reduce_op] if spec.reduce_op is not None and spec.reduce_op < len(args) else None
-                self._fresh.append((event_id, work, reduce_op))
+                self._fresh.append((event_id, group_id, work, reduce_op))
             return out
 
         return kernel
@@ -200,8 +207,9 @@ class Recorder:
             return args[index]
         return kwargs.get(spec.arg_names[index], default)
 
-    def _record(self, spec: OpSpec, args: tuple, kwargs: dict) -> int | None:
-        """Write one collective record; returns its event id (None once the cap is reached)."""
+    def _record(self, spec: OpSpec, args: tuple, kwargs: dict) -> tuple[int | None, int]:
+        """Write one collective record; returns its event id (None once the cap is reached) and
+        its group's id."""
         group_arg = self._arg(spec, spec.group, args, kwargs)
         if spec.namespace == "c10d":
             group_name = ProcessGroup.unbox(group_arg).group_name
@@ -245,10 +253,10 @@ class Recorder:
                 seq = self._seq[group_name] = self._seq.get(group_name, 0) + 1
             if self._written >= self.max_events:
                 self._drop()
-                return None
+                return None, gid
             self._written += 1
             self._write(f'{{"k":"c","i":{event_id},"g":{gid},"seq":{seq},"s":{sid},{body}'.encode())
-        return event_id
+        return event_id, gid
 
     def _phase(self, attribution: callsite.Attribution) -> Phase:
         if self.checkpoint is not None:
@@ -344,14 +352,29 @@ class Recorder:
             self._write(fmt.encode({"k": fmt.CAP, "t": time.time(), "limit": self.max_events}))
         self._dropped += 1
 
-    def write_evidence(self, kind: str, data: dict | None = None) -> None:
+    def write_evidence(self, kind: str, data: dict | None = None, step: int | None = None) -> None:
         if self._fd is None:
             return
-        record = {"k": fmt.EVIDENCE, "t": time.time(), "kind": kind, "step": self.step}
+        record = {"k": fmt.EVIDENCE, "t": time.time(), "kind": kind, "step": self.step if step is None else step}
         if data:
             record["data"] = data
         with self._lock:
             self._write(fmt.encode(record))
+
+    def defer(self, ready: Callable[[], bool], emit: Callable[[], None]) -> None:
+        """Have the progress thread call ``emit`` once ``ready()`` is true (a GPU value has landed)."""
+        self._deferred.append((ready, emit))
+
+    def _run_deferred(self, wait: bool = False) -> None:
+        for _ in range(len(self._deferred)):
+            ready, emit = self._deferred.popleft()
+            try:
+                if wait or ready():
+                    emit()
+                else:
+                    self._deferred.append((ready, emit))
+            except Exception:
+                pass  # a value we could not read is evidence we do not have
 
     def write_coverage(self, reason: str) -> None:
         """Compare each group's recorded count with the backend's own sequence counter."""
@@ -381,33 +404,62 @@ class Recorder:
         next_control = 0.0
         while not self._stop.wait(self.poll_interval):
             self._poll_pending()
+            self._run_deferred()
             now = time.monotonic()
             if now >= next_control:
                 next_control = now + 0.5
                 self._answer_snapshot(snapshot_file)
 
     def _poll_pending(self) -> None:
-        lines = []
+        """Write which tracked collectives completed since the last poll, in one record.
+
+        A work counts as complete when it says so, or when a later collective of its group has
+        completed: one group's collectives run in issue order (some works, such as Gloo's emulated
+        reduce-scatter, never report completion themselves).
+
+        A c10d collective still running at its first poll also gets its reduce op resolved and
+        written (``ReduceOp.op()`` is too slow for the hot path): these are the collectives a hang
+        diagnosis looks at; ones that completed within a poll interval keep ``reduce_op`` null."""
+        done: list[int] = []
+        annotations: list[bytes] = []
+        last_done = self._last_done
         # The kernels append on the right while this pops on the left; deque makes both thread-safe.
         for _ in range(len(self._fresh)):
-            event_id, work, reduce_op = self._fresh.popleft()
+            event_id, group_id, work, reduce_op = self._fresh.popleft()
+            if isinstance(work, torch.ScriptObject):  # c10d ops hand back the TorchScript wrapper
+                work = Work.unbox(work)
+            if self._completed(work):
+                done.append(event_id)
+                last_done[group_id] = max(event_id, last_done.get(group_id, -1))
+                continue
             if reduce_op is not None:
-                lines.append(fmt.encode({"k": fmt.ANNOTATE, "i": event_id, "red": self._reduce_name(reduce_op)}))
-            self._pending.append((event_id, work))
-        now = time.time()
+                annotations.append(fmt.encode({"k": fmt.ANNOTATE, "i": event_id, "red": self._reduce_name(reduce_op)}))
+            self._pending.append((event_id, group_id, work))
+        still = []
         for _ in range(len(self._pending)):
-            event_id, work = self._pending.popleft()
-            try:
-                completed = work.is_completed()
-            except Exception:
-                completed = True  # a failed work: nothing more to learn from it
-            if completed:
-                lines.append(fmt.encode({"k": fmt.DONE, "i": event_id, "t": now}))
+            item = self._pending.popleft()
+            if self._completed(item[2]):
+                done.append(item[0])
+                last_done[item[1]] = max(item[0], last_done.get(item[1], -1))
             else:
-                self._pending.append((event_id, work))
-        if lines:
+                still.append(item)
+        for event_id, group_id, work in still:
+            if event_id < last_done.get(group_id, -1):
+                done.append(event_id)
+            else:
+                self._pending.append((event_id, group_id, work))
+        if done or annotations:
+            if done:
+                annotations.append(fmt.encode({"k": fmt.DONE, "t": time.time(), "i": sorted(done)}))
             with self._lock:
-                self._write(b"".join(lines))
+                self._write(b"".join(annotations))
+
+    @staticmethod
+    def _completed(work) -> bool:
+        try:
+            return work.is_completed()
+        except Exception:  # a work that failed (its rank is going down): never completed
+            return False
 
     def _answer_snapshot(self, snapshot_file: Path) -> None:
         try:

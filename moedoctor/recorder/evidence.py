@@ -103,11 +103,11 @@ class _ModuleRegistry:
 # -- gradient norms --------------------------------------------------------------------------------
 
 
-def _local_float(value) -> float | None:
+def _local_value(total) -> torch.Tensor | None:
+    """The rank-local norm as a tensor: a DTensor's local part, read without a collective."""
     try:
-        if hasattr(value, "to_local"):
-            value = value.to_local()  # a DTensor: its local part, without a collective
-        return float(value)
+        value = total.to_local() if hasattr(total, "to_local") else total
+        return value.detach()
     except Exception:
         return None
 
@@ -121,16 +121,30 @@ def _install_norm_hooks(recorder: Recorder) -> None:
     @functools.wraps(original)
     def get_total_norm(*args, **kwargs):
         total = original(*args, **kwargs)
-        norm = _local_float(total)
         attribution = callsite.attribute(2)
         site = None
         if attribution.frames:
             code, line = attribution.frames[0]
             site = f"{code.co_filename}:{line}"
-        recorder.write_evidence("grad_norm", {
-            "norm": norm if norm is None or math.isfinite(norm) else str(norm),
-            "finite": norm is not None and math.isfinite(norm), "site": site,
-        })
+        value = _local_value(total)
+        step = recorder.step
+
+        def emit(norm: float | None) -> None:
+            finite = norm is not None and math.isfinite(norm)
+            recorder.write_evidence("grad_norm", {"norm": norm if finite else str(norm), "finite": finite,
+                                                  "site": site}, step=step)
+
+        if value is None:
+            emit(None)
+        elif value.device.type == "cpu":
+            emit(float(value))
+        else:
+            # Reading a GPU value here would sync the device and stall the CPU's run-ahead:
+            # copy it asynchronously and let the progress thread write it once it has landed.
+            host = value.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            recorder.defer(ready.query, lambda: emit(float(host)))
         return total
 
     clip_grad._get_total_norm = get_total_norm  # clip_grad_norm_ looks it up here at call time

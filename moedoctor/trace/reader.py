@@ -18,15 +18,19 @@ from moedoctor.events import (
 from moedoctor.trace import format as fmt
 
 
+#: What a corrupt record line raises in ``TraceFile.parse_line``.
+RECORD_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError)
+
+
 class TraceError(Exception):
     """A trace file or folder that cannot be read at all (wrong format, unknown or mixed versions)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    """A collective observed complete (``DONE`` record)."""
+    """Collectives observed complete by one poll of the recorder (``DONE`` record)."""
 
-    event_id: int
+    event_ids: tuple[int, ...]
     time: float
 
 
@@ -93,7 +97,6 @@ class TraceFile:
         self._sites: dict[int, CallSite] = {}
 
     def __iter__(self) -> Iterator[CollectiveEvent | Completion | Annotation | Evidence | Coverage]:
-        rank = self.header.rank
         with open(self.path, "rb") as f:
             f.readline()
             for lineno, line in enumerate(f, start=2):
@@ -101,13 +104,19 @@ class TraceFile:
                     self.problems.append(f"{self.path.name}: last record truncated (line {lineno})")
                     return
                 try:
-                    rec = json.loads(line)
-                    item = self._parse(rec, rank)
-                except (ValueError, KeyError, TypeError, IndexError) as e:
+                    item = self.parse_line(line)
+                except RECORD_ERRORS as e:
                     self.problems.append(f"{self.path.name}: corrupt record at line {lineno} ({e!r})")
                     continue
                 if item is not None:
                     yield item
+
+    def parse_line(self, line: bytes):
+        """One record line of this file as a typed record, or None for a definition (group, call
+        site, cap) that only updates this reader's state. Raises one of ``RECORD_ERRORS``.
+
+        For readers that follow a growing file (the watchdog): lines must come in file order."""
+        return self._parse(json.loads(line), self.header.rank)
 
     def _parse(self, rec: dict, rank: int):
         kind = rec["k"]
@@ -124,7 +133,8 @@ class TraceFile:
                 peer=rec.get("peer"), p2p_seq=rec.get("pseq"),
             )
         if kind == fmt.DONE:
-            return Completion(rec["i"], rec["t"])
+            ids = rec["i"]
+            return Completion(tuple(ids) if isinstance(ids, list) else (ids,), rec["t"])
         if kind == fmt.ANNOTATE:
             return Annotation(rec["i"], rec.get("red"))
         if kind == fmt.GROUP:
@@ -151,9 +161,10 @@ def read_trace(path: Path | str) -> RankTrace:
             index[item.event_id] = len(trace.events)
             trace.events.append(item)
         elif isinstance(item, Completion):
-            pos = index.get(item.event_id)
-            if pos is not None:
-                trace.events[pos] = replace(trace.events[pos], completed=item.time)
+            for event_id in item.event_ids:
+                pos = index.get(event_id)
+                if pos is not None:
+                    trace.events[pos] = replace(trace.events[pos], completed=item.time)
         elif isinstance(item, Annotation):
             pos = index.get(item.event_id)
             if pos is not None:

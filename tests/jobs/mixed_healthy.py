@@ -12,6 +12,7 @@ import argparse
 import datetime
 import hashlib
 import os
+import sys
 import tempfile
 import threading
 
@@ -28,6 +29,11 @@ def digest(tensors) -> str:
     for t in tensors:
         h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")  # one write, so the ranks' lines do not interleave
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -83,7 +89,7 @@ def main() -> None:
         background.start()
         background.join()
         functional_all_reduce(torch.ones(3), "sum", dist.group.WORLD).wait()
-        print(f"[rank {rank}] step {step} loss {loss.item():.8f} metric {metric.item():.8f}", flush=True)
+        say(f"[rank {rank}] step {step} loss {loss.item():.8f} metric {metric.item():.8f}")
 
     checkpoint_dir = args.checkpoint_dir or tempfile.mkdtemp(prefix="mixed-ckpt-")
     objs = [checkpoint_dir]
@@ -93,7 +99,7 @@ def main() -> None:
 
     params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in fsdp_model.parameters()]
     params += list(ddp_model.parameters())
-    print(f"[rank {rank}] final digest {digest(params)} pairs {pair[rank]}", flush=True)
+    say(f"[rank {rank}] final digest {digest(params)} pairs {pair[rank]}")
     dist.destroy_process_group()
 
 
