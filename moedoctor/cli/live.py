@@ -13,8 +13,10 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+from moedoctor.cli.hang_report import report_after_hang
 from moedoctor.runner import Outcome, RunDir, RunObserver, RunStatus
 from moedoctor.runner.launch import RankStatus
+from moedoctor.runner.manifest import HangRecord
 
 LOG_EVERY = 10.0
 
@@ -62,14 +64,17 @@ class ConsoleObserver(RunObserver):
         self.console = console
         self.use_live = live
         self.live: Live | None = None
+        self.run_dir: RunDir | None = None
         self.last_line = 0.0
+        self.muted = False  # once the job is being stopped, its dying words go to job.log only
         self.decoders = {1: codecs.getincrementaldecoder("utf-8")("replace"),
                          2: codecs.getincrementaldecoder("utf-8")("replace")}
 
     def started(self, run_dir: RunDir, launcher_pid: int, joined: bool) -> None:
+        self.run_dir = run_dir
         verb = "joined the run in" if joined else "recording into"
         self.console.print(f"[bold]moedoctor:[/] {verb} {escape(str(run_dir.path))} (launcher pid {launcher_pid})",
-                           highlight=False)
+                           highlight=False, soft_wrap=True)
         if self.use_live:
             # Redirected, the job's output scrolls above the table instead of tearing it.
             self.live = Live(console=self.console, refresh_per_second=2, redirect_stdout=True,
@@ -78,6 +83,8 @@ class ConsoleObserver(RunObserver):
         self.last_line = time.monotonic()
 
     def output(self, data: bytes, stream: int) -> None:
+        if self.muted:
+            return
         if self.live is not None:
             out = sys.stdout if stream == 1 else sys.stderr
             out.write(self.decoders[stream].decode(data))
@@ -98,13 +105,18 @@ class ConsoleObserver(RunObserver):
         self._stop_live(status)
         self.console.print(f"[bold red]moedoctor: hang[/]: no rank issued or completed a collective for "
                            f"{status.idle_seconds:.1f}s; collecting stacks, GPU state and coverage...",
-                           highlight=False)
+                           highlight=False, soft_wrap=True)
+
+    def diagnosed(self, hang: HangRecord) -> None:
+        if not hang.stopped:  # --keep-alive: show the diagnosis now, the job goes on
+            report_after_hang(self.run_dir.path, self.console)
 
     def stopping(self, outcome: Outcome) -> None:
         self._stop_live(None)
         why = "interrupted" if outcome == Outcome.INTERRUPTED else "hang"
-        self.console.print(f"[bold]moedoctor:[/] {why}: stopping the job's processes (SIGTERM, then SIGKILL)",
-                           highlight=False)
+        self.muted = True
+        self.console.print(f"[bold]moedoctor:[/] {why}: stopping the job's processes (SIGTERM, then SIGKILL); "
+                           "their last output goes to job.log", highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         self._stop_live(None)

@@ -20,7 +20,7 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     no_args_is_help=True,
     add_completion=False,
-    rich_markup_mode="rich",
+    rich_markup_mode="markdown",
 )
 # One Typer per subcommand module, merged into the top level (``moedoctor run``, ...).
 for module in (run,):

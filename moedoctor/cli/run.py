@@ -60,7 +60,8 @@ def run(
 ) -> None:
     """Run a torchrun job, recording every collective of every rank, and diagnose it if it hangs.
 
-    On a hang: the ranks' stacks (py-spy), a GPU snapshot (NVML) and the coverage check are written to the run directory, the job's whole process tree is stopped, and moedoctor exits 124.
+    On a hang it writes the ranks' stacks (py-spy), a GPU snapshot (NVML) and the coverage
+    check to the run directory, stops the job's whole process tree and exits 124.
     """
     command = check_launcher(list(command or []))
     if run_dir is None:
@@ -73,13 +74,15 @@ def run(
     )
     console = Console(stderr=True)
     observer = ConsoleObserver(console, live=sys.stdout.isatty() and sys.stderr.isatty())
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM stops the job too
+    # A scheduler's SIGTERM or a closed terminal stops the job as Ctrl-C does.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         result = run_job(config, observer)
     finally:
         observer.close()
-        signal.signal(signal.SIGTERM, previous)
-    if result.hang is not None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if result.hang is not None and result.hang.stopped:
         report_after_hang(result.run_dir.path, console)
     else:
         report_after_run(result, console)

@@ -100,6 +100,7 @@ class RunObserver:
     def output(self, data: bytes, stream: int) -> None: ...  # stream: 1 stdout, 2 stderr
     def status(self, status: RunStatus) -> None: ...
     def hang_detected(self, status: RunStatus) -> None: ...
+    def diagnosed(self, hang: HangRecord) -> None: ...  # stacks, GPU state, manifest written
     def stopping(self, outcome: Outcome) -> None: ...
 
 
@@ -154,7 +155,9 @@ class _Run:
         env = job_environment(self.config, self.dir, self.launch_id)
         self.node.env = relevant_env(env)
         self._write_manifest()
-        with open(self.dir.job_log, "ab") as log:
+        # The first node logs to job.log; nodes that join write their own file beside it.
+        self.node.log = str(self.dir.node_log(self.node.node) if self.config.joined else self.dir.job_log)
+        with open(self.node.log, "ab") as log:
             try:
                 self.proc = subprocess.Popen(self.config.command, env=env, stdin=subprocess.DEVNULL,
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -163,6 +166,7 @@ class _Run:
                 self._finish(Status.FINISHED, EXIT_NOT_FOUND)
                 raise MoedoctorError(f"cannot start {self.config.command[0]!r}: {e.strerror}",
                                      EXIT_NOT_FOUND) from None
+            self.started = time.monotonic()
             pumps = [threading.Thread(target=self._pump, args=(pipe, n, log), daemon=True,
                                       name=f"moedoctor-pump-{n}")
                      for n, pipe in ((1, self.proc.stdout), (2, self.proc.stderr))]
@@ -174,13 +178,16 @@ class _Run:
             except BaseException as e:
                 # Whatever went wrong here, no process of the job may outlive moedoctor.
                 outcome = Outcome.INTERRUPTED
-                self.observer.stopping(outcome)
+                try:
+                    self.observer.stopping(outcome)
+                except Exception:
+                    pass
                 if isinstance(e, KeyboardInterrupt):
                     self._last_coverage()
                 self._stop()
                 self._finish(Status.INTERRUPTED, None)
                 if isinstance(e, KeyboardInterrupt):
-                    result = RunResult(outcome, EXIT_INTERRUPTED, None, self.dir, coverage=self._coverage())
+                    result = RunResult(outcome, EXIT_INTERRUPTED, None, self.dir, self.node.hang, self._coverage())
                 else:
                     raise
             finally:
@@ -217,6 +224,8 @@ class _Run:
             time.sleep(self.config.poll_interval)
 
     def _ended(self, code: int, hang: HangRecord | None) -> RunResult:
+        if procs.job_processes(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id)):
+            self._stop()  # the launcher is gone but left workers behind: they must not outlive us
         self.tracker.poll()
         exit_code = 128 - code if code < 0 else code  # killed by signal N -> 128 + N, as shells say
         self._finish(Status.HANG if hang else Status.FINISHED, code, hang)
@@ -272,8 +281,9 @@ class _Run:
         local = procs.rank_processes(procs.job_processes(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id)))
         self.seen.update(local)
         targets = {rank: p.pid for rank, p in local.items()}
-        for rank, t in self.tracker.ranks.items():  # traced ranks of this node not found under the launcher
-            if rank not in targets and t.host == self.config.host and procs.is_alive(t.pid):
+        for rank, t in self.tracker.ranks.items():  # ours, though no longer under the launcher
+            if rank not in targets and t.host == self.config.host and procs.is_alive(t.pid) \
+                    and (procs.environ(t.pid) or {}).get(ENV_LAUNCH_ID) == self.launch_id:
                 targets[rank] = t.pid
         with ThreadPoolExecutor(max_workers=2) as pool:
             gpu = pool.submit(write_gpu_snapshot, self.dir.gpu, self.config.host)
@@ -294,6 +304,7 @@ class _Run:
         self.node.status = Status.HANG
         self.node.hang = hang
         self._write_manifest(coverage=self._coverage())
+        self.observer.diagnosed(hang)
         return hang
 
     def _request_snapshot(self) -> float:
@@ -370,9 +381,8 @@ class _Run:
         self._write_manifest(coverage=self._coverage())
 
     def _rank_exits(self, status: str, launcher_exit: int | None) -> list[RankExit]:
-        local = {r: (t.pid, t.local_rank) for r, t in self.tracker.ranks.items() if t.host == self.config.host}
-        for rank, p in self.seen.items():
-            local.setdefault(rank, (p.pid, p.local_rank))
+        # This node's ranks: those seen under its launcher (other nodes may share the host).
+        local = {rank: (p.pid, p.local_rank) for rank, p in self.seen.items()}
         reported = _torchrun_failures(self._log_tail()) if launcher_exit not in (None, 0) else {}
         exits = []
         for rank, (pid, local_rank) in sorted(local.items()):
@@ -389,7 +399,7 @@ class _Run:
 
     def _log_tail(self, size: int = 1 << 20) -> str:
         try:
-            with open(self.dir.job_log, "rb") as f:
+            with open(self.node.log, "rb") as f:
                 f.seek(max(0, f.seek(0, os.SEEK_END) - size))
                 return f.read().decode(errors="replace")
         except OSError:

@@ -111,6 +111,7 @@ class NodeRecord:
     end: float | None = None
     status: str = Status.RUNNING
     launcher_exit: int | None = None
+    log: str | None = None                 # this node's copy of the job's output
     env: dict[str, str] = field(default_factory=dict)
     ranks: list[RankExit] = field(default_factory=list)
     hang: HangRecord | None = None

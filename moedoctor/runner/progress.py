@@ -8,14 +8,13 @@ at the moment it read the record, so the clocks of other nodes do not matter.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moedoctor.events import CollectiveEvent, Coverage
-from moedoctor.trace.reader import Completion, TraceError, TraceFile, trace_paths
+from moedoctor.trace.reader import RECORD_ERRORS, Completion, TraceError, TraceFile, trace_paths
 
 
 @dataclass
@@ -65,9 +64,8 @@ class _Follower:
         items = []
         for line in lines:
             try:
-                # The reader's own parser, so there is one definition of each record.
-                item = self.trace._parse(json.loads(line), self.trace.header.rank)
-            except (ValueError, KeyError, TypeError, IndexError) as e:
+                item = self.trace.parse_line(line)
+            except RECORD_ERRORS as e:
                 self.trace.problems.append(f"{self.path.name}: corrupt record ({e!r})")
                 continue
             if item is not None:
@@ -123,7 +121,7 @@ class ProgressTracker:
                 state.last, state.last_completed, state.last_progress = item, False, now
             elif isinstance(item, Completion):
                 state.last_progress = now
-                if state.last is not None and item.event_id == state.last.event_id:
+                if state.last is not None and state.last.event_id in item.event_ids:
                     state.last_completed = True
             elif isinstance(item, Coverage):
                 state.coverage = item

@@ -14,7 +14,8 @@ from moedoctor.runner.command import same_job
 
 MANIFEST_NAME = "manifest.json"
 #: What ``--force`` clears from a reused run directory; other files of the user's are left alone.
-_OWN_ENTRIES = ("traces", "stacks", "gpu", "control", MANIFEST_NAME, MANIFEST_NAME + ".lock", "job.log")
+_OWN_ENTRIES = ("traces", "stacks", "gpu", "control", MANIFEST_NAME, MANIFEST_NAME + ".lock", "job.log",
+                "job-*.log")
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,12 @@ class RunDir:
 
     @property
     def job_log(self) -> Path:
+        """The job's output (stdout and stderr) on the first node."""
         return self.path / "job.log"
+
+    def node_log(self, node: str) -> Path:
+        """The job's output on a node that joined the run."""
+        return self.path / f"job-{node.replace(':', '-')}.log"
 
 
 def default_run_dir(base: Path, now: datetime | None = None) -> Path:
@@ -80,12 +86,12 @@ def prepare_run_dir(path: Path, command: list[str], force: bool) -> bool:
             raise MoedoctorError(
                 f"run directory {path} is not empty: choose another --run-dir, or pass --force to "
                 "replace the run recorded there", EXIT_USAGE)
-        for name in _OWN_ENTRIES:
-            entry = path / name
-            if entry.is_dir():
-                shutil.rmtree(entry)
-            elif entry.exists():
-                entry.unlink()
+        for pattern in _OWN_ENTRIES:
+            for entry in path.glob(pattern):
+                if entry.is_dir():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
     path.mkdir(parents=True, exist_ok=True)
     return False
 

@@ -1,0 +1,75 @@
+"""The command line without a job: help, version, and what ``moedoctor run`` refuses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import moedoctor
+from moedoctor.cli.main import app, main
+from moedoctor.errors import EXIT_USAGE
+
+runner = CliRunner()
+
+
+def test_help_lists_run():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0 and "run" in result.output
+
+
+def test_no_arguments_shows_help():
+    result = runner.invoke(app, [])
+    assert "Usage" in result.output and "run" in result.output
+
+
+def test_version():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and moedoctor.__version__ in result.output
+
+
+def test_run_help_explains_every_option_with_an_example():
+    result = runner.invoke(app, ["run", "--help"], terminal_width=200)
+    assert result.exit_code == 0
+    for option in ("--run-dir", "--hang-timeout", "--keep-alive", "--no-stacks", "--native", "--max-events",
+                   "--force", "Example: moedoctor run"):
+        assert option in result.output
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    return e.value.code, capsys.readouterr().err
+
+
+def test_refuses_a_command_that_is_not_torchrun(tmp_path, capsys):
+    code, err = run_main(["run", "--run-dir", str(tmp_path / "r"), "--", "python", "train.py"], capsys)
+    assert code == EXIT_USAGE and "torchrun" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_refuses_no_command(capsys):
+    code, err = run_main(["run"], capsys)
+    assert code == EXIT_USAGE and "no command" in err
+
+
+def test_refuses_a_non_empty_run_dir_without_force(tmp_path, capsys):
+    (tmp_path / "old.txt").write_text("a previous run")
+    code, err = run_main(["run", "--run-dir", str(tmp_path), "--", "torchrun", "t.py"], capsys)
+    assert code == EXIT_USAGE and "--force" in err and "not empty" in err
+
+
+def test_options_after_the_launcher_belong_to_it(tmp_path, capsys):
+    # No '--': torchrun's own options must not be parsed as moedoctor's.
+    code, err = run_main(["run", "--run-dir", str(tmp_path / "r"), "python", "--nproc_per_node=2", "x.py"], capsys)
+    assert code == EXIT_USAGE and "torchrun" in err and "No such option" not in err
+
+
+def test_python_dash_m_moedoctor_help():
+    done = subprocess.run([sys.executable, "-m", "moedoctor", "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "run" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "moedoctor", "run", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and "--hang-timeout" in done.stdout

@@ -1,0 +1,90 @@
+"""Which launcher commands ``moedoctor run`` accepts, and which run directories it uses."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import pytest
+
+from moedoctor.errors import EXIT_USAGE, MoedoctorError
+from moedoctor.runner.command import check_launcher, same_job
+from moedoctor.runner.launch import _torchrun_failures
+from moedoctor.runner.rundir import default_run_dir, prepare_run_dir
+
+TORCHRUN = ["torchrun", "--nproc_per_node=2", "train.py"]
+
+
+@pytest.mark.parametrize("command", [
+    TORCHRUN,
+    ["/usr/local/bin/torchrun", "--standalone", "train.py", "--lr", "1"],
+    ["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py"],
+    ["python3", "-m", "torch.distributed.run", "train.py"],
+    ["/opt/venv/bin/python3.11", "-u", "-m", "torch.distributed.run", "train.py"],
+])
+def test_accepts_torchrun_launchers(command):
+    assert check_launcher(command) == command
+
+
+@pytest.mark.parametrize("command", [
+    ["python", "train.py"], ["python", "-m", "torch.distributed.launch", "train.py"],
+    ["bash", "-c", "torchrun train.py"], ["mpirun", "-n", "2", "python", "train.py"], [],
+])
+def test_refuses_anything_else(command):
+    with pytest.raises(MoedoctorError) as e:
+        check_launcher(command)
+    assert e.value.exit_code == EXIT_USAGE and "torchrun" in e.value.message
+
+
+def test_nodes_of_one_job_differ_only_in_node_rank():
+    a = ["torchrun", "--nnodes=2", "--node_rank=0", "train.py"]
+    assert same_job(a, ["torchrun", "--nnodes=2", "--node_rank=1", "train.py"])
+    assert same_job(["torchrun", "--node-rank", "0", "t.py"], ["torchrun", "--node-rank", "1", "t.py"])
+    assert not same_job(a, ["torchrun", "--nnodes=2", "--node_rank=1", "other.py"])
+
+
+def test_default_run_dir_is_new_and_timestamped(tmp_path):
+    now = datetime(2025, 1, 2, 3, 4, 5)
+    first = default_run_dir(tmp_path, now)
+    assert first == tmp_path / "20250102-030405"
+    first.mkdir()
+    assert default_run_dir(tmp_path, now) == tmp_path / "20250102-030405-2"
+
+
+def test_refuses_a_non_empty_run_dir_without_force(tmp_path):
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(MoedoctorError, match="--force"):
+        prepare_run_dir(tmp_path, TORCHRUN, force=False)
+    assert prepare_run_dir(tmp_path, TORCHRUN, force=True) is False
+    assert not (tmp_path / "traces").exists() and (tmp_path / "notes.txt").exists()
+
+
+def test_joins_a_running_run_of_the_same_job(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({"status": "running", "command": TORCHRUN}))
+    assert prepare_run_dir(tmp_path, TORCHRUN, force=False) is True
+    with pytest.raises(MoedoctorError):
+        prepare_run_dir(tmp_path, ["torchrun", "other.py"], force=False)
+    (tmp_path / "manifest.json").write_text(json.dumps({"status": "finished", "command": TORCHRUN}))
+    with pytest.raises(MoedoctorError):
+        prepare_run_dir(tmp_path, TORCHRUN, force=False)
+
+
+def test_reads_exit_codes_from_torchrun_failure_report():
+    log = """
+Failures:
+[1]:
+  time      : 2025-01-01_00:00:00
+  host      : node0
+  rank      : 3 (local_rank: 1)
+  exitcode  : -6 (pid: 4242)
+  error_file: <N/A>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2025-01-01_00:00:00
+  host      : node0
+  rank      : 2 (local_rank: 0)
+  exitcode  : 3 (pid: 4241)
+"""
+    assert _torchrun_failures(log) == {3: -6, 2: 3}
