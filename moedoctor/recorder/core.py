@@ -86,6 +86,8 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 MAX_SHAPES = 64  # tensors described per side of one collective; the rest are counted, not listed
+MAX_PENDING = 4096  # collectives watched for completion; a backend whose works never report it
+#                    (e.g. the fake backend) must not make each poll slower than the last
 
 
 class Recorder:
@@ -118,6 +120,8 @@ class Recorder:
         self._libraries: list[torch.library.Library] = []
         self._stop = threading.Event()
         self._inside = threading.local()
+        self._thread: threading.Thread | None = None
+        self._poll_lock = threading.Lock()  # the progress thread and close() both poll
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -157,13 +161,16 @@ class Recorder:
             "moedoctor": moedoctor.__version__, "start_time": time.time(),
         }
         self._write(fmt.encode(header))
-        threading.Thread(target=self._progress_loop, name="moedoctor-progress", daemon=True).start()
+        self._thread = threading.Thread(target=self._progress_loop, name="moedoctor-progress", daemon=True)
+        self._thread.start()
 
     def close(self, reason: str) -> None:
-        """Write the coverage record and stop the progress thread (idempotent)."""
-        if self._fd is None:
+        """Write the coverage record and stop the progress thread (once)."""
+        if self._fd is None or self._stop.is_set():
             return
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
         self._run_deferred(wait=True)
         self._poll_pending()
         self.write_coverage(reason)
@@ -411,6 +418,10 @@ class Recorder:
                 self._answer_snapshot(snapshot_file)
 
     def _poll_pending(self) -> None:
+        with self._poll_lock:
+            self._poll_pending_locked()
+
+    def _poll_pending_locked(self) -> None:
         """Write which tracked collectives completed since the last poll, in one record.
 
         A work counts as complete when it says so, or when a later collective of its group has
@@ -448,6 +459,8 @@ class Recorder:
                 done.append(event_id)
             else:
                 self._pending.append((event_id, group_id, work))
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popleft()  # the oldest: its completion stays unknown
         if done or annotations:
             if done:
                 annotations.append(fmt.encode({"k": fmt.DONE, "t": time.time(), "i": sorted(done)}))
