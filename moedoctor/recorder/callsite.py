@@ -11,7 +11,7 @@ import os
 import re
 import sys
 import sysconfig
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -37,13 +37,20 @@ _CKPT_LOAD = re.compile(r"(load|restore).*(checkpoint|ckpt|state_dict)|(checkpoi
 _CKPT_SAVE = re.compile(r"(save|write|persist).*(checkpoint|ckpt|state_dict)|(checkpoint|ckpt).*(save|write)", re.I)
 
 
-@dataclass(slots=True)
-class Attribution:
-    site_key: tuple
-    frames: list  # [(code, lineno)] of user frames, innermost first
-    in_module_call: bool
+class Attribution(NamedTuple):
+    site_key: tuple  # (code, lineno, code, lineno, ...) of user frames, innermost first
+    flags: int  # the union of every walked frame's flags (MODULE_CALL, CKPT_SAVE, CKPT_LOAD, ...)
     fsdp_module: str | None
-    checkpoint: str | None  # "save" / "load" from user function names
+
+    @property
+    def in_module_call(self) -> bool:
+        return bool(self.flags & MODULE_CALL)
+
+    @property
+    def checkpoint(self) -> str | None:
+        if self.flags & CKPT_LOAD:
+            return "load"
+        return "save" if self.flags & CKPT_SAVE else None
 
 
 _flags_cache: dict[object, int] = {}
@@ -71,34 +78,39 @@ def _flags(code) -> int:
 
 
 def attribute(depth: int = 2) -> Attribution:
-    """Walk the caller's stack (skipping ``depth`` frames of moedoctor's own)."""
+    """Walk the caller's stack (skipping ``depth`` frames of moedoctor's own). On the hot path of
+    every collective: a loop of cached dict lookups, no allocation but the result."""
     frame = sys._getframe(depth)
-    frames: list = []
-    in_module_call = False
+    cached = _flags_cache.get
+    site: list = []
+    union = 0
     fsdp_module = None
-    checkpoint = None
     walked = 0
     while frame is not None and walked < MAX_WALK:
         code = frame.f_code
-        flags = _flags(code)
-        if flags & INTERNAL:
-            if flags & MODULE_CALL:
-                in_module_call = True
-            elif flags & FSDP_GROUP and fsdp_module is None:
-                owner = frame.f_locals.get("self")
-                fsdp_module = getattr(owner, "_module_fqn", None)
-        else:
-            if len(frames) < MAX_STACK:
-                frames.append((code, frame.f_lineno))
-            if flags & (CKPT_SAVE | CKPT_LOAD) and checkpoint is None:
-                checkpoint = "load" if flags & CKPT_LOAD else "save"
+        flags = cached(code)
+        if flags is None:
+            flags = _flags(code)
+        if not flags & INTERNAL:
+            if len(site) < 2 * MAX_STACK:
+                site.append(code)
+                site.append(frame.f_lineno)
+        elif flags & FSDP_GROUP and fsdp_module is None:
+            fsdp_module = getattr(frame.f_locals.get("self"), "_module_fqn", None)
+        union |= flags
         frame = frame.f_back
         walked += 1
-    return Attribution(tuple(frames), frames, in_module_call, fsdp_module, checkpoint)
+    return Attribution(tuple(site), union, fsdp_module)
 
 
-def describe(frames: list) -> tuple[str, int, str, list[str]]:
-    """``(file, line, function, stack)`` for the frames of an attribution (cold path: once per site)."""
-    code, line = frames[0]
-    stack = [f"{c.co_filename}:{ln} {c.co_name}" for c, ln in frames]
+def describe(site_key: tuple) -> tuple[str, int, str, list[str]]:
+    """``(file, line, function, stack)`` of an attribution's site (cold path: once per site)."""
+    pairs = list(zip(site_key[::2], site_key[1::2]))
+    code, line = pairs[0]
+    stack = [f"{c.co_filename}:{ln} {c.co_name}" for c, ln in pairs]
     return code.co_filename, line, code.co_name, stack
+
+
+def first_frame(site_key: tuple) -> str | None:
+    """``file:line`` of the innermost user frame, or None."""
+    return f"{site_key[0].co_filename}:{site_key[1]}" if site_key else None

@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+from threading import get_ident
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +49,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 _json_strings: dict[str, str] = {}
+_thread_names: dict[int, str] = {}  # thread ident -> its name, JSON-encoded
 
 
 def _json_str(value: str) -> str:
@@ -216,22 +218,23 @@ class Recorder:
 
     def _record(self, spec: OpSpec, args: tuple, kwargs: dict) -> tuple[int | None, int]:
         """Write one collective record; returns its event id (None once the cap is reached) and
-        its group's id."""
-        group_arg = self._arg(spec, spec.group, args, kwargs)
+        its group's id. The hot path of every collective: formatted by hand (json.dumps costs three
+        times as much), each argument fetched once."""
+        count = len(args)
+        index = spec.group
+        group_arg = args[index] if index < count else kwargs[spec.arg_names[index]]
         if spec.namespace == "c10d":
             group_name = ProcessGroup.unbox(group_arg).group_name
         else:
             group_name = group_arg if isinstance(group_arg, str) else group_arg.group_name
         attribution = callsite.attribute(3)
-        phase = self._phase(attribution)
         inputs = _tensors(self._arg(spec, spec.inputs, args, kwargs))
         outputs = _tensors(self._arg(spec, spec.outputs, args, kwargs))
-        # The line is formatted by hand: json.dumps costs three times as much, on every collective.
         extra = ""
         if spec.reduce_op is not None and spec.namespace != "c10d":
             # c10d passes a TorchScript ReduceOp whose .op() costs more than this whole record:
-            # the progress thread reads it within one poll interval and writes an annotation.
-            extra += f',"red":"{self._reduce_name(self._arg(spec, spec.reduce_op, args, kwargs))}"'
+            # the progress thread resolves it (see _poll_pending).
+            extra = f',"red":"{self._reduce_name(self._arg(spec, spec.reduce_op, args, kwargs))}"'
         if len(inputs) > MAX_SHAPES or len(outputs) > MAX_SHAPES:
             extra += f',"n":[{len(inputs)},{len(outputs)}]'
         if attribution.fsdp_module is not None:
@@ -240,18 +243,29 @@ class Recorder:
         if spec.peer is not None:
             peer = self._global_rank(group_name, self._arg(spec, spec.peer, args, kwargs))
             extra += f',"peer":{"null" if peer is None else peer}'
+        index = spec.async_op
+        is_async = spec.namespace != "c10d" or (
+            args[index] if index is not None and index < count else kwargs.get("async_op", True))
+        thread = _thread_names.get(get_ident())
+        if thread is None:
+            thread = _thread_names[get_ident()] = _json_str(threading.current_thread().name)
         body = (
             f'"t":{time.time():.6f},"op":"{spec.op}","raw":"{spec.qualified}",'
             f'"in":{_shapes(inputs)},"out":{_shapes(outputs)},"dt":{_dtypes(inputs)},'
-            f'"async":{"true" if self._is_async(spec, args, kwargs) else "false"},'
-            f'"th":{_json_str(threading.current_thread().name)},"ph":"{phase.value}","step":{self.step}{extra}}}\n'
+            f'"async":{"true" if is_async else "false"},"th":{thread},'
+            f'"ph":"{self._phase(attribution).value}","step":{self.step}{extra}}}\n'
         )
+        site_key = attribution.site_key
         with self._lock:
-            gid = self._group_id(group_name)
-            sid = self._site_id(attribution) if attribution.frames else "null"
+            gid = self._group_ids.get(group_name)
+            if gid is None:
+                gid = self._group_id(group_name)
+            sid = self._sites.get(site_key) if site_key else "null"
+            if sid is None:
+                sid = self._site_id(site_key)
             event_id = self._next_event
             self._next_event += 1
-            if peer is not None or spec.op in ("send", "recv"):
+            if spec.peer is not None:
                 key = (group_name, peer)
                 pseq = self._p2p_seq[key] = self._p2p_seq.get(key, 0) + 1
                 self._count_p2p(group_name)
@@ -268,20 +282,18 @@ class Recorder:
     def _phase(self, attribution: callsite.Attribution) -> Phase:
         if self.checkpoint is not None:
             return self.checkpoint
-        if attribution.checkpoint is not None:
-            return Phase.CHECKPOINT_LOAD if attribution.checkpoint == "load" else Phase.CHECKPOINT_SAVE
+        flags = attribution.flags
+        if flags & callsite.CKPT_LOAD:
+            return Phase.CHECKPOINT_LOAD
+        if flags & callsite.CKPT_SAVE:
+            return Phase.CHECKPOINT_SAVE
         if self.optimizer_depth:
             return Phase.OPTIMIZER
         if torch._C._current_graph_task_id() != -1:
             return Phase.BACKWARD
-        if attribution.in_module_call:
+        if flags & callsite.MODULE_CALL:
             return Phase.FORWARD
         return Phase.OTHER
-
-    def _is_async(self, spec: OpSpec, args: tuple, kwargs: dict) -> bool:
-        if spec.namespace != "c10d":
-            return True  # functional collectives return before completion; wait_tensor waits
-        return bool(self._arg(spec, spec.async_op, args, kwargs, default=True))
 
     @staticmethod
     def _reduce_name(value) -> str | None:
@@ -303,11 +315,11 @@ class Recorder:
             self._write(fmt.encode({"k": fmt.GROUP, "id": gid, "name": name, "desc": desc, "ranks": list(ranks)}))
         return gid
 
-    def _site_id(self, attribution: callsite.Attribution) -> int:
-        sid = self._sites.get(attribution.site_key)
+    def _site_id(self, site_key: tuple) -> int:
+        sid = self._sites.get(site_key)
         if sid is None:
-            sid = self._sites[attribution.site_key] = len(self._sites)
-            file, line, fn, stack = callsite.describe(attribution.frames)
+            sid = self._sites[site_key] = len(self._sites)
+            file, line, fn, stack = callsite.describe(site_key)
             self._write(fmt.encode({"k": fmt.SITE, "id": sid, "file": file, "line": line, "fn": fn, "stack": stack}))
         return sid
 

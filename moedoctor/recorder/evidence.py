@@ -121,11 +121,7 @@ def _install_norm_hooks(recorder: Recorder) -> None:
     @functools.wraps(original)
     def get_total_norm(*args, **kwargs):
         total = original(*args, **kwargs)
-        attribution = callsite.attribute(2)
-        site = None
-        if attribution.frames:
-            code, line = attribution.frames[0]
-            site = f"{code.co_filename}:{line}"
+        site = callsite.first_frame(callsite.attribute(2).site_key)
         value = _local_value(total)
         step = recorder.step
 
