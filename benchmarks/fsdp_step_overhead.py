@@ -39,6 +39,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--toggle", type=int, default=0, metavar="N",
+                        help="in one process, alternate blocks of N steps with the recorder's kernels "
+                        "registered and unregistered, and print both medians (no run-to-run noise)")
     args = parser.parse_args()
     if args.backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -55,8 +58,21 @@ def main() -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(args.tokens, args.dim, device=device)
-    times = []
+    recorder = None
+    if args.toggle:
+        import tempfile
+        from pathlib import Path
+
+        from moedoctor.recorder import install
+
+        recorder = install(Path(tempfile.mkdtemp(prefix="moedoctor-step-")))
+    times, toggled = [], {True: [], False: []}
     for step in range(args.warmup + args.steps):
+        recording = bool(args.toggle) and (step // args.toggle) % 2 == 0
+        if recorder is not None and step % args.toggle == 0:
+            recorder.unregister_kernels()
+            if recording:
+                recorder.register_kernels()
         sync()
         start = time.perf_counter()
         loss = model(x).float().pow(2).mean()
@@ -67,9 +83,15 @@ def main() -> None:
         sync()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+            toggled[recording].append(times[-1])
     if dist.get_rank() == 0:
         seq = dist.group.WORLD._get_sequence_number_for_group()
         recorded = "recorded" if os.environ.get("MOEDOCTOR_RUN_DIR") else "plain"
+        if args.toggle:
+            on, off = statistics.median(toggled[True]), statistics.median(toggled[False])
+            print(f"toggled in-process every {args.toggle} steps: recorder off {off * 1e3:.3f} ms, "
+                  f"on {on * 1e3:.3f} ms, added {(on - off) / off * 100:+.2f}% "
+                  f"({len(toggled[True])} + {len(toggled[False])} steps)")
         print(f"{recorded}: backend={args.backend} world={dist.get_world_size()} dim={args.dim} "
               f"layers={args.layers} tokens={args.tokens} median step {statistics.median(times) * 1e3:.3f} ms "
               f"(min {min(times) * 1e3:.3f}) collectives/step {seq / (args.warmup + args.steps):.1f}")

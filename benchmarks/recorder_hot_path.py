@@ -6,11 +6,15 @@ thread. Fake works never report completion, so the harness counts them complete 
 are. Prints microseconds per collective (median of rounds) for each layer of the recorder.
 
   python benchmarks/recorder_hot_path.py [--iters 20000] [--rounds 5] [--profile]
+
+The ``native recorder`` row (the C++ kernel of ``moedoctor/recorder/native``) appears where the
+extension builds; ``--profile`` profiles whichever recorder ran last.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -57,6 +61,16 @@ def main() -> None:
         lib._destroy()
     recorder.register_kernels()
     results["recorder"] = bench()
+    from moedoctor.recorder import native
+
+    if native.available():  # the C++ kernel (MOEDOCTOR_NATIVE=1), same recorder, same trace
+        recorder.unregister_kernels()
+        os.environ[native.ENV_NATIVE] = "1"
+        recorder.register_kernels()
+        recorder._native.assume_completed()  # as _completed above
+        results["native recorder"] = bench()
+    else:
+        print(f"native recorder: unavailable: {native.reason[-500:]}")
     if args.profile:
         import cProfile
         import pstats

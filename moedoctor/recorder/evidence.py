@@ -61,13 +61,13 @@ def _install_optimizer_hooks(recorder: Recorder) -> None:
 
 
 def _params_without_grad(optimizer) -> frozenset[str]:
-    names = _ModuleRegistry.parameter_names()
-    missing = []
-    for group_index, group in enumerate(optimizer.param_groups):
-        for index, param in enumerate(group["params"]):
-            if param.grad is None:
-                missing.append(names.get(id(param)) or f"param_groups[{group_index}][{index}]")
-    return frozenset(missing)
+    missing = [(group_index, index, param)
+               for group_index, group in enumerate(optimizer.param_groups)
+               for index, param in enumerate(group["params"]) if param.grad is None]
+    if not missing:
+        return frozenset()
+    names = _ModuleRegistry.parameter_names(missing[0][2])
+    return frozenset(names.get(id(p)) or f"param_groups[{g}][{i}]" for g, i, p in missing)
 
 
 class _ModuleRegistry:
@@ -90,7 +90,11 @@ class _ModuleRegistry:
         register_module_module_registration_hook(hook)
 
     @classmethod
-    def parameter_names(cls) -> dict[int, str]:
+    def parameter_names(cls, wanted=None) -> dict[int, str]:
+        """id(parameter) -> name; rebuilt only when ``wanted`` is not in the cached map (FSDP2 and
+        friends replace parameters after the model is built)."""
+        if cls._names and (wanted is None or id(wanted) in cls._names):
+            return cls._names
         roots = [m for m in list(cls._parents) if m not in cls._children]
         names: dict[int, str] = {}
         for root in roots:
