@@ -161,8 +161,9 @@ def generate(folder: Path, world: int, collectives: int) -> tuple[int, float]:
         tail.out.append(json.dumps({"k": "v", "t": BASE + tail.ms / 1000 + 5, "reason": "snapshot",
                                     "groups": [[g[1], tail.seq[g[0]], tail.seq[g[0]]] for g in groups_of(rank, world)],
                                     "dropped": 0}, separators=(",", ":")) + "\n")
+        digits = "%03d" % (rank % 1000)
         data = (json.dumps(header, separators=(",", ":")) + "\n" + defs + sites).encode() + \
-            body.replace(b"RRR", b"%03d" % (rank % 1000)) + "".join(tail.out).replace("RRR", "%03d" % (rank % 1000)).encode()
+            body.replace(b"RRR", digits.encode()) + "".join(tail.out).replace("RRR", digits).encode()
         (folder / f"rank-{rank:05d}.jsonl").write_bytes(data)
         total += len(data)
     return prefix.seq[0] + prefix.seq[1] + prefix.seq[2], total
@@ -172,16 +173,22 @@ def analyze_only(folder: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from moedoctor.analysis import analyze, load_run
 
+    load = os.getloadavg()[0]
+    cpu0 = os.times()
     start = time.perf_counter()
     report = analyze(load_run(folder))
     seconds = time.perf_counter() - start
+    cpu1 = os.times()
+    cpu = sum(getattr(cpu1, k) - getattr(cpu0, k) for k in ("user", "system", "children_user", "children_system"))
     self_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     child_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     div = report.divergence
     print(json.dumps({
-        "seconds": round(seconds, 2), "peak_rss_mib": round(self_rss, 1), "worker_peak_rss_mib": round(child_rss, 1),
+        "seconds": round(seconds, 2), "cpu_seconds": round(cpu, 1), "load_average_before": round(load, 2),
+        "peak_rss_mib": round(self_rss, 1), "worker_peak_rss_mib": round(child_rss, 1),
         "verdict": report.verdict.value, "pattern": report.pattern, "culprit_ranks": report.culprit_ranks,
-        "group": None if div is None else div.group.name, "group_ranks": None if div is None else list(div.group.ranks)[:6],
+        "group": None if div is None else div.group.name,
+        "group_ranks": None if div is None else list(div.group.ranks)[:6],
         "seq": None if div is None else div.seq, "collectives": report.collectives,
         "torch_imported": "torch" in sys.modules,
     }))
@@ -209,7 +216,9 @@ def main() -> None:
             print(done.stdout, done.stderr)
             sys.exit(2)
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"analyzed in {result['seconds']:.2f}s on {os.cpu_count()} cores; peak RSS {result['peak_rss_mib']:.0f} MiB "
+        print(f"analyzed in {result['seconds']:.2f}s on {len(os.sched_getaffinity(0))} cores "
+              f"({result['cpu_seconds']:.1f} CPU-seconds, load average {result['load_average_before']:.2f} before); "
+              f"peak RSS {result['peak_rss_mib']:.0f} MiB "
               f"(main), {result['worker_peak_rss_mib']:.0f} MiB (largest worker)")
         print(json.dumps(result))
         dp_group = [FAULT_RANK % TP + TP * i for i in range(min(6, args.ranks // TP))]

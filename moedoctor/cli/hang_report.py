@@ -1,6 +1,8 @@
 """What ``moedoctor run`` prints when it is over. ``report_after_hang(run_dir, console)`` is the one
-place the post-hang report is rendered, from the run directory alone, so a fuller report (the
-analyzer's) can replace it without touching the runner."""
+place the post-hang report is rendered, from the run directory alone: the analysis report
+(``moedoctor.analysis``), also written to ``RUN_DIR/report.json`` (the schema of
+``moedoctor analyze --json``). A job that ends by itself is analyzed too: a crashed rank gets the
+full report, a healthy run one line."""
 
 from __future__ import annotations
 
@@ -12,13 +14,21 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from moedoctor.analysis import Verdict, analyze, load_run
+from moedoctor.errors import MoedoctorError
+from moedoctor.render.json_report import write_json
+from moedoctor.render.terminal import render_report
 from moedoctor.runner import RunResult
 from moedoctor.runner.manifest import hang_of, load_manifest
 from moedoctor.runner.rundir import RunDir
 
 
+REPORT_NAME = "report.json"
+
+
 def report_after_hang(run_dir: Path, console: Console) -> None:
-    """Per rank: the last collective and where the main thread waits; the files written; what next."""
+    """The hang in one line, then the analysis report; ``report.json`` written into the run directory.
+    If the analysis cannot run, the per-rank table of the watchdog's hang record instead."""
     layout = RunDir(Path(run_dir))
     manifest = load_manifest(layout.manifest)
     hang = hang_of(manifest)
@@ -29,6 +39,41 @@ def report_after_hang(run_dir: Path, console: Console) -> None:
     console.print(f"\n[bold red]Hang[/]: no rank made progress for {hang.idle_seconds:.1f}s "
                   f"(hang timeout {hang.hang_timeout:g}s) on {escape(hang.host)}; {stopped}.",
                   highlight=False, soft_wrap=True)
+    written = analysis_report(layout, console)
+    if written is None:
+        _hang_table(hang, console)
+    _print_coverage(manifest.get("coverage") or {}, console)
+    files = [f"{layout.stacks}/", f"{layout.gpu}/", str(layout.manifest), str(layout.job_log)]
+    if written is not None:
+        files.insert(0, str(written))
+    console.print("Written: " + "  ".join(escape(f) for f in files), highlight=False, soft_wrap=True)
+    console.print(f"Next: [bold]moedoctor analyze {escape(str(layout.path))}[/] (add --html FILE or --perfetto FILE)",
+                  highlight=False, soft_wrap=True)
+
+
+def analysis_report(layout: RunDir, console: Console, quiet_if_healthy: bool = False) -> Path | None:
+    """Analyze the run directory, render the report and write ``report.json``; the path written, or
+    None when the analysis could not run (the reason is printed)."""
+    try:
+        run = load_run(layout.path)
+        report = analyze(run)
+        path = write_json(report, layout.path / REPORT_NAME)
+    except MoedoctorError as e:
+        console.print(f"[yellow]moedoctor: no analysis:[/] {escape(e.message)}", highlight=False, soft_wrap=True)
+        return None
+    except Exception as e:  # noqa: BLE001 - the run's own result must still be reported
+        console.print(f"[yellow]moedoctor: the analysis failed ({escape(type(e).__name__)}: {escape(str(e))}); "
+                      f"the run is recorded, try: moedoctor analyze {escape(str(layout.path))}[/]",
+                      highlight=False, soft_wrap=True)
+        return None
+    if quiet_if_healthy and report.verdict == Verdict.HEALTHY:
+        console.print(f"[green]Analysis[/]: {escape(report.summary)}", highlight=False, soft_wrap=True)
+    else:
+        render_report(report, console)
+    return path
+
+
+def _hang_table(hang, console: Console) -> None:
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for name in ("rank", "last collective", "group", "state", "phase", "step", "call site"):
         table.add_column(name, overflow="fold")
@@ -48,11 +93,6 @@ def report_after_hang(run_dir: Path, console: Console) -> None:
         elif r.waiting_in:
             where = r.waiting_in if r.user_frame in (None, r.waiting_in) else f"{r.waiting_in} <- {r.user_frame}"
             console.print(f"rank {r.rank} main thread waits in {escape(where)}", highlight=False, soft_wrap=True)
-    coverage = manifest.get("coverage") or {}
-    _print_coverage(coverage, console)
-    console.print(f"Written: {escape(str(layout.stacks))}/  {escape(str(layout.gpu))}/  "
-                  f"{escape(str(layout.manifest))}  {escape(str(layout.job_log))}", highlight=False, soft_wrap=True)
-    console.print(f"Next: [bold]moedoctor analyze {escape(str(layout.path))}[/]", highlight=False, soft_wrap=True)
 
 
 def report_after_run(result: RunResult, console: Console) -> None:
@@ -67,6 +107,10 @@ def report_after_run(result: RunResult, console: Console) -> None:
                       " and the job left running (--keep-alive); see the manifest's hang record.", soft_wrap=True)
     if result.coverage is not None:
         _print_coverage({"complete": result.coverage.complete, "gaps": result.coverage.gaps}, console)
+    if result.job_exit is not None:  # ended by itself: explain it (a crashed rank, or confirm it was healthy)
+        written = analysis_report(layout, console, quiet_if_healthy=True)
+        if written is not None:
+            console.print(f"Report: {escape(str(written))}", highlight=False, soft_wrap=True)
     console.print(f"Run recorded in {escape(str(layout.path))}; next: "
                   f"[bold]moedoctor analyze {escape(str(layout.path))}[/]", highlight=False, soft_wrap=True)
 

@@ -1,0 +1,14 @@
+"""Turn recorded traces into the answer an on-call engineer needs: which ranks diverged, on which
+collective of which group, from which line, which known deadlock it is, what to do, and the command
+that proves the fix.
+
+``load_run(path) -> RunData`` reads a run directory, a folder of traces or Flight Recorder dumps;
+``analyze(run) -> Report`` returns typed findings; ``moedoctor.render`` turns them into a terminal
+page, JSON, HTML or a Perfetto trace. Nothing here imports torch, prints, or exits.
+"""
+
+from moedoctor.analysis.diagnosis import analyze
+from moedoctor.analysis.load import RunData, load_run
+from moedoctor.analysis.model import Report, Verdict
+
+__all__ = ["RunData", "Report", "Verdict", "analyze", "load_run"]

@@ -1,0 +1,322 @@
+"""``analyze(run) -> Report``: from traces, stacks and the manifest to a verdict with its evidence.
+
+1. Per group, the first sequence number where the ranks differ (``matching``), p2p per peer pair.
+2. The wait-for graph across groups and its cycles (``waitfor``).
+3. The primary divergence: a wait-for cycle first, then the earliest mismatch, then ranks missing
+   from a collective the others wait in, then (when the job hangs) a group stalled inside one
+   collective.
+4. The culprits (``culprits``) and the pattern (``patterns``), best score wins, ties unknown.
+5. The verdict, a one-sentence summary, the fix and the ``moedoctor verify`` command, and the rows
+   around the divergence for the side-by-side table.
+"""
+
+from __future__ import annotations
+
+import linecache
+import signal
+
+from moedoctor.analysis.culprits import Culprits, find_culprits
+from moedoctor.analysis.load import RunData
+from moedoctor.analysis.matching import all_divergences, stalled
+from moedoctor.analysis.model import (
+    AlignedRow, Candidate, Divergence, DivergenceKind, OpView, RankSummary, Report, Suggestion, Verdict, WaitEdge,
+)
+from moedoctor.analysis.patterns import THRESHOLD, TIE, Context, Finding, Pattern, by_id, classify_all, names
+from moedoctor.analysis.view import RunView
+from moedoctor.analysis.waitfor import chain_roots, find_cycle, roots, wait_edges
+
+#: Rows shown before and after the divergence in the side-by-side table.
+ROWS_BEFORE, ROWS_AFTER = 4, 2
+#: Rank columns shown at most.
+MAX_COLUMNS = 6
+
+
+def analyze(run: RunData) -> Report:
+    view = RunView(run)
+    incomplete = list(dict.fromkeys(run.incomplete + view.conflicts))
+    divs = all_divergences(view)
+    edges = wait_edges(view)
+    cycle = find_cycle(edges)
+    hang = _hang(view, edges)
+    if view.finished_cleanly:
+        for d in [d for d in divs if d.kind == DivergenceKind.MISSING or d.missing]:
+            incomplete.append(f"group {d.group.name}: {names(d.missing)}'s trace ends before #{d.seq} although the "
+                              "job finished cleanly (trace cut short)")
+            divs.remove(d)
+    primary = _primary(view, divs, edges, cycle, hang)
+    culprits = find_culprits(view, primary, edges, cycle)
+    ctx = Context(view, primary, culprits, edges, cycle, hang)
+    died = sorted(r for r in _all_ranks(view) if view.died(r))
+
+    pattern, finding, candidates = _choose(ctx, died)
+    culprit_ranks = list(culprits.ranks)
+    reasoning = culprits.reasoning
+    if not culprit_ranks and finding is not None and finding.culprits:
+        culprit_ranks = sorted(finding.culprits)
+        reasoning = f"{names(culprit_ranks)}: named by the {pattern.id} evidence"
+    if not culprit_ranks and primary is None and died:
+        culprit_ranks = _first_deaths(view, died)
+        reasoning = f"{names(culprit_ranks)} died; no collective divergence was recorded before"
+
+    verdict = _verdict(view, pattern, primary, hang, died)
+    if verdict == Verdict.HEALTHY:
+        pattern = finding = None
+        culprit_ranks, reasoning = [], "no divergence between ranks"
+    evidence = list(finding.evidence) if finding else []
+    evidence.extend(_death_evidence(view, died))
+    if pattern is not None and pattern.id == "unknown-desync" and len(candidates) > 1:
+        evidence.extend(f"candidate {c.pattern} ({c.score:.2f}): {'; '.join(c.evidence)}"
+                        for c in candidates if c.pattern != "unknown-desync")
+    fixes = list(pattern.fixes) if pattern else []
+    verify = f"moedoctor verify --fix {fixes[0]} --run {run.path}" if fixes else None
+    suggestion = _suggestion(pattern, finding, primary, culprit_ranks) if pattern else None
+    return Report(
+        source=str(run.path), source_kind=run.kind, verdict=verdict,
+        summary=_summary(view, verdict, pattern, primary, culprit_ranks, cycle, died, finding),
+        pattern=pattern.id if pattern else None, pattern_title=pattern.title if pattern else None,
+        culprit_ranks=culprit_ranks, culprit_reasoning=reasoning, divergence=primary, wait_for=edges, cycle=cycle,
+        evidence=evidence, candidates=candidates, fixes=fixes, verify_command=verify, suggestion=suggestion,
+        groups=divs, ranks=_rank_summaries(view), alignment=_alignment(view, primary, culprit_ranks)[0],
+        alignment_ranks=_alignment(view, primary, culprit_ranks)[1], incomplete=incomplete,
+        world_size=run.world_size, traced_ranks=view.ranks, collectives=_collective_count(run),
+    )
+
+
+# ---- what happened ------------------------------------------------------------------------------
+
+def _hang(view: RunView, edges: list[WaitEdge]) -> bool:
+    if view.hang_declared:
+        return True
+    if view.finished_cleanly:
+        return False
+    if edges:
+        return True
+    return any(view.last_event[r] is not None and view.last_event[r].completed is None and view.completion_tracked(r)
+               for r in view.ranks)
+
+
+def _primary(view: RunView, divs: list[Divergence], edges: list[WaitEdge], cycle: list[WaitEdge] | None,
+             hang: bool) -> Divergence | None:
+    if cycle:
+        groups = [e.group for e in cycle]
+        found = [d for d in divs if d.group.name in groups]
+        if found:
+            return min(found, key=lambda d: (groups.index(d.group.name), d.earliest))
+    mismatches = [d for d in divs
+                  if d.kind == DivergenceKind.MISMATCH or (d.kind == DivergenceKind.P2P and not d.missing)]
+    if mismatches:
+        return min(mismatches, key=lambda d: (d.earliest, d.group.name))
+    missing = [d for d in divs if d.missing]
+    if missing:
+        root_set = set(roots(edges))
+        return min(missing, key=lambda d: (not set(chain_roots(edges, d.missing)) & root_set, d.earliest, d.group.name))
+    if hang:
+        stuck = [s for s in (stalled(view, g) for g in sorted(view.groups)) if s is not None]
+        if stuck:
+            return min(stuck, key=lambda d: (-len(d.per_rank), d.earliest, d.group.name))
+    return None
+
+
+def _choose(ctx: Context, died: list[int]) -> tuple[Pattern | None, Finding | None, list[Candidate]]:
+    div = ctx.div
+    if div is not None and div.kind == DivergenceKind.MISSING and ctx.culprits.ranks and all(
+            ctx.view.died(r) for r in ctx.culprits.ranks):
+        return None, None, []  # the ranks the others wait for died: a crash, not a desync pattern
+    ranked = classify_all(ctx)
+    candidates = [Candidate(p.id, f.score, f.evidence) for p, f in ranked]
+    named = [(p, f) for p, f in ranked if p.id != "unknown-desync" and f.score >= THRESHOLD]
+    if named and (len(named) == 1 or named[0][1].score - named[1][1].score >= TIE):
+        return named[0][0], named[0][1], candidates
+    if ctx.desync_kind():
+        fallback = next(((p, f) for p, f in ranked if p.id == "unknown-desync"), None)
+        if fallback is None:
+            return by_id("unknown-desync"), Finding(0.0, ()), candidates
+        return fallback[0], fallback[1], candidates
+    if named:  # a tie between patterns that are not desyncs: name neither
+        return None, None, candidates
+    return None, None, candidates
+
+
+def _verdict(view: RunView, pattern: Pattern | None, div: Divergence | None, hang: bool, died: list[int]) -> Verdict:
+    if died:
+        return Verdict.CRASHED
+    if pattern is not None and pattern.desync:
+        return Verdict.DESYNC
+    if pattern is not None or hang:
+        return Verdict.STUCK
+    if div is not None and div.kind == DivergenceKind.MISMATCH:
+        return Verdict.DESYNC
+    return Verdict.HEALTHY
+
+
+def _all_ranks(view: RunView) -> list[int]:
+    ranks = set(view.ranks) | set(view.run.stacks)
+    if view.run.manifest is not None:
+        ranks |= set(view.run.manifest.exits)
+    return sorted(ranks)
+
+
+def _signal_name(code: int) -> str | None:
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return None
+
+
+def _first_deaths(view: RunView, died: list[int]) -> list[int]:
+    """The ranks that died first, as far as the exit statuses tell: a signal other than the
+    SIGTERM/SIGKILL a launcher sends when tearing the job down, else every rank that died."""
+    teardown = (signal.SIGTERM, signal.SIGKILL)
+    own = [r for r in died if (view.exit_code(r) or 0) < 0 and -view.exit_code(r) not in teardown]
+    return own or died
+
+
+def _death_evidence(view: RunView, died: list[int]) -> list[str]:
+    out = []
+    for r in died:
+        code = view.exit_code(r)
+        sig = _signal_name(code)
+        if sig == "SIGABRT":
+            out.append(f"rank {r} died of SIGABRT (exit {code}): Gloo aborts a rank when the sizes of a collective "
+                       "differ across ranks")
+        elif sig in ("SIGTERM", "SIGKILL"):
+            out.append(f"rank {r} was killed with {sig} (exit {code}), as the launcher does once another rank failed")
+        elif sig:
+            out.append(f"rank {r} died of {sig} (exit {code})")
+        else:
+            out.append(f"rank {r} exited with status {code}")
+    return out
+
+
+def _collective_count(run: RunData) -> int:
+    return sum(sum(g.values()) for g in run.last_seq.values()) + sum(sum(p.values()) for p in run.last_p2p.values())
+
+
+# ---- how to say it ------------------------------------------------------------------------------
+
+def _summary(view: RunView, verdict: Verdict, pattern: Pattern | None, div: Divergence | None, culprits: list[int],
+             cycle: list[WaitEdge] | None, died: list[int], finding: Finding | None) -> str:
+    if verdict == Verdict.HEALTHY:
+        return (f"Healthy: {_collective_count(view.run)} collectives on {len(view.groups)} group(s) agree across "
+                f"{len(view.ranks)} rank(s) and nothing is stuck.")
+    prefix = ""
+    if died:
+        first = _first_deaths(view, died)
+        how = ", ".join(f"{_signal_name(view.exit_code(r)) or f'exit {view.exit_code(r)}'}" for r in first)
+        prefix = f"Crashed: {names(first)} died ({how}). "
+    title = f"{pattern.title}: " if pattern else ""
+    if cycle:
+        parts = "; ".join(f"rank {e.rank} waits on group {e.group} for {names(e.waits_for)}" for e in cycle)
+        return f"{prefix}{title}{parts}: a wait-for cycle across groups that no single group shows."
+    if div is None:
+        if pattern is not None and finding is not None and finding.evidence:
+            return f"{prefix}{title}{finding.evidence[0]}."
+        if verdict == Verdict.STUCK:
+            return f"{prefix}Stuck: no rank made progress, but the traces show no divergence between ranks."
+        return f"{prefix}No collective divergence was recorded.".strip()
+    where = f"#{div.seq} of group {div.group.label()}"
+    if div.kind == DivergenceKind.STALLED:
+        v = next(iter(div.per_rank.values()))
+        return (f"{prefix}{title}every rank of group {div.group.label()} is inside the same {v.op} #{div.seq} "
+                f"({v.short_site}) with matching shapes and none completed it: suspect the hardware or network, "
+                "not the code.")
+    if pattern is not None and pattern.id == "straggler":
+        r = culprits[0] if culprits else div.missing[0]
+        frame = view.stack_frame(r)
+        stuck = (f" is stuck in {frame.function} ({frame.file.rsplit('/', 1)[-1]}:{frame.line})" if frame
+                 else " never arrives (no stack shows where it is)")
+        waiting = [x for x, v in div.per_rank.items() if v is not None]
+        v = div.per_rank[waiting[0]]
+        return (f"{prefix}{title}rank {r}{stuck}, outside any collective, while {names(waiting)} "
+                f"{'waits' if len(waiting) == 1 else 'wait'} in {v.op} {where}.")
+    parts = []
+    same_op = len({v.op for v in div.per_rank.values() if v is not None}) == 1
+    for cls in div.classes[:3]:
+        v = div.per_rank.get(cls[0])
+        site = ", ".join(x for x in (v.short_site, v.phase) if x) if v is not None else ""
+        shapes = (" " + ",".join(str(list(s)) for s in v.shapes[:2])) if v is not None and same_op else ""
+        did = "never issued it" if v is None else f"issued {v.op}{shapes} ({site})"
+        parts.append(f"{names(cls)} {did}")
+    blame = f"; culprit {names(culprits)}" if culprits else "; culprit undetermined"
+    return f"{prefix}{title}at {where}, " + " while ".join(parts) + blame + "."
+
+
+def _suggestion(pattern: Pattern, finding: Finding | None, div: Divergence | None, culprits: list[int]) -> Suggestion:
+    s = finding.suggestion if finding is not None else None
+    if s is None:
+        v = None
+        if div is not None:
+            v = next((div.per_rank[r] for r in culprits if div.per_rank.get(r) is not None), None)
+            v = v or next((x for x in div.per_rank.values() if x is not None), None)
+        s = Suggestion(v.call_site if v else None, v.function if v else None, pattern.advice)
+    if s.call_site and s.source_line is None:
+        file, _, line = s.call_site.rpartition(":")
+        text = linecache.getline(file, int(line)).strip() if line.isdigit() else ""
+        s = Suggestion(s.call_site, s.function, s.text, text or None)
+    return s
+
+
+def _rank_summaries(view: RunView) -> list[RankSummary]:
+    out = []
+    for r in _all_ranks(view):
+        last = view.last_event.get(r)
+        frame = view.stack_frame(r)
+        dump = view.stack(r)
+        stack = (f"{frame.function} ({frame.file.rsplit('/', 1)[-1]}:{frame.line})" if frame
+                 else (f"unavailable: {dump.error.split('. ')[0]}" if dump is not None and dump.error else None))
+        m = view.run.manifest
+        exit_ = m.exits.get(r) if m is not None else None
+        out.append(RankSummary(
+            rank=r, last=OpView.of(last) if last else None, group=last.group.name if last else None,
+            waiting=last is not None and last.completed is None, stack=stack, in_collective=view.in_distributed(r),
+            exit_code=exit_.exit_code if exit_ else None, exit_source=exit_.source if exit_ else None))
+    return out
+
+
+def _alignment(view: RunView, div: Divergence | None, culprits: list[int]) -> tuple[list[AlignedRow], list[int]]:
+    if div is None:
+        return [], []
+    columns: list[int] = []
+    for r in culprits:
+        if r in div.per_rank and r not in columns:
+            columns.append(r)
+    for cls in div.classes:
+        if not any(r in columns for r in cls):
+            columns.append(cls[0])
+    for r in div.per_rank:
+        if len(columns) >= 2:
+            break
+        if r not in columns:
+            columns.append(r)
+    columns = sorted(columns[:MAX_COLUMNS])
+    group = div.group.name
+    if div.kind == DivergenceKind.P2P and div.peers:
+        a, b = div.peers
+        maps = {a: view.p2p_peers(group).get(a, {}).get(b, {}), b: view.p2p_peers(group).get(b, {}).get(a, {})}
+    else:
+        maps = {r: view.seq_map(r, group) for r in div.per_rank}
+    rows = []
+    for seq in range(max(1, div.seq - ROWS_BEFORE), div.seq + ROWS_AFTER + 1):
+        events = {r: maps.get(r, {}).get(seq) for r in maps}
+        if not any(events.values()):
+            continue
+        sigs = {r: (e.signature(), e.reduce_op) if e is not None else None for r, e in events.items()
+                if e is not None or (div.kind != DivergenceKind.P2P and view.never_reached(r, group, seq))}
+        counts: dict = {}
+        for s in sigs.values():
+            key = None if s is None else s[0]
+            counts[key] = counts.get(key, 0) + 1
+        majority = max(counts, key=lambda k: (counts[k], k is not None)) if counts else None
+        if div.kind == DivergenceKind.P2P and seq == div.seq:
+            diverging = frozenset(columns)
+        else:
+            tied = list(counts.values()).count(counts[majority]) > 1 if counts else False
+            diverging = frozenset(r for r, s in sigs.items() if r in columns and len(counts) > 1
+                                  and ((s[0] if s else None) != majority or tied))
+        rows.append(AlignedRow(seq, {r: OpView.of(events[r]) if events.get(r) else None for r in columns}, diverging))
+    return rows, columns
+
+
+__all__ = ["analyze", "Culprits"]

@@ -1,0 +1,524 @@
+"""``load_run(path) -> RunData``: everything the analysis reads, parsed at the boundary.
+
+PATH is a run directory (``manifest.json``, ``traces/``, ``stacks/``, ``gpu/``), a folder of
+moedoctor traces (``rank-*.jsonl``), one trace file, or a folder of PyTorch Flight Recorder dumps.
+Damaged input never raises: a truncated or corrupt record, an unreadable or foreign file, a missing
+rank, a stack dump or manifest that does not parse, each becomes a line of ``RunData.incomplete``
+and the analysis goes on with what is left. Only a path that holds nothing to analyze at all raises
+``MoedoctorError`` (exit status 2).
+
+Traces larger than ``stream_above`` bytes in all are not loaded whole: ``moedoctor.analysis.scan``
+hashes each rank's collectives per group in one streaming pass, finds where the ranks first differ,
+and loads only those windows and each file's tail (``RunData.windowed``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moedoctor.errors import EXIT_USAGE, MoedoctorError
+from moedoctor.events import CallSite, CollectiveEvent, Coverage, Evidence
+from moedoctor.runner.manifest import HangRecord, RankExit, hang_of, load_manifest
+from moedoctor.runner.stacks import StackDump, read_stack_dump
+from moedoctor.trace.reader import Annotation, Completion, RankTrace, TraceError, TraceFile, trace_paths
+
+#: Above this many bytes of trace files the streaming path is used (see ``moedoctor.analysis.scan``).
+STREAM_THRESHOLD = 64 << 20
+
+
+class SourceKind:
+    RUN_DIR = "run-dir"
+    TRACES = "traces"
+    FLIGHT_RECORDER = "flight-recorder"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuDevice:
+    index: int
+    name: str | None
+    utilization: int | None          # percent, GPU
+    memory_used: int | None
+    memory_total: int | None
+    ecc_uncorrected: int | None      # volatile uncorrected ECC errors
+    retired_pending: bool | None
+    remapped_failure: bool | None
+    processes: int
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSnapshot:
+    """``gpu/<host>.json``: NVML's view of one node when the hang was declared."""
+
+    host: str
+    available: bool
+    reason: str | None
+    devices: tuple[GpuDevice, ...] = ()
+
+
+@dataclass
+class ManifestInfo:
+    """What the analysis uses of ``manifest.json``."""
+
+    status: str | None
+    hang: HangRecord | None
+    exits: dict[int, RankExit]
+    world_size: int | None
+    coverage_gaps: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunData:
+    """The input of ``analyze``.
+
+    ``last_seq[rank][group]`` is the last collective sequence number each rank issued on each group
+    and ``last_p2p[rank][(group, peer)]`` the last p2p sequence number per peer: exact even when
+    ``windowed`` (then ``traces`` hold only the events around the divergence and at each file's
+    end). ``open_ended`` ranks have traces that stop before the rank did (event cap): beyond their
+    last event nothing is known, so they are never counted as missing there."""
+
+    path: Path
+    kind: str
+    traces: list[RankTrace]
+    world_size: int | None = None
+    stacks: dict[int, StackDump] = field(default_factory=dict)
+    gpus: list[GpuSnapshot] = field(default_factory=list)
+    manifest: ManifestInfo | None = None
+    incomplete: list[str] = field(default_factory=list)
+    last_seq: dict[int, dict[str, int]] = field(default_factory=dict)
+    last_p2p: dict[int, dict[tuple[str, int], int]] = field(default_factory=dict)
+    open_ended: set[int] = field(default_factory=set)
+    windowed: bool = False
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(t.rank for t in self.traces)
+
+    @property
+    def trace_of(self) -> dict[int, RankTrace]:
+        return {t.rank: t for t in self.traces}
+
+
+def load_run(path: Path | str, *, stream_above: int = STREAM_THRESHOLD, workers: int | None = None) -> RunData:
+    """Read a run directory, a folder of traces, one trace file or Flight Recorder dumps."""
+    path = Path(path)
+    if not path.exists():
+        raise MoedoctorError(f"{path}: no such file or directory", EXIT_USAGE)
+    if path.is_file():
+        return _finish(RunData(path=path, kind=SourceKind.TRACES, traces=[]), [path], stream_above, workers,
+                       note_other_ranks=True)
+    if not path.is_dir():
+        raise MoedoctorError(f"{path}: not a file or directory", EXIT_USAGE)
+    if (path / "manifest.json").exists() or (path / "traces").is_dir():
+        run = RunData(path=path, kind=SourceKind.RUN_DIR, traces=[])
+        run.manifest = _read_manifest(path / "manifest.json", run.incomplete)
+        run.stacks = _read_stacks(path / "stacks", run.incomplete)
+        run.gpus = _read_gpus(path / "gpu", run.incomplete)
+        paths = trace_paths(path / "traces")
+        if not paths:
+            run.incomplete.append("no trace files in traces/ (no rank reached init_process_group, or the "
+                                  "recorder was not loaded)")
+        return _finish(run, paths, stream_above, workers)
+    paths = trace_paths(path)
+    if paths:
+        return _finish(RunData(path=path, kind=SourceKind.TRACES, traces=[]), paths, stream_above, workers)
+    return _load_flight_recorder(path)
+
+
+def _finish(run: RunData, paths: list[Path], stream_above: int, workers: int | None,
+            note_other_ranks: bool = False) -> RunData:
+    total = sum(_size(p) for p in paths)
+    if total > stream_above:
+        from moedoctor.analysis.scan import load_windowed
+
+        load_windowed(run, paths, workers=workers)
+    else:
+        for p in paths:
+            trace = read_rank_trace(p, run.incomplete)
+            if trace is not None:
+                run.traces.append(trace)
+    _dedupe_and_sort(run)
+    if not run.windowed:
+        run.last_seq, run.last_p2p = last_sequences(run.traces)
+    for t in run.traces:
+        if t.capped:
+            run.open_ended.add(t.rank)
+            run.incomplete.append(f"rank {t.rank}: the trace stopped at the event cap (--max-events); later "
+                                  "collectives are not recorded")
+    _note_world(run, note_other_ranks)
+    return run
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _dedupe_and_sort(run: RunData) -> None:
+    seen: dict[int, RankTrace] = {}
+    for t in run.traces:
+        if t.rank in seen:
+            run.incomplete.append(f"{t.path.name}: rank {t.rank} already read from {seen[t.rank].path.name}; "
+                                  "left out (traces of two runs in one folder?)")
+            continue
+        seen[t.rank] = t
+    run.traces = [seen[r] for r in sorted(seen)]
+
+
+def _note_world(run: RunData, note_other_ranks: bool) -> None:
+    sizes = {t.header.world_size for t in run.traces}
+    if run.manifest is not None and run.manifest.world_size:
+        sizes.add(run.manifest.world_size)
+    if len(sizes) > 1:
+        run.incomplete.append(f"traces disagree on the world size ({sorted(sizes)}): traces of different runs?")
+    run.world_size = max(sizes) if sizes else None
+    if run.world_size:
+        absent = sorted(set(range(run.world_size)) - {t.rank for t in run.traces})
+        if absent and (run.traces or run.kind != SourceKind.RUN_DIR or note_other_ranks):
+            run.incomplete.append(f"no trace of rank{'s' if len(absent) > 1 else ''} {_ranges(absent)}"
+                                  f" (of world size {run.world_size})")
+
+
+def _ranges(ranks: list[int]) -> str:
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(out)
+
+
+# ---- traces -------------------------------------------------------------------------------------
+
+def read_rank_trace(path: Path, incomplete: list[str]) -> RankTrace | None:
+    """One rank's trace, tolerant of any damage: every record that does not parse or does not
+    type-check is skipped and noted. Returns None (noted) for a file that is not a readable
+    moedoctor trace at all."""
+    try:
+        tf = TraceFile(path)
+        f = open(tf.path, "rb")
+    except (TraceError, OSError, ValueError) as e:
+        incomplete.append(f"{Path(path).name}: left out: {e}")
+        return None
+    folder = TraceFolder(tf)
+    with f:
+        offset = len(f.readline())
+        for line in f:
+            if not folder.feed(line, offset):
+                break
+            offset += len(line)
+    trace = folder.finish()
+    incomplete.extend(trace.problems)
+    return trace
+
+
+class TraceFolder:
+    """Folds records, line by line, into a ``RankTrace``: completions and annotations into their
+    events. Every line is type-checked; a bad one costs that line only."""
+
+    MAX_NOTED = 3
+
+    def __init__(self, tf: TraceFile):
+        self.tf = tf
+        self.trace = RankTrace(path=tf.path, header=tf.header, problems=list(tf.problems))
+        self.index: dict[int, int] = {}
+        self.bad = 0
+
+    def feed(self, line: bytes, offset: int) -> bool:
+        """Add one line; False when it is a truncated last line (stop reading)."""
+        if not line.endswith(b"\n"):
+            self.trace.problems.append(f"{self.tf.path.name}: last record truncated (byte {offset})")
+            return False
+        try:
+            item = _checked(self.tf.parse_line(line))
+        except Exception as e:  # noqa: BLE001 - any damage in one record costs that record only
+            self.bad += 1
+            if self.bad <= self.MAX_NOTED:
+                self.trace.problems.append(f"{self.tf.path.name}: corrupt record at byte {offset} "
+                                           f"({type(e).__name__})")
+            return True
+        trace, index = self.trace, self.index
+        if item is None:
+            pass
+        elif isinstance(item, CollectiveEvent):
+            index[item.event_id] = len(trace.events)
+            trace.events.append(item)
+        elif isinstance(item, Completion):
+            # The events were made by this folder a moment ago and nobody else holds them yet:
+            # filling in a field in place saves a dataclasses.replace per event (the hot path).
+            for event_id in item.event_ids:
+                pos = index.get(event_id)
+                if pos is not None and trace.events[pos].completed is None:
+                    object.__setattr__(trace.events[pos], "completed", item.time)
+        elif isinstance(item, Annotation):
+            pos = index.get(item.event_id)
+            if pos is not None:
+                object.__setattr__(trace.events[pos], "reduce_op", item.reduce_op)
+        elif isinstance(item, Evidence):
+            trace.evidence.append(item)
+        elif isinstance(item, Coverage):
+            trace.coverage.append(item)
+        return True
+
+    def finish(self) -> RankTrace:
+        if self.bad > self.MAX_NOTED:
+            self.trace.problems.append(f"{self.tf.path.name}: {self.bad - self.MAX_NOTED} more corrupt records")
+        self.trace.groups = {g.name: g for g in self.tf.groups.values() if _is_group(g)}
+        self.trace.capped = self.tf.capped
+        return self.trace
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+_GOOD_SHAPES: set = set()
+_GOOD_STRINGS: set = set()
+
+
+def _shapes(x) -> bool:
+    try:
+        if x in _GOOD_SHAPES:  # shapes repeat: check each distinct one once
+            return True
+    except TypeError:
+        return False
+    ok = isinstance(x, tuple) and all(isinstance(s, tuple) and all(_int(d) for d in s) for s in x)
+    if ok and len(_GOOD_SHAPES) < 100_000:
+        _GOOD_SHAPES.add(x)
+    return ok
+
+
+def _strs(x) -> bool:
+    try:
+        if x in _GOOD_STRINGS:
+            return True
+    except TypeError:
+        return False
+    ok = isinstance(x, tuple) and all(isinstance(d, str) for d in x)
+    if ok and len(_GOOD_STRINGS) < 10_000:
+        _GOOD_STRINGS.add(x)
+    return ok
+
+
+_GOOD_GROUPS: set = set()
+
+
+def _is_group(g) -> bool:
+    try:
+        if g in _GOOD_GROUPS:
+            return True
+    except TypeError:
+        return False
+    ok = (isinstance(g.name, str) and isinstance(g.desc, str) and isinstance(g.ranks, tuple)
+          and all(_int(r) for r in g.ranks))
+    if ok and len(_GOOD_GROUPS) < 10_000:
+        _GOOD_GROUPS.add(g)
+    return ok
+
+
+def _checked(item):
+    """The record if its fields have the types ``moedoctor.events`` promises; raises otherwise."""
+    if item is None:
+        return None
+    if isinstance(item, CollectiveEvent):
+        ok = (_int(item.event_id) and _num(item.time) and _int(item.seq) and isinstance(item.op, str)
+              and isinstance(item.raw_op, str) and _shapes(item.in_shapes) and _shapes(item.out_shapes)
+              and _strs(item.dtypes) and isinstance(item.reduce_op, (str, type(None)))
+              and _int(item.step) and isinstance(item.module, (str, type(None)))
+              and (item.peer is None or _int(item.peer)) and (item.p2p_seq is None or _int(item.p2p_seq))
+              and _is_group(item.group) and isinstance(item.thread, str)
+              and (item.call_site is None or _site_ok(item.call_site)))
+        if not ok:
+            raise TypeError("collective record of the wrong types")
+        return item
+    if isinstance(item, Completion):
+        if not (_num(item.time) and all(_int(i) for i in item.event_ids)):
+            raise TypeError("completion record of the wrong types")
+        return item
+    if isinstance(item, Annotation):
+        if not (_int(item.event_id) and isinstance(item.reduce_op, (str, type(None)))):
+            raise TypeError("annotation record of the wrong types")
+        return item
+    if isinstance(item, Evidence):
+        if not (isinstance(item.kind, str) and _int(item.step) and _num(item.time) and isinstance(item.data, dict)):
+            raise TypeError("evidence record of the wrong types")
+        return item
+    if isinstance(item, Coverage):
+        if not (_int(item.dropped) and all(isinstance(g.group, str) and _int(g.recorded)
+                                           and (g.backend is None or _int(g.backend)) for g in item.groups)):
+            raise TypeError("coverage record of the wrong types")
+        return item
+    raise TypeError(f"unknown record {type(item).__name__}")
+
+
+def _site_ok(site: CallSite) -> bool:
+    return isinstance(site.file, str) and _int(site.line) and isinstance(site.function, str)
+
+
+def last_sequences(traces: list[RankTrace]) -> tuple[dict[int, dict[str, int]], dict[int, dict[tuple[str, int], int]]]:
+    last_seq: dict[int, dict[str, int]] = {}
+    last_p2p: dict[int, dict[tuple[str, int], int]] = {}
+    for t in traces:
+        seqs: dict[str, int] = {}
+        p2p: dict[tuple[str, int], int] = {}
+        for g in t.groups:
+            seqs.setdefault(g, 0)
+        for e in t.events:
+            if e.is_p2p:
+                if e.peer is not None and e.p2p_seq is not None:
+                    key = (e.group.name, e.peer)
+                    p2p[key] = max(p2p.get(key, 0), e.p2p_seq)
+            else:
+                seqs[e.group.name] = max(seqs.get(e.group.name, 0), e.seq)
+        last_seq[t.rank], last_p2p[t.rank] = seqs, p2p
+    return last_seq, last_p2p
+
+
+# ---- manifest, stacks, GPU ----------------------------------------------------------------------
+
+def _read_manifest(path: Path, incomplete: list[str]) -> ManifestInfo | None:
+    if not path.exists():
+        incomplete.append("no manifest.json: rank exit statuses and the hang record are unknown")
+        return None
+    try:
+        raw = load_manifest(path)
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        incomplete.append(f"manifest.json unreadable ({e}): rank exit statuses and the hang record are unknown")
+        return None
+    info = ManifestInfo(status=raw.get("status") if isinstance(raw.get("status"), str) else None, hang=None,
+                        exits={}, world_size=raw.get("world_size") if _int(raw.get("world_size")) else None)
+    try:
+        info.hang = hang_of(raw)
+    except Exception as e:  # noqa: BLE001 - a damaged hang record leaves the rest usable
+        incomplete.append(f"manifest.json: hang record unreadable ({type(e).__name__})")
+    ranks = raw.get("ranks")
+    if isinstance(ranks, dict):
+        for entry in ranks.values():
+            try:
+                exit_ = RankExit(**entry)
+                if _int(exit_.rank) and (exit_.exit_code is None or _int(exit_.exit_code)):
+                    info.exits[exit_.rank] = exit_
+            except (TypeError, ValueError):
+                incomplete.append("manifest.json: a rank's exit entry is unreadable")
+    coverage = raw.get("coverage")
+    if isinstance(coverage, dict) and not coverage.get("complete", True):
+        for gap in coverage.get("gaps") or ():
+            if isinstance(gap, dict):
+                info.coverage_gaps.append(_gap_text(gap))
+    return info
+
+
+def _gap_text(gap: dict) -> str:
+    if "problem" in gap:
+        return f"rank {gap.get('rank')}: {gap['problem']}"
+    return (f"rank {gap.get('rank')}, group {gap.get('group')}: {gap.get('recorded')} collectives recorded, "
+            f"the backend counted {gap.get('backend')}")
+
+
+def _read_stacks(folder: Path, incomplete: list[str]) -> dict[int, StackDump]:
+    stacks: dict[int, StackDump] = {}
+    if not folder.is_dir():
+        return stacks
+    for p in sorted(folder.glob("rank-*.json")):
+        try:
+            dump = read_stack_dump(p)
+        except Exception as e:  # noqa: BLE001
+            incomplete.append(f"stacks/{p.name} unreadable ({type(e).__name__})")
+            continue
+        stacks[dump.rank] = dump
+    return stacks
+
+
+def _read_gpus(folder: Path, incomplete: list[str]) -> list[GpuSnapshot]:
+    snapshots = []
+    if not folder.is_dir():
+        return snapshots
+    for p in sorted(folder.glob("*.json")):
+        try:
+            raw = json.loads(p.read_text())
+            snapshots.append(_gpu(raw, p.stem))
+        except Exception as e:  # noqa: BLE001
+            incomplete.append(f"gpu/{p.name} unreadable ({type(e).__name__})")
+    return snapshots
+
+
+def _gpu(raw: dict, host: str) -> GpuSnapshot:
+    if not isinstance(raw, dict):
+        raise ValueError("not a JSON object")
+    if not raw.get("available"):
+        return GpuSnapshot(str(raw.get("host", host)), False, str(raw.get("reason") or "unavailable"))
+    devices = []
+    for d in raw.get("gpus") or ():
+        util = d.get("utilization") or {}
+        mem = d.get("memory") or {}
+        ecc = d.get("ecc_errors") or {}
+        retired = d.get("retired_pages") or {}
+        remap = d.get("remapped_rows") or {}
+        devices.append(GpuDevice(
+            index=int(d.get("index", len(devices))), name=d.get("name"), utilization=util.get("gpu"),
+            memory_used=mem.get("used"), memory_total=mem.get("total"),
+            ecc_uncorrected=ecc.get("volatile_uncorrected"), retired_pending=retired.get("pending"),
+            remapped_failure=bool(remap.get("failure")) if remap else None,
+            processes=len(d.get("processes") or ())))
+    return GpuSnapshot(str(raw.get("host", host)), True, None, tuple(devices))
+
+
+# ---- Flight Recorder ----------------------------------------------------------------------------
+
+def _load_flight_recorder(path: Path) -> RunData:
+    try:
+        from moedoctor.trace import flight_recorder
+    except ImportError:
+        flight_recorder = None
+    if flight_recorder is None:
+        if _looks_like_flight_recorder(path):
+            raise MoedoctorError(
+                f"{path} looks like Flight Recorder dumps, which this moedoctor cannot read yet "
+                "(moedoctor.trace.flight_recorder is not installed)", EXIT_USAGE)
+        raise MoedoctorError(_nothing_here(path), EXIT_USAGE)
+    if not flight_recorder.is_flight_recorder_dir(path):
+        raise MoedoctorError(_nothing_here(path), EXIT_USAGE)
+    try:
+        fr = flight_recorder.read_flight_recorder(path)
+    except MoedoctorError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a reader failure is bad input, not a crash
+        raise MoedoctorError(f"{path}: Flight Recorder dumps could not be read ({type(e).__name__}: {e})",
+                             EXIT_USAGE) from None
+    run = RunData(path=path, kind=SourceKind.FLIGHT_RECORDER, traces=list(fr.traces))
+    run.incomplete.extend(fr.incomplete)
+    _dedupe_and_sort(run)
+    run.last_seq, run.last_p2p = last_sequences(run.traces)
+    _note_world(run, note_other_ranks=True)
+    return run
+
+
+def _nothing_here(path: Path) -> str:
+    return (f"{path}: nothing to analyze: not a moedoctor run directory (manifest.json, traces/), no "
+            "moedoctor traces (rank-*.jsonl) and no Flight Recorder dumps")
+
+
+def _looks_like_flight_recorder(path: Path) -> bool:
+    for p in sorted(path.iterdir())[:64]:
+        if not p.is_file():
+            continue
+        try:
+            with open(p, "rb") as f:
+                head = f.read(65536)
+        except OSError:
+            continue
+        if head[:1] == b"\x80" or (head.lstrip()[:1] == b"{" and (b'"entries"' in head or b'"pg_config"' in head)):
+            return True
+    return False

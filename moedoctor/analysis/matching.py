@@ -1,0 +1,131 @@
+"""Per-group matching: the first sequence number where the ranks of a group disagree.
+
+Collectives are matched by (group, seq), p2p ops by (group, peer pair, p2p seq); the ranks that did
+the same thing at that point form classes, ordered by size then lowest rank, so neither the
+matching nor the classes depend on the order trace files were read in.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from moedoctor.analysis.model import Divergence, DivergenceKind, OpView
+from moedoctor.analysis.view import RunView
+from moedoctor.events import CollectiveEvent
+
+
+def first_divergence(view: RunView, group: str) -> Divergence | None:
+    """The first seq of ``group`` where the traced members' collectives differ (op, shapes,
+    dtypes, or reduce op where both sides know it), or some members never issued it."""
+    members = view.traced_members(group)
+    if len(members) < 2:
+        return None
+    maps = {r: view.seq_map(r, group) for r in members}
+    for seq in view.seqs(group):
+        present = {r: maps[r][seq] for r in members if seq in maps[r]}
+        if not present:
+            continue
+        missing = tuple(r for r in members if r not in present and view.never_reached(r, group, seq))
+        classes = _classes(present)
+        if missing or len(classes) > 1:
+            classes = classes + ([missing] if missing else [])
+            return _divergence(view, group, seq, present, missing, classes,
+                               DivergenceKind.MISMATCH if len(_classes(present)) > 1 else DivergenceKind.MISSING)
+    return None
+
+
+def stalled(view: RunView, group: str) -> Divergence | None:
+    """Every traced member's last collective on ``group`` is the same one (same seq, same
+    signature) and none of them completed it: the group is stuck *inside* one collective."""
+    members = view.traced_members(group)
+    if len(members) < 2 or len(members) < len(view.groups[group].ranks):
+        return None
+    seqs = {view.last_seq(r, group) for r in members}
+    if len(seqs) != 1:
+        return None
+    seq = seqs.pop()
+    present = {r: view.event(r, group, seq) for r in members}
+    if seq == 0 or any(e is None or e.completed is not None for e in present.values()):
+        return None
+    if len(_classes(present)) != 1:
+        return None
+    return _divergence(view, group, seq, present, (), [tuple(members)], DivergenceKind.STALLED)
+
+
+def p2p_divergences(view: RunView, group: str) -> list[Divergence]:
+    """Per peer pair of ``group``: the first p2p op without its complement on the peer (a send
+    without the matching recv, or different shapes), by p2p sequence number."""
+    peers = view.p2p_peers(group)
+    pairs = sorted({tuple(sorted((a, b))) for a, by_peer in peers.items() for b in by_peer if a != b})
+    found = []
+    for a, b in pairs:
+        ea, eb = peers.get(a, {}).get(b, {}), peers.get(b, {}).get(a, {})
+        for n in sorted(set(ea) | set(eb)):
+            x, y = ea.get(n), eb.get(n)
+            if x is None and y is None:
+                continue
+            if x is None or y is None:
+                lagging, there = (a, b) if x is None else (b, a)
+                count = view.last_p2p(lagging, group, there)
+                if lagging in view.traces and lagging not in view.run.open_ended and count < n:
+                    present = {there: x or y}
+                    found.append(_divergence(view, group, n, present, (lagging,), [(there,), (lagging,)],
+                                             DivergenceKind.P2P, peers=(a, b)))
+                    break
+                continue
+            if {x.op, y.op} != {"send", "recv"} or _payload(x) != _payload(y):
+                found.append(_divergence(view, group, n, {a: x, b: y}, (), [(a,), (b,)],
+                                         DivergenceKind.P2P, peers=(a, b)))
+                break
+    return found
+
+
+def _payload(e: CollectiveEvent) -> tuple:
+    return (e.in_shapes or e.out_shapes, e.dtypes)
+
+
+def _classes(present: dict[int, CollectiveEvent]) -> list[tuple[int, ...]]:
+    """Ranks grouped by what they issued; a reduce op splits a class only where both are known."""
+    by_sig: dict[tuple, list[int]] = defaultdict(list)
+    for r in sorted(present):
+        by_sig[present[r].signature()].append(r)
+    classes: list[list[int]] = []
+    for ranks in by_sig.values():
+        known: dict[str, list[int]] = defaultdict(list)
+        unknown = []
+        for r in ranks:
+            (known[present[r].reduce_op] if present[r].reduce_op else unknown).append(r)
+        if len(known) <= 1:
+            classes.append(ranks)
+            continue
+        split = sorted(known.values(), key=lambda rs: (-len(rs), rs[0]))
+        split[0] = sorted(split[0] + unknown)
+        classes.extend(split)
+    return sorted((tuple(c) for c in classes), key=lambda c: (-len(c), c[0]))
+
+
+def _divergence(view: RunView, group: str, seq: int, present: dict[int, CollectiveEvent], missing: tuple[int, ...],
+                classes: list[tuple[int, ...]], kind: DivergenceKind,
+                peers: tuple[int, int] | None = None) -> Divergence:
+    per_rank: dict[int, OpView | None] = {r: OpView.of(e) for r, e in sorted(present.items())}
+    for r in missing:
+        per_rank[r] = None
+    per_rank = dict(sorted(per_rank.items()))
+    return Divergence(kind=kind, group=view.groups[group], seq=seq, per_rank=per_rank,
+                      classes=sorted(classes, key=lambda c: (-len(c), c[0])), missing=tuple(sorted(missing)),
+                      peers=peers)
+
+
+def all_divergences(view: RunView) -> list[Divergence]:
+    """Every group's first divergence (collectives and p2p), in group-name order."""
+    found = []
+    for group in sorted(view.groups, key=_group_key):
+        div = first_divergence(view, group)
+        if div is not None:
+            found.append(div)
+        found.extend(p2p_divergences(view, group))
+    return found
+
+
+def _group_key(name: str):
+    return (0, int(name), "") if name.isdigit() else (1, 0, name)

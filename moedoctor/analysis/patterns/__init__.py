@@ -1,0 +1,111 @@
+"""The registry of deadlock patterns: one small module each.
+
+Every module defines ``PATTERN``: its id, a title, the fix modules that address it (names that
+``moedoctor verify --fix NAME`` takes), whether it is a code desync, and ``classify(ctx)``, which
+returns a ``Finding`` (a score in [0, 1] and the evidence strings it used) or None. Its docstring
+states the mechanism, the evidence it reads and the risk of a wrong call.
+
+``classify_all`` runs every pattern; the analysis takes the best score, and calls it
+``unknown-desync`` (listing every candidate) when the best two are tied or none reaches
+``THRESHOLD``. See ``docs/analysis.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from moedoctor.analysis.culprits import Culprits
+from moedoctor.analysis.model import Divergence, DivergenceKind, OpView, Suggestion, WaitEdge
+from moedoctor.analysis.view import RunView
+from moedoctor.events import CollectiveEvent
+
+#: A pattern needs at least this score to be named.
+THRESHOLD = 0.4
+#: Scores closer than this are a tie.
+TIE = 0.01
+
+MODULES = (
+    "skipped_optimizer_step", "inflight_metric_allreduce", "uneven_dtensor_allgather", "inactive_experts",
+    "rank_conditional_collective", "microbatch_count_mismatch", "collective_order_inversion", "shape_mismatch",
+    "straggler", "not_a_desync", "unknown_desync",
+)
+
+
+@dataclass(frozen=True)
+class Finding:
+    score: float
+    evidence: tuple[str, ...]
+    culprits: tuple[int, ...] | None = None   # a pattern's own culprits, used when the generic rules found none
+    suggestion: Suggestion | None = None
+
+
+@dataclass
+class Context:
+    """What a classifier sees: the run, the divergence chosen as primary, the generic culprits and
+    the wait-for graph."""
+
+    view: RunView
+    div: Divergence | None
+    culprits: Culprits
+    edges: list[WaitEdge]
+    cycle: list[WaitEdge] | None
+    hang: bool
+
+    def event(self, rank: int) -> CollectiveEvent | None:
+        """The rank's collective at the divergence (None: it never issued one there)."""
+        div = self.div
+        if div is None:
+            return None
+        if div.kind == DivergenceKind.P2P and div.peers:
+            a, b = div.peers
+            peer = b if rank == a else a
+            return self.view.p2p_peers(div.group.name).get(rank, {}).get(peer, {}).get(div.seq)
+        return self.view.event(rank, div.group.name, div.seq)
+
+    def present(self) -> dict[int, OpView]:
+        return {} if self.div is None else {r: v for r, v in self.div.per_rank.items() if v is not None}
+
+    def desync_kind(self) -> bool:
+        return self.div is not None and self.div.kind in (DivergenceKind.MISMATCH, DivergenceKind.MISSING,
+                                                         DivergenceKind.P2P)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    id: str
+    title: str
+    fixes: tuple[str, ...]
+    desync: bool                   # a code desync (verdict desync), or a hang of another kind (stuck)
+    classify: Callable[[Context], Finding | None]
+    advice: str                    # what to change, when the finding brings no suggestion of its own
+
+
+def registry() -> list[Pattern]:
+    return [importlib.import_module(f"{__name__}.{m}").PATTERN for m in MODULES]
+
+
+def by_id(pattern_id: str) -> Pattern:
+    return next(p for p in registry() if p.id == pattern_id)
+
+
+def classify_all(ctx: Context) -> list[tuple[Pattern, Finding]]:
+    """Every pattern's finding, best first (ties by id, so the order is stable)."""
+    found = []
+    for pattern in registry():
+        finding = pattern.classify(ctx)
+        if finding is not None and finding.score > 0:
+            found.append((pattern, finding))
+    return sorted(found, key=lambda pf: (-pf[1].score, pf[0].id))
+
+
+def names(ranks) -> str:
+    ranks = sorted(ranks)
+    if not ranks:
+        return "no rank"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))
+
+
+def verb(ranks, singular: str, plural: str) -> str:
+    return singular if len(list(ranks)) == 1 else plural

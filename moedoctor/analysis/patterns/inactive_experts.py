@@ -1,0 +1,97 @@
+"""``inactive-experts``: experts without tokens leave FSDP2's gradient reductions uneven.
+
+Mechanism: an MoE block loops only over experts that received tokens. An expert without tokens on
+a rank gets no gradient there, so FSDP2 reduce-scatters a different set of gradients (a smaller
+flat buffer for that unit) or fires that unit's post-backward hook late, in a different order; the
+ranks' backward collectives no longer line up (Gloo aborts on the size mismatch, NCCL hangs).
+
+Evidence: the divergence is in backward, on collectives issued from FSDP units' hooks
+(``reduce_scatter`` / ``all_gather`` with ``mod`` set); the same unit reduce-scatters fewer
+elements on some ranks, or different units are reduced at the same sequence number;
+``params_without_grad`` names expert parameters on those ranks; the model has expert units.
+
+Risk: a genuinely non-deterministic bucket order also gives backward shape mismatches
+(``shape-mismatch``); the same-unit smaller size and expert parameters without gradients are what
+point at routing.
+
+Fix ``expert-dense``: run every expert every step (unrouted tokens weighted by zero) so the autograd
+graph, and with it every FSDP collective, is the same on every rank.
+"""
+
+from __future__ import annotations
+
+from moedoctor.analysis.model import Suggestion
+from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+
+_FSDP_BACKWARD_OPS = {"reduce_scatter", "all_gather", "all_reduce", "reduce_scatter_coalesced", "all_gather_coalesced"}
+
+
+def _expertish(name: str) -> bool:
+    return "expert" in name.lower()
+
+
+def classify(ctx: Context) -> Finding | None:
+    if not ctx.desync_kind() or ctx.div.kind.value != "mismatch":
+        return None
+    div, view = ctx.div, ctx.view
+    present = ctx.present()
+    backward = {r: v for r, v in present.items() if v.phase == "backward"}
+    if len(backward) < 2 or not any(v.op in _FSDP_BACKWARD_OPS for v in backward.values()):
+        return None
+    score = 0.35
+    evidence = [f"the divergence at #{div.seq} of group {div.group.label()} is in backward: "
+                + ", ".join(f"rank {r}: {v.op} {[list(s) for s in v.shapes]}"
+                            + (f" of FSDP unit {v.module}" if v.module else "") for r, v in backward.items())]
+    culprits = None
+    modules = {v.module for v in backward.values()}
+    ops = {v.op for v in backward.values()}
+    if len(modules) == 1 and None not in modules and len(ops) == 1:
+        sizes = {r: v.numel for r, v in backward.items()}
+        if len(set(sizes.values())) > 1:
+            score += 0.3
+            most = max(sizes.values())
+            fewer = sorted(r for r, n in sizes.items() if n < most)
+            culprits = tuple(fewer)
+            evidence.append(f"FSDP unit {next(iter(modules))} {next(iter(ops))}s {most} elements on "
+                            f"{names(sorted(r for r, n in sizes.items() if n == most))} but "
+                            + ", ".join(f"{sizes[r]} on rank {r}" for r in fewer)
+                            + ": gradients of some of its parameters are missing there (parameters without gradients)")
+    elif len(modules) > 1 and None not in modules:
+        score += 0.25
+        evidence.append("different FSDP units are reduced at the same sequence number: post-backward hooks fired "
+                        "in a different order across ranks")
+    without = {}
+    for r in div.per_rank:
+        names_ = set()
+        for e in view.evidence(r, "params_without_grad"):
+            params = e.data.get("params") or e.data.get("names") or []
+            if isinstance(params, list):
+                names_.update(p for p in params if isinstance(p, str))
+        without[r] = names_
+    if any(without.values()) and len({frozenset(v) for v in without.values()}) > 1:
+        odd = sorted(r for r, v in without.items() if v and any(_expertish(p) for p in v))
+        score += 0.25 if odd else 0.15
+        r = (odd or sorted(r for r, v in without.items() if v))[0]
+        sample = ", ".join(sorted(without[r])[:3])
+        evidence.append(f"rank {r} had parameters without gradients at an optimizer step ({sample}"
+                        f"{', ...' if len(without[r]) > 3 else ''}) that other ranks had gradients for")
+    units = {e.module for r in div.per_rank for e in view.events(r, div.group.name) if e.module}
+    if any(_expertish(u) for u in units):
+        score += 0.05
+        experts = sorted(u for u in units if _expertish(u))[:3]
+        evidence.append(f"the model has expert FSDP units ({', '.join(experts)})")
+    event = ctx.event(next(iter(backward)))
+    suggestion = Suggestion(
+        None if event is None or event.call_site is None else f"{event.call_site.file}:{event.call_site.line}",
+        None if event is None or event.call_site is None else event.call_site.function, _ADVICE)
+    return Finding(round(score, 3), tuple(evidence), culprits=culprits, suggestion=suggestion)
+
+
+_ADVICE = ("Make every expert take part every step: run all experts on all tokens with zero routing weight for "
+           "unrouted ones (or add a zero-weighted term over every expert parameter), so every rank has the same "
+           "gradients and FSDP2 reduces the same buffers in the same order. Check the output matches the sparse path.")
+
+PATTERN = Pattern(
+    id="inactive-experts", title="Inactive experts under FSDP2", fixes=("expert-dense",), desync=True,
+    classify=classify, advice=_ADVICE,
+)

@@ -1,0 +1,67 @@
+"""``microbatch-count-mismatch``: ranks run different numbers of micro-batches in one step.
+
+Mechanism: dynamic batching (token budgets, variable sequence lengths) gives ranks different numbers
+of micro-batches. The rank that runs out first moves on to the step's closing collectives
+(gradient clipping, the optimizer, metrics) while the others still issue the per-micro-batch ones
+(FSDP all-gathers in forward, reduce-scatters in backward).
+
+Evidence: at the divergence, some ranks are in forward/backward while the others have moved on
+(optimizer or other code) or never issued it; the in-loop ranks have logged at least as many
+backward passes in this step as the ranks that moved on, and have not computed this step's
+gradient norm yet; in earlier steps the ranks ran the same number of backward passes.
+
+Risk: a rank in the *next* iteration's forward (after skipping its optimizer step) looks alike;
+a gradient norm or optimizer step already logged for this step on the in-loop ranks rules it out.
+
+Fix: agree on the number of micro-batches per step (all_reduce MAX of the local count, pad with
+empty micro-batches), or balance the batches so every rank has the same count.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from moedoctor.analysis.model import Suggestion
+from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+
+
+def classify(ctx: Context) -> Finding | None:
+    if not ctx.desync_kind() or ctx.div.kind.value == "p2p":
+        return None
+    div, view = ctx.div, ctx.view
+    present = ctx.present()
+    in_loop = sorted(r for r, v in present.items() if v.phase in ("forward", "backward"))
+    moved_on = sorted(r for r in div.per_rank if r not in in_loop)
+    if not in_loop or not moved_on:
+        return None
+    step = present[in_loop[0]].step
+    since = min(present[r].time for r in in_loop)
+    backwards = {r: len(view.evidence(r, "backward_begin", step)) for r in div.per_rank}
+    closed = [r for r in in_loop if any(e.time < since for kind in ("grad_norm", "optimizer_step_begin")
+                                        for e in view.evidence(r, kind, step))]
+    if closed:
+        return Finding(0.1, (f"{names(closed)} already computed the step {step} gradient norm: the forward is the "
+                             "next iteration's, not an extra micro-batch",))
+    done = max(backwards[r] for r in moved_on)
+    if done == 0 or min(backwards[r] for r in in_loop) < done:
+        return None
+    score = 0.55
+    evidence = [f"at step {step} {names(moved_on)} moved on after {done} backward pass(es) while {names(in_loop)} "
+                f"{'is' if len(in_loop) == 1 else 'are'} in another micro-batch "
+                f"({', '.join(f'rank {r}: {backwards[r]}' for r in in_loop)} backward passes so far)"]
+    earlier = {r: Counter(e.step for e in view.evidence(r, "backward_begin") if e.step < step) for r in div.per_rank}
+    common = set.intersection(*(set(c) for c in earlier.values())) if earlier else set()
+    if common and all(len({earlier[r][s] for r in earlier}) == 1 for s in common):
+        score += 0.1
+        evidence.append(f"in steps {min(common)}-{max(common)} every rank ran the same number of micro-batches")
+    v = present[in_loop[0]]
+    return Finding(round(score, 3), tuple(evidence), suggestion=Suggestion(v.call_site, v.function, _ADVICE))
+
+
+_ADVICE = ("Make the number of micro-batches per step the same on every rank: all_reduce the local count with "
+           "ReduceOp.MAX and pad with empty micro-batches, or balance the batches before the step.")
+
+PATTERN = Pattern(
+    id="microbatch-count-mismatch", title="Micro-batch count mismatch", fixes=(), desync=True,
+    classify=classify, advice=_ADVICE,
+)

@@ -1,0 +1,84 @@
+"""``rank-conditional-collective``: a collective only some ranks issue.
+
+Mechanism: a collective sits inside a rank-dependent branch (``if rank == 0:`` logging, a progress
+bar, a ``dist.reduce`` whose result only rank 0 sees and then acts on), so a subset of the ranks
+issues an extra collective the others never will.
+
+Evidence: at the divergence, some ranks' collective comes from a call site that the other ranks of
+the group never issued a collective from (in everything recorded); the others never reached that
+sequence number, or what they issued there is the next collective of the extra ranks (an inserted
+op); the extra call site recurs on the extra ranks.
+
+Risk: a rank that merely ran ahead into code the others have not reached yet (the next phase) also
+has a call site the others never used; that is why the inserted-op and missing signals weigh more
+than the unique call site alone.
+
+Fix: hoist the collective out of the branch (every rank calls it, only one uses the result), or
+replace it with a non-collective operation on the one rank.
+"""
+
+from __future__ import annotations
+
+from moedoctor.analysis.model import Suggestion
+from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+
+
+def _site(e) -> str | None:
+    return None if e.call_site is None else f"{e.call_site.file}:{e.call_site.line}"
+
+
+def classify(ctx: Context) -> Finding | None:
+    if not ctx.desync_kind() or ctx.div.kind.value == "p2p":
+        return None
+    div, view = ctx.div, ctx.view
+    group = div.group.name
+    present = ctx.present()
+    sites = {r: {_site(e) for e in view.events(r, group)} - {None} for r in div.per_rank}
+    best = None
+    for cls in div.classes:
+        ranks = [r for r in cls if r in present]
+        if not ranks or present[ranks[0]].call_site is None:
+            continue
+        site = present[ranks[0]].call_site
+        others = [r for r in div.per_rank if r not in cls]
+        if not others or any(site in sites[r] for r in others):
+            continue
+        score = 0.35
+        evidence = [f"{names(ranks)} issued {present[ranks[0]].op} #{div.seq} of group {div.group.label()} from "
+                    f"{present[ranks[0]].short_site}, a call site {names(others)} never issued a collective from"]
+        next_ops = [view.event(r, group, div.seq + 1) for r in ranks]
+        theirs = [ctx.event(r) for r in others]
+        if all(t is None for t in theirs):
+            score += 0.25
+            evidence.append(f"{names(others)} never issued #{div.seq}: the extra collective has no partner")
+        elif all(n is not None for n in next_ops) and all(
+                t is not None and t.signature() == next_ops[0].signature() for t in theirs):
+            score += 0.25
+            evidence.append(f"{names(ranks)}' next collective (#{div.seq + 1}) is what {names(others)} issued at "
+                            f"#{div.seq}: an op inserted on a subset")
+        shared = [t for t in theirs if t is not None and _site(t) in sites[ranks[0]]]
+        if theirs and len(shared) == len(theirs):
+            score += 0.15
+            evidence.append(f"what {names(others)} issued there ({shared[0].op} from {shared[0].call_site.short}) is a "
+                            f"collective {names(ranks)} also issue{'s' if len(ranks) == 1 else ''}: "
+                            "the extra op shifted "
+                            f"{'its' if len(ranks) == 1 else 'their'} sequence")
+        recurring = sum(1 for e in view.events(ranks[0], group) if _site(e) == site)
+        if recurring > 1:
+            score += 0.1
+            evidence.append(f"{present[ranks[0]].short_site} issued {recurring} collectives on rank {ranks[0]}, "
+                            f"none on {names(others)}")
+        if best is None or score > best.score:
+            v = present[ranks[0]]
+            best = Finding(round(score, 3), tuple(evidence), culprits=tuple(ranks),
+                           suggestion=Suggestion(v.call_site, v.function, _ADVICE))
+    return best
+
+
+_ADVICE = ("Take this collective out of the rank-dependent branch: call it on every rank of the group (only the "
+           "rank that needs the result uses it), or do the work locally on that one rank without a collective.")
+
+PATTERN = Pattern(
+    id="rank-conditional-collective", title="Rank-conditional collective", fixes=(), desync=True,
+    classify=classify, advice=_ADVICE,
+)

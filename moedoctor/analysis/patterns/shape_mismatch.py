@@ -1,0 +1,57 @@
+"""``shape-mismatch``: the same collective with different sizes (or dtypes, or reduce ops).
+
+Mechanism: every rank issues the same op at the same sequence number but with tensors of different
+sizes or dtypes, or a different reduce op: gradient buckets built in a non-deterministic order
+(parameters kept in a set), data-dependent padding, a dtype cast on some ranks only. Gloo aborts on
+the size mismatch; NCCL hangs or silently pairs unrelated buffers.
+
+Evidence: one op at the divergence on every rank that issued it, with different shapes, dtypes or
+(known) reduce ops; the more specific patterns (inactive experts, checkpoint keys) did not claim it.
+
+Risk: generic by design; it scores below the patterns that explain why the sizes differ.
+
+Fix: make the sizes rank-invariant (agree on them first with a small all_gather and pad), and build
+buckets in a deterministic order (sorted parameter names, not a set).
+"""
+
+from __future__ import annotations
+
+from moedoctor.analysis.model import Suggestion
+from moedoctor.analysis.patterns import Context, Finding, Pattern
+
+
+def classify(ctx: Context) -> Finding | None:
+    if ctx.div is None or ctx.div.kind.value != "mismatch":
+        return None
+    present = ctx.present()
+    ops = {v.op for v in present.values()}
+    if len(ops) != 1 or len(present) < 2:
+        return None
+    what = []
+    if len({v.shapes for v in present.values()}) > 1:
+        what.append("shapes")
+    if len({v.dtypes for v in present.values()}) > 1:
+        what.append("dtypes")
+    if len({v.reduce_op for v in present.values() if v.reduce_op}) > 1:
+        what.append("reduce ops")
+    if not what:
+        return None
+    phases = {v.phase for v in present.values()}
+    sites = {v.call_site for v in present.values() if v.call_site}
+    # One collective with different sizes comes from one line; different lines are different collectives.
+    score = 0.45 if len(phases) == 1 and len(sites) <= 1 else 0.3
+    div = ctx.div
+    detail = "; ".join(f"rank {r}: {[list(s) for s in v.shapes]} {'/'.join(v.dtypes)}"
+                       + (f" {v.reduce_op}" if v.reduce_op else "") for r, v in present.items())
+    v = next(iter(present.values()))
+    return Finding(score, (f"every rank issued {next(iter(ops))} #{div.seq} of group {div.group.label()} but the "
+                           f"{' and '.join(what)} differ ({detail})",),
+                   suggestion=Suggestion(v.call_site, v.function, _ADVICE))
+
+
+_ADVICE = ("Make the collective's sizes the same on every rank: agree on them first (a small all_gather of the "
+           "sizes, then pad to the maximum), and build buckets in a deterministic order (sorted names, not a set).")
+
+PATTERN = Pattern(
+    id="shape-mismatch", title="Shape mismatch", fixes=(), desync=True, classify=classify, advice=_ADVICE,
+)

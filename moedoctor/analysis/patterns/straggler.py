@@ -1,0 +1,93 @@
+"""``straggler``: one rank is stuck outside any collective while the others wait for it.
+
+Mechanism: not a desync. A rank never reaches the next collective because it is stuck in its own
+code (a data loader read on a hung mount, a lock, a host-side wait, a long compute); the others
+wait in that collective until the timeout. Every collective that was issued matches.
+
+Evidence: the ranks the others wait for (the roots of the wait-for graph) completed their last
+collective, and py-spy shows their main thread outside ``torch.distributed``, naming the function
+they are stuck in. Without traces (stuck before ``init_process_group``) the stacks alone: some
+ranks inside torch.distributed (waiting at rendezvous), others elsewhere.
+
+Risk: a rank that skipped a collective and then blocked in user code looks the same; the stack
+names the function, which tells them apart. Without a stack the score stays low.
+
+Fix: none in the collectives; find why that function does not return.
+"""
+
+from __future__ import annotations
+
+from moedoctor.analysis.model import DivergenceKind, Suggestion
+from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+
+
+def classify(ctx: Context) -> Finding | None:
+    view = ctx.view
+    div = ctx.div
+    if div is None:
+        if not ctx.hang:
+            return None
+        ranks = sorted(view.run.stacks)
+        outside = [r for r in ranks if view.in_distributed(r) is False]
+        inside = [r for r in ranks if view.in_distributed(r)]
+        if not outside or not inside or any(view.died(r) for r in outside):
+            return None
+        evidence = [_where(view, r) for r in outside]
+        evidence.append(f"{names(inside)} {'waits' if len(inside) == 1 else 'wait'} inside torch.distributed "
+                        f"({view.stack_frame(inside[0])})")
+        return Finding(0.7, tuple(evidence), culprits=tuple(outside), suggestion=_suggest(view, outside[0]))
+    if not (div.kind == DivergenceKind.MISSING or (div.kind == DivergenceKind.P2P and div.missing)):
+        return None
+    roots = sorted(ctx.culprits.ranks) or sorted(div.missing)
+    if not roots or any(view.died(r) for r in roots):
+        return None
+    waiting = sorted(r for r, v in div.per_rank.items() if v is not None)
+    v = div.per_rank[waiting[0]]
+    where = f" ({v.short_site})" if v.short_site else ""
+    evidence = [f"{names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {v.op} #{div.seq} of group "
+                f"{div.group.label()}{where} for {names(div.missing)}, which never issued it"]
+    inside = [view.in_distributed(r) for r in roots]
+    done = []
+    for r in roots:
+        last = view.last_event.get(r)
+        if last is None:
+            done.append(True)
+            continue
+        done.append(last.completed is not None)
+        state = "completed" if last.completed is not None else "did not complete"
+        evidence.append(f"rank {r}'s last collective, {last.op} #{last.seq} of group {last.group.name}, {state}")
+    if all(i is False for i in inside) and all(done):
+        evidence.extend(_where(view, r) for r in roots)
+        score = 0.9
+    elif all(i is None for i in inside) and all(done):
+        # Without a stack, a rank stuck in its own code and a rank that skipped the collective
+        # look the same: not enough to name this pattern on its own.
+        evidence.append(f"no stack of {names(roots)} to show where {'it is' if len(roots) == 1 else 'they are'} "
+                        "stuck (run with py-spy available)")
+        score = 0.35
+    else:
+        score = 0.2
+    return Finding(score, tuple(evidence), culprits=tuple(roots), suggestion=_suggest(view, roots[0]))
+
+
+def _where(view, rank: int) -> str:
+    frame = view.stack_frame(rank)
+    return (f"rank {rank}'s main thread is in {frame.function} ({frame.file.rsplit('/', 1)[-1]}:{frame.line}), "
+            "outside torch.distributed")
+
+
+def _suggest(view, rank: int) -> Suggestion:
+    frame = view.stack_frame(rank)
+    if frame is None:
+        return Suggestion(None, None, _ADVICE)
+    return Suggestion(f"{frame.file}:{frame.line}", frame.function,
+                      f"Rank {rank} is stuck in {frame.function}, not in a collective. " + _ADVICE)
+
+
+_ADVICE = ("Find out why it does not return (a hung read, a data loader worker, a lock, an endless loop): "
+           "changing the collectives would be wrong. Bound the wait (a timeout and a retry on the read) and "
+           "log which input it was on.")
+
+PATTERN = Pattern(
+    id="straggler", title="Straggler (not a desync)", fixes=(), desync=False, classify=classify, advice=_ADVICE,
+)

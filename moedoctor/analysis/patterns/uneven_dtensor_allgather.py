@@ -1,0 +1,98 @@
+"""``uneven-dtensor-allgather``: ranks walk different key sets in a checkpoint save.
+
+Mechanism: a save validates or gathers metadata per DTensor with ``all_gather_object`` (a size
+all-gather plus a payload all-gather) on the shard group. When the ranks' state dicts hold
+different keys (CPU-offloaded or hybrid optimizers keep no state for empty shards), they issue
+different numbers of these collectives: one rank leaves the per-key loop and enters the next
+collective of the save (``dcp.save``'s plan gather) while another is still in the loop.
+
+Evidence: the divergence is in phase ``checkpoint_save`` on some rank; all-gather / gather ops;
+during the save the ranks issued different numbers of collectives from the repeated per-key call
+site before they parted; only some ranks logged ``checkpoint_save_begin`` (entered ``dcp.save``).
+
+Risk: any desync during a save scores the phase points; the per-key count and the save-begin split
+are what single this pattern out. Model-only saves (same keys everywhere) pass.
+
+Fix ``key-manifest-checkpoint``: agree on one rank-invariant manifest of keys first (fixed-size
+collectives), walk it in the same order everywhere, and take part with an empty shard for keys a
+rank lacks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from moedoctor.analysis.model import Suggestion
+from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+from moedoctor.events import Phase
+
+_GATHERS = {"all_gather", "gather", "all_gather_coalesced", "broadcast"}
+
+
+def _save_run(ctx: Context, rank: int) -> list:
+    """The rank's collectives of the current save: the checkpoint-phase run up to the divergence."""
+    events = ctx.view.events(rank, ctx.div.group.name, before=ctx.div.seq + 1)
+    run = []
+    for e in reversed(events):
+        if e.phase != Phase.CHECKPOINT_SAVE:
+            break
+        run.append(e)
+    return run[::-1]
+
+
+def classify(ctx: Context) -> Finding | None:
+    if not ctx.desync_kind():
+        return None
+    div, view = ctx.div, ctx.view
+    present = ctx.present()
+    saving = sorted(r for r, v in present.items() if v.phase == "checkpoint_save")
+    if not saving:
+        return None
+    score = 0.4
+    evidence = [f"the divergence at #{div.seq} of group {div.group.label()} is inside a checkpoint save "
+                f"(phase checkpoint_save on {names(saving)})"]
+    ops = {v.op for v in present.values()}
+    if ops & _GATHERS:
+        score += 0.15
+        ops_text = ", ".join(f"rank {r}: {v.op} from {v.short_site}" for r, v in present.items())
+        evidence.append(f"ops at the divergence: {ops_text}"
+                        " (all_gather_object issues a size all_gather, then a payload all_gather)")
+    runs = {r: _save_run(ctx, r) for r in div.per_rank}
+    counts = {r: Counter(f"{e.call_site.file}:{e.call_site.line}" for e in run if e.call_site)
+              for r, run in runs.items()}
+    total = Counter()
+    for c in counts.values():
+        total.update(c)
+    loop_site = None
+    if total:
+        loop_site = max(total, key=lambda s: (min(c.get(s, 0) for c in counts.values()), total[s], s))
+        per_rank = {r: counts[r].get(loop_site, 0) for r in counts}
+        if len(set(per_rank.values())) > 1 and min(per_rank.values()) > 0:
+            score += 0.3
+            short = loop_site.rsplit("/", 1)[-1]
+            detail = ", ".join(f"rank {r}: {n}" for r, n in sorted(per_rank.items()))
+            evidence.append(f"in this save the ranks issued different numbers of collectives from the per-key call "
+                            f"site {short} before they parted ({detail}): they walk different key sets")
+    begun = {r: bool([e for e in view.evidence(r, "checkpoint_save_begin")
+                      if runs[r] and e.time >= runs[r][0].time - 1.0]) for r in div.per_rank}
+    if any(begun.values()) and not all(begun.values()):
+        score += 0.1
+        entered = sorted(r for r, b in begun.items() if b)
+        evidence.append(f"{names(entered)} entered the checkpoint writer (checkpoint_save_begin) while "
+                        f"{names(sorted(r for r, b in begun.items() if not b))} had not")
+    suggestion = None
+    if loop_site:
+        fn = next((e.call_site.function for run in runs.values() for e in run
+                   if e.call_site and f"{e.call_site.file}:{e.call_site.line}" == loop_site), None)
+        suggestion = Suggestion(loop_site, fn, _ADVICE)
+    return Finding(round(score, 3), tuple(evidence), suggestion=suggestion)
+
+
+_ADVICE = ("Agree on one rank-invariant key manifest before the per-key collectives (all_reduce MAX of its "
+           "length, then all_gather of the padded manifests), walk it in the same order on every rank, and "
+           "take part with an empty shard for keys this rank lacks.")
+
+PATTERN = Pattern(
+    id="uneven-dtensor-allgather", title="Uneven DTensor all-gather in checkpoint save",
+    fixes=("key-manifest-checkpoint",), desync=True, classify=classify, advice=_ADVICE,
+)

@@ -1,0 +1,172 @@
+"""``RunView``: indexes over a ``RunData`` that the matching, the culprit rules and the patterns share.
+
+Everything is keyed by rank, group name and sequence number, never by the order the trace files
+were listed or read, so no finding depends on file order.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import cached_property
+
+from moedoctor.analysis.load import RunData
+from moedoctor.analysis.model import GroupRef
+from moedoctor.events import CollectiveEvent, Evidence, Phase
+from moedoctor.runner.stacks import Frame, StackDump
+
+#: Frames of these files are where a rank waits in a collective (or initializes the process group).
+_DISTRIBUTED_MARKERS = ("/torch/distributed/", "/torch/_C/", "c10d")
+
+
+class RunView:
+    def __init__(self, run: RunData):
+        self.run = run
+        self.traces = run.trace_of
+        self.ranks = sorted(self.traces)
+        self.groups: dict[str, GroupRef] = {}
+        self.conflicts: list[str] = []
+        self._by_seq: dict[str, dict[int, dict[int, CollectiveEvent]]] = defaultdict(lambda: defaultdict(dict))
+        self._p2p: dict[str, dict[int, dict[int, dict[int, CollectiveEvent]]]] = defaultdict(
+            lambda: defaultdict(lambda: defaultdict(dict)))
+        self.last_event: dict[int, CollectiveEvent | None] = {}
+        for rank in self.ranks:
+            trace = self.traces[rank]
+            last = None
+            for e in trace.events:
+                self._define(e.group.name, e.group.desc, e.group.ranks)
+                if e.is_p2p:
+                    if e.peer is not None and e.p2p_seq is not None:
+                        self._p2p[e.group.name][rank][e.peer].setdefault(e.p2p_seq, e)
+                else:
+                    self._by_seq[e.group.name][rank].setdefault(e.seq, e)
+                if last is None or e.event_id > last.event_id:
+                    last = e
+            for g in trace.groups.values():
+                self._define(g.name, g.desc, g.ranks)
+            self.last_event[rank] = last
+
+    def _define(self, name: str, desc: str, ranks: tuple[int, ...]) -> None:
+        known = self.groups.get(name)
+        if known is None:
+            self.groups[name] = GroupRef(name, desc, tuple(ranks))
+        elif known.ranks != tuple(ranks) and len(self.conflicts) < 5:
+            self.conflicts.append(f"group {name}: ranks disagree on its members ({list(known.ranks)} and "
+                                  f"{list(ranks)}); the first seen is used")
+            self.groups[name] = GroupRef(name, desc, tuple(known.ranks))
+
+    # ---- per group ------------------------------------------------------------------------------
+
+    def traced_members(self, group: str) -> list[int]:
+        return [r for r in self.groups[group].ranks if r in self.traces]
+
+    def untraced_members(self, group: str) -> list[int]:
+        return [r for r in self.groups[group].ranks if r not in self.traces]
+
+    def last_seq(self, rank: int, group: str) -> int:
+        """The last collective this rank issued on this group (0: none)."""
+        return self.run.last_seq.get(rank, {}).get(group, 0)
+
+    def last_p2p(self, rank: int, group: str, peer: int) -> int:
+        return self.run.last_p2p.get(rank, {}).get((group, peer), 0)
+
+    def never_reached(self, rank: int, group: str, seq: int) -> bool:
+        """True when ``rank`` certainly never issued collective ``seq`` of ``group``."""
+        return rank in self.traces and rank not in self.run.open_ended and self.last_seq(rank, group) < seq
+
+    def event(self, rank: int, group: str, seq: int) -> CollectiveEvent | None:
+        return self._by_seq.get(group, {}).get(rank, {}).get(seq)
+
+    def seq_map(self, rank: int, group: str) -> dict[int, CollectiveEvent]:
+        return self._by_seq.get(group, {}).get(rank, {})
+
+    def seqs(self, group: str) -> list[int]:
+        """Every sequence number of the group with an event on some rank, ascending."""
+        out: set[int] = set()
+        for events in self._by_seq.get(group, {}).values():
+            out.update(events)
+        return sorted(out)
+
+    def events(self, rank: int, group: str, before: int | None = None) -> list[CollectiveEvent]:
+        """The rank's collectives on the group in sequence order (those before ``before`` only)."""
+        events = self.seq_map(rank, group)
+        return [events[s] for s in sorted(events) if before is None or s < before]
+
+    def p2p_peers(self, group: str) -> dict[int, dict[int, dict[int, CollectiveEvent]]]:
+        return self._p2p.get(group, {})
+
+    def rank_events(self, rank: int) -> list[CollectiveEvent]:
+        return self.traces[rank].events if rank in self.traces else []
+
+    @cached_property
+    def collective_count(self) -> int:
+        return sum(len(t.events) for t in self.traces.values())
+
+    # ---- evidence, stacks, exits ----------------------------------------------------------------
+
+    def evidence(self, rank: int, kind: str | None = None, step: int | None = None) -> list[Evidence]:
+        trace = self.traces.get(rank)
+        if trace is None:
+            return []
+        return [e for e in trace.evidence if (kind is None or e.kind == kind) and (step is None or e.step == step)]
+
+    def stack(self, rank: int) -> StackDump | None:
+        return self.run.stacks.get(rank)
+
+    def stack_frame(self, rank: int) -> Frame | None:
+        """Where the rank's main thread was: its innermost frame outside libraries, else the innermost."""
+        dump = self.stack(rank)
+        if dump is None or not dump.main_thread:
+            return None
+        return dump.user_frame or dump.main_thread[0]
+
+    def in_distributed(self, rank: int) -> bool | None:
+        """Whether the rank's main thread waits inside torch.distributed (None: no stack)."""
+        dump = self.stack(rank)
+        if dump is None or not dump.main_thread:
+            return None
+        return any(any(m in f.file for m in _DISTRIBUTED_MARKERS) for f in dump.main_thread[:6])
+
+    def exit_code(self, rank: int) -> int | None:
+        m = self.run.manifest
+        if m is None or rank not in m.exits:
+            return None
+        return m.exits[rank].exit_code
+
+    def died(self, rank: int) -> bool:
+        """The rank's process ended with a failure of its own (not stopped by moedoctor)."""
+        m = self.run.manifest
+        if m is None or rank not in m.exits:
+            return False
+        e = m.exits[rank]
+        return e.source != "stopped" and e.exit_code not in (None, 0)
+
+    def finished(self, rank: int) -> bool:
+        """The rank's process ended normally: exit 0, or it wrote its final coverage record
+        (``destroy_process_group`` or interpreter exit)."""
+        m = self.run.manifest
+        if m is not None and rank in m.exits and m.exits[rank].exit_code == 0:
+            return True
+        trace = self.traces.get(rank)
+        return trace is not None and any(c.reason in ("destroy", "exit") for c in trace.coverage)
+
+    @property
+    def hang_declared(self) -> bool:
+        return self.run.manifest is not None and self.run.manifest.hang is not None
+
+    @property
+    def finished_cleanly(self) -> bool:
+        """Every rank of the run exited 0 (manifest), or every traced rank wrote its final coverage."""
+        m = self.run.manifest
+        if m is not None and m.exits:
+            return m.hang is None and all(e.exit_code == 0 for e in m.exits.values())
+        return bool(self.traces) and all(
+            any(c.reason in ("destroy", "exit") for c in t.coverage) for t in self.traces.values())
+
+    def completion_tracked(self, rank: int) -> bool:
+        """Whether this rank's trace records completions at all (Gloo Flight Recorder dumps do not)."""
+        return any(e.completed is not None for e in self.rank_events(rank))
+
+    def phase_of(self, rank: int, group: str, seq: int) -> Phase | None:
+        e = self.event(rank, group, seq)
+        return None if e is None else e.phase
+

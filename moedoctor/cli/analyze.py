@@ -1,0 +1,52 @@
+"""``moedoctor analyze PATH``: explain a hang from a run directory, traces or Flight Recorder dumps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from moedoctor.analysis import analyze as analyze_run
+from moedoctor.analysis import load_run
+from moedoctor.render.html import write_html
+from moedoctor.render.json_report import dumps
+from moedoctor.render.perfetto import write_perfetto
+from moedoctor.render.terminal import render_report
+
+app = typer.Typer()
+
+#: ``moedoctor analyze`` exits with this when it finds a desync, a stuck job or a crashed rank.
+EXIT_PROBLEM = 1
+
+EPILOG = ("Exit status: 0 healthy; 1 a desync, a stuck job or a crashed rank was found; 2 the input could "
+          "not be analyzed. Example: moedoctor analyze moedoctor-runs/20250101-120000 --html report.html")
+
+
+@app.command(epilog=EPILOG)
+def analyze(
+    path: Annotated[Path, typer.Argument(
+        help="A run directory (moedoctor run), a folder of moedoctor traces (rank-*.jsonl), or a folder of "
+             "PyTorch Flight Recorder dumps.", show_default=False)],
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON (docs/report-format.md).")] = False,
+    perfetto: Annotated[Optional[Path], typer.Option(
+        "--perfetto", metavar="FILE", help="Write a Perfetto / Chrome trace: one track per rank, the divergence "
+        "marked (open at ui.perfetto.dev).", show_default=False)] = None,
+    html: Annotated[Optional[Path], typer.Option(
+        "--html", metavar="FILE", help="Write the report as a self-contained HTML page.", show_default=False)] = None,
+) -> None:
+    """Find where the ranks diverged, name the deadlock pattern, the culprit ranks and the call site,
+    and print the fix with the command that verifies it."""
+    run = load_run(path)
+    report = analyze_run(run)
+    if json_out:
+        typer.echo(dumps(report))
+    else:
+        render_report(report, Console())
+    err = Console(stderr=True)
+    if perfetto is not None:
+        err.print(f"Perfetto trace: {write_perfetto(run, report, perfetto)}", highlight=False, soft_wrap=True)
+    if html is not None:
+        err.print(f"HTML report: {write_html(report, html)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(EXIT_PROBLEM if report.problem_found else 0)

@@ -1,0 +1,86 @@
+"""The JSON form of a ``Report``: a stable schema, documented in ``docs/report-format.md``.
+
+``report.json`` in a run directory and ``moedoctor analyze --json`` write the same document.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import moedoctor
+from moedoctor.analysis.model import Divergence, OpView, Report, WaitEdge
+
+
+def report_to_dict(report: Report) -> dict:
+    return {
+        "schema_version": report.schema_version,
+        "moedoctor_version": moedoctor.__version__,
+        "source": {"path": report.source, "kind": report.source_kind, "world_size": report.world_size,
+                   "traced_ranks": report.traced_ranks, "collectives": report.collectives},
+        "verdict": report.verdict.value,
+        "summary": report.summary,
+        "pattern": report.pattern,
+        "pattern_title": report.pattern_title,
+        "culprit_ranks": report.culprit_ranks,
+        "culprit_reasoning": report.culprit_reasoning,
+        "divergence": divergence_to_dict(report.divergence),
+        "evidence": report.evidence,
+        "fixes": report.fixes,
+        "verify_command": report.verify_command,
+        "suggestion": None if report.suggestion is None else {
+            "call_site": report.suggestion.call_site, "function": report.suggestion.function,
+            "source_line": report.suggestion.source_line, "text": report.suggestion.text},
+        "candidates": [{"pattern": c.pattern, "score": c.score, "evidence": list(c.evidence)}
+                       for c in report.candidates],
+        "wait_for": [_edge(e) for e in report.wait_for],
+        "cycle": None if report.cycle is None else [_edge(e) for e in report.cycle],
+        "groups": [divergence_to_dict(d) for d in report.groups],
+        "ranks": {str(r.rank): {
+            "last": op_to_dict(r.last), "group": r.group, "waiting": r.waiting, "stack": r.stack,
+            "in_collective": r.in_collective, "exit_code": r.exit_code, "exit_source": r.exit_source,
+        } for r in report.ranks},
+        "incomplete": report.incomplete,
+    }
+
+
+def op_to_dict(op: OpView | None) -> dict | None:
+    if op is None:
+        return None
+    return {
+        "seq": op.seq, "op": op.op, "shapes": [list(s) for s in op.shapes],
+        "out_shapes": [list(s) for s in op.out_shapes], "dtypes": list(op.dtypes), "reduce_op": op.reduce_op,
+        "call_site": op.call_site, "function": op.function, "phase": op.phase, "step": op.step, "module": op.module,
+        "peer": op.peer, "completed": op.completed, "time": op.time,
+    }
+
+
+def divergence_to_dict(div: Divergence | None) -> dict | None:
+    if div is None:
+        return None
+    return {
+        "kind": div.kind.value,
+        "group": {"name": div.group.name, "desc": div.group.desc, "ranks": list(div.group.ranks)},
+        "seq": div.seq,
+        "peers": list(div.peers) if div.peers else None,
+        "per_rank": {str(r): op_to_dict(v) for r, v in div.per_rank.items()},
+        "classes": [list(c) for c in div.classes],
+        "missing": list(div.missing),
+    }
+
+
+def _edge(e: WaitEdge) -> dict:
+    return {"rank": e.rank, "group": e.group, "seq": e.seq, "op": e.op, "waits_for": list(e.waits_for)}
+
+
+def dumps(report: Report) -> str:
+    return json.dumps(report_to_dict(report), indent=1, allow_nan=False, default=str)
+
+
+def write_json(report: Report, path: Path) -> Path:
+    """Write atomically: a reader never sees half a report."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(dumps(report) + "\n")
+    tmp.replace(path)
+    return path

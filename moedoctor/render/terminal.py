@@ -1,0 +1,149 @@
+"""The report on a terminal (rich): a verdict panel, the ranks' collectives side by side around the
+divergence, the evidence, the fix with its verify command, and the code-level suggestion."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console, Group
+from rich.markup import escape
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from moedoctor.analysis.model import AlignedRow, DivergenceKind, OpView, Report, Verdict
+
+_VERDICT_STYLE = {Verdict.HEALTHY: "green", Verdict.DESYNC: "red", Verdict.STUCK: "yellow", Verdict.CRASHED: "red"}
+_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64", "int32": "i32",
+           "uint8": "u8", "int8": "i8", "bool": "bool"}
+
+
+def render_report(report: Report, console: Console) -> None:
+    style = _VERDICT_STYLE[report.verdict]
+    console.print(Panel(Text(report.summary), title=f"[bold]moedoctor: {report.verdict.value.upper()}[/]",
+                        title_align="left", border_style=style, expand=True))
+    if report.verdict == Verdict.HEALTHY:
+        _incomplete(report, console)
+        return
+    head = Text()
+    if report.pattern:
+        head.append("Pattern: ", style="bold").append(f"{report.pattern_title} ", style=f"bold {style}")
+        head.append(f"({report.pattern})")
+    else:
+        head.append("Pattern: ", style="bold").append("none identified")
+    head.append("    Culprit: ", style="bold")
+    if report.culprit_ranks:
+        head.append(_ranks(report.culprit_ranks), style="bold")
+    else:
+        head.append("none")
+    console.print(head)
+    console.print(Text("  " + report.culprit_reasoning, style="dim"), soft_wrap=True)
+    if report.alignment:
+        console.print(alignment_table(report))
+    if report.evidence:
+        console.print(Text("Evidence", style="bold"))
+        for line in report.evidence:
+            console.print(Text("  • " + line), soft_wrap=True)
+    if report.wait_for and (report.cycle or len(report.wait_for) > 1 or report.divergence is None):
+        console.print(Text("Wait-for" + (" (cycle)" if report.cycle else ""), style="bold"))
+        edges = report.cycle or report.wait_for
+        for e in edges[:8]:
+            console.print(Text(f"  rank {e.rank} waits in {e.op} #{e.seq} of group {e.group} for "
+                               f"{_ranks(e.waits_for)}"), soft_wrap=True)
+        if len(edges) > 8:
+            console.print(Text(f"  ... {len(edges) - 8} more (see --json)", style="dim"))
+    _fix(report, console)
+    others = [d for d in report.groups if report.divergence is None or d.group.name != report.divergence.group.name
+              or d.seq != report.divergence.seq]
+    if others:
+        console.print(Text("Other groups", style="bold"))
+        for d in others[:8]:
+            console.print(Text(f"  {d.describe()} (classes {', '.join(_ranks(c) for c in d.classes)})"), soft_wrap=True)
+    _incomplete(report, console)
+
+
+def alignment_table(report: Report) -> Table:
+    div = report.divergence
+    title = (f"Group {div.group.label()}, {_ranks(div.group.ranks)}: collectives around "
+             + (f"p2p #{div.seq}" if div.kind == DivergenceKind.P2P else f"#{div.seq}"))
+    table = Table(title=escape(title), title_justify="left", box=box.SIMPLE_HEAD, show_lines=False,
+                  pad_edge=False, expand=False)
+    table.add_column("seq", justify="right", no_wrap=True)
+    for r in report.alignment_ranks:
+        mark = " (culprit)" if r in report.culprit_ranks else ""
+        table.add_column(f"rank {r}{mark}", overflow="fold", min_width=22)
+    for row in report.alignment:
+        at = row.seq == div.seq
+        seq = Text(f"▶ {row.seq}" if at else str(row.seq), style="bold" if at else "dim")
+        table.add_row(seq, *(_cell(row, r, at) for r in report.alignment_ranks))
+    return table
+
+
+def _cell(row: AlignedRow, rank: int, at_divergence: bool) -> Text:
+    op = row.cells.get(rank)
+    diverging = rank in row.diverging
+    style = "bold red" if diverging else ("" if at_divergence else "dim")
+    if op is None:
+        return Text("— never issued" if diverging else "", style=style)
+    text = Text(f"{op.op} {_shapes(op)} {'/'.join(_DTYPES.get(d, d) for d in op.dtypes)}".rstrip(), style=style)
+    if op.reduce_op:
+        text.append(f" {op.reduce_op}", style=style)
+    detail = f"\n{op.phase} s{op.step}"
+    if op.short_site:
+        detail += f" · {op.short_site}"
+    text.append(detail, style="red" if diverging else "dim")
+    if op.module:
+        text.append(f"\nunit {op.module}", style="dim")
+    if not op.completed:
+        text.append("\nwaiting (not completed)" if at_divergence else "\nnot seen completing",
+                    style="yellow" if at_divergence else "dim")
+    return text
+
+
+def _shapes(op: OpView) -> str:
+    text = ",".join("[" + ",".join(map(str, s)) + "]" for s in op.shapes[:3])
+    if len(op.shapes) > 3:
+        text += f",+{len(op.shapes) - 3}"
+    return text or "[]"
+
+
+def _fix(report: Report, console: Console) -> None:
+    if report.fixes:
+        line = Text("Fix: ", style="bold").append(", ".join(report.fixes), style="bold green")
+        console.print(line)
+    if report.verify_command:
+        console.print(Text("  prove it: ", style="bold").append(report.verify_command, style="bold"), soft_wrap=True)
+    s = report.suggestion
+    if s is None:
+        return
+    parts = []
+    if s.call_site:
+        where = s.call_site.rsplit("/", 1)[-1] + (f" in {s.function}" if s.function else "")
+        parts.append(Text(f"At {where}:", style="bold"))
+        if s.source_line:
+            line_no = s.call_site.rsplit(":", 1)[-1]
+            parts.append(Text(f"  {line_no} │ {s.source_line}", style="cyan"))
+    parts.append(Text(s.text))
+    console.print(Panel(Group(*parts), title="Suggestion", title_align="left", border_style="blue", expand=True))
+
+
+def _incomplete(report: Report, console: Console) -> None:
+    if not report.incomplete:
+        return
+    console.print(Text("Incomplete data", style="bold yellow"))
+    for line in report.incomplete[:20]:
+        console.print(Text("  • " + line, style="yellow"), soft_wrap=True)
+    if len(report.incomplete) > 20:
+        console.print(Text(f"  ... {len(report.incomplete) - 20} more (see --json)", style="yellow"))
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return "ranks " + ",".join(out)

@@ -1,0 +1,113 @@
+"""Every pattern of the registry on factory-built events: the right pattern, culprits and verdict,
+and the registry's own contract (one module each, with a docstring that states mechanism, evidence,
+risk and fix)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from analysis_scenarios import SCENARIOS, collective_order_inversion, healthy
+
+from moedoctor.analysis import analyze
+from moedoctor.analysis import diagnosis
+from moedoctor.analysis.model import DivergenceKind, Verdict
+from moedoctor.analysis.patterns import MODULES, Finding, registry
+
+
+@pytest.mark.parametrize("pattern", sorted(SCENARIOS))
+def test_each_pattern_is_named_with_its_culprits(pattern):
+    build, culprits, verdict = SCENARIOS[pattern]
+    report = analyze(build())
+    assert report.pattern == pattern, (report.summary, [(c.pattern, c.score) for c in report.candidates])
+    if culprits is not None:
+        assert report.culprit_ranks == culprits, report.culprit_reasoning
+    assert report.verdict.value == verdict
+    assert report.evidence, "a pattern is named with the evidence it used"
+    assert report.summary and "\n" not in report.summary
+
+
+def test_fixes_and_verify_command_for_the_seed_patterns():
+    expected = {"skipped-optimizer-step": "skip-step-collectively",
+                "inflight-metric-allreduce": "metrics-after-microbatches",
+                "uneven-dtensor-allgather": "key-manifest-checkpoint", "inactive-experts": "expert-dense"}
+    for pattern, fix in expected.items():
+        report = analyze(SCENARIOS[pattern][0]())
+        assert report.fixes == [fix]
+        assert report.verify_command == f"moedoctor verify --fix {fix} --run /runs/test"
+        assert report.suggestion is not None and report.suggestion.call_site
+
+
+def test_not_a_desync_points_at_hardware_not_code():
+    report = analyze(SCENARIOS["not-a-desync"][0]())
+    assert report.divergence.kind == DivergenceKind.STALLED and report.fixes == [] and report.verify_command is None
+    text = " ".join(report.evidence)
+    assert "NVML" in text and "snapshot request" in text and "rank 1's stack could not be read" in text
+
+
+def test_straggler_names_the_function_it_is_stuck_in():
+    report = analyze(SCENARIOS["straggler"][0]())
+    assert "ShardReader._read_shard" in report.summary
+    assert report.suggestion.call_site == "/job/train.py:43"
+    assert report.wait_for and report.wait_for[0].waits_for == (1,)
+
+
+@pytest.mark.parametrize("host_blocks", [True, False], ids=["gloo-blocking", "nccl-enqueued"])
+def test_order_inversion_is_a_wait_for_cycle(host_blocks):
+    """Per-group matching sees nothing wrong (with NCCL every op of both groups was issued on every
+    rank); the cycle across the two groups is what names it."""
+    report = analyze(collective_order_inversion(host_blocks=host_blocks))
+    assert report.pattern == "collective-order-inversion"
+    assert report.cycle and {e.group for e in report.cycle} == {"1", "2"}
+    assert {e.rank for e in report.cycle} == {0, 1}
+    assert report.culprit_ranks == [1]  # it changed the order its own earlier steps used
+    if not host_blocks:
+        assert not [d for d in report.groups if d.kind != DivergenceKind.STALLED]
+
+
+def test_healthy_run():
+    report = analyze(healthy())
+    assert report.verdict == Verdict.HEALTHY and report.pattern is None and report.culprit_ranks == []
+    assert not report.problem_found
+
+
+def test_a_tie_is_unknown_desync_listing_every_candidate(monkeypatch):
+    from moedoctor.analysis.patterns import by_id
+
+    tied = [(by_id("shape-mismatch"), Finding(0.6, ("shape evidence",))),
+            (by_id("rank-conditional-collective"), Finding(0.6, ("branch evidence",))),
+            (by_id("unknown-desync"), Finding(0.2, ("diverges",)))]
+    monkeypatch.setattr(diagnosis, "classify_all", lambda ctx: tied)
+    report = analyze(SCENARIOS["shape-mismatch"][0]())
+    assert report.pattern == "unknown-desync"
+    assert {c.pattern for c in report.candidates} == {"shape-mismatch", "rank-conditional-collective", "unknown-desync"}
+    assert any("candidate shape-mismatch" in e for e in report.evidence)
+    assert any("candidate rank-conditional-collective" in e for e in report.evidence)
+
+
+def test_crash_of_the_awaited_rank_is_not_named_a_pattern():
+    from event_factory import manifest, ranks, run_of
+
+    a, b = ranks(2)
+    for step in range(3):
+        a.coll("all_reduce", (8,), step=step, done=step < 2)
+        if step < 2:
+            b.coll("all_reduce", (8,), step=step)
+    report = analyze(run_of(a, b, manifest_info=manifest({0: -15, 1: 1}, hang=False)))
+    assert report.verdict == Verdict.CRASHED and report.pattern is None and report.culprit_ranks == [1]
+    assert "rank 1 exited with status 1" in report.evidence
+
+
+def test_registry_one_module_per_pattern_with_docstrings():
+    patterns = registry()
+    assert [p.id for p in patterns] == [m.replace("_", "-") for m in MODULES]
+    for module_name, pattern in zip(MODULES, patterns):
+        module = importlib.import_module(f"moedoctor.analysis.patterns.{module_name}")
+        doc = module.__doc__ or ""
+        for word in ("Mechanism", "Evidence", "Risk", "Fix"):
+            assert word in doc, f"{module_name}: docstring lacks {word}"
+        assert pattern.title and pattern.advice
+    assert {p.id: p.fixes for p in patterns if p.fixes} == {
+        "skipped-optimizer-step": ("skip-step-collectively",),
+        "inflight-metric-allreduce": ("metrics-after-microbatches",),
+        "uneven-dtensor-allgather": ("key-manifest-checkpoint",), "inactive-experts": ("expert-dense",)}
