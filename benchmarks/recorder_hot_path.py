@@ -61,15 +61,17 @@ def main() -> None:
         lib._destroy()
     recorder.register_kernels()
     results["recorder"] = bench()
-    from moedoctor.recorder import native
-
-    if native.available():  # the C++ kernel (MOEDOCTOR_NATIVE=1), same recorder, same trace
+    try:
+        from moedoctor.recorder import native
+    except ImportError:  # a checkout without the native kernel
+        native = None
+    if native is not None and native.available():  # the C++ kernel (MOEDOCTOR_NATIVE=1), same recorder
         recorder.unregister_kernels()
         os.environ[native.ENV_NATIVE] = "1"
         recorder.register_kernels()
         recorder._native.assume_completed()  # as _completed above
         results["native recorder"] = bench()
-    else:
+    elif native is not None:
         print(f"native recorder: unavailable: {native.reason[-500:]}")
     if args.profile:
         import cProfile

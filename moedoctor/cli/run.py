@@ -15,6 +15,7 @@ from moedoctor.cli.hang_report import report_after_hang, report_after_run
 from moedoctor.cli.live import ConsoleObserver
 from moedoctor.runner import RunConfig, default_run_dir, prepare_run_dir, run_job
 from moedoctor.runner.command import check_launcher
+from moedoctor.runner.recorder_choice import choose_recorder
 
 app = typer.Typer()
 
@@ -53,6 +54,11 @@ def run(
         "--no-stacks", help="On a hang, do not dump the ranks' stacks with py-spy.")] = False,
     native: Annotated[bool, typer.Option(
         "--native", help="Include native (C/C++) frames in the stacks (py-spy dump --native).")] = False,
+    recorder: Annotated[str, typer.Option(
+        "--recorder", metavar="auto|native|python",
+        help="The recorder the ranks use: native (a C++ kernel at the dispatcher, about 3-5 us per "
+        "collective; built once per torch version, which needs a C++ compiler and ninja), python (no "
+        "build, tens of us per collective), or auto: native where it builds, else python.")] = "auto",
     max_events: Annotated[Optional[int], typer.Option(
         "--max-events", min=1, metavar="N",
         help="Stop recording a rank's collectives after N events (sets MOEDOCTOR_MAX_EVENTS; the "
@@ -67,12 +73,15 @@ def run(
     if run_dir is None:
         run_dir = default_run_dir(Path("moedoctor-runs"))
     joined = prepare_run_dir(run_dir, command, force)
+    console = Console(stderr=True)
+    choice = choose_recorder(recorder, lambda message: console.print(f"moedoctor: {message}"))
+    if recorder == "auto" and choice.kind == "python":
+        console.print(f"moedoctor: recording with the Python kernels ({choice.note})")
     config = RunConfig(
         command=command, run_dir=run_dir.resolve(), env=dict(os.environ), hang_timeout=hang_timeout,
         startup_timeout=startup_timeout, keep_alive=keep_alive, stacks=not no_stacks, native=native,
-        max_events=max_events, joined=joined,
+        max_events=max_events, recorder=choice.kind, joined=joined,
     )
-    console = Console(stderr=True)
     observer = ConsoleObserver(console, live=sys.stdout.isatty() and sys.stderr.isatty())
     # A scheduler's SIGTERM or a closed terminal stops the job as Ctrl-C does.
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from threading import get_ident
@@ -99,6 +100,7 @@ class Recorder:
         self.run_dir = Path(run_dir)
         self.max_events = max_events
         self.poll_interval = poll_interval
+        self._native = None  # [native seam] NativeKernels while MOEDOCTOR_NATIVE=1 and it loaded
         self.step = 0
         self.optimizer_depth = 0
         self.checkpoint: Phase | None = None
@@ -131,8 +133,65 @@ class Recorder:
     def is_open(self) -> bool:
         return self._fd is not None
 
+    # -- [native seam] state the hot path reads: forwarded to the native kernel when it is active ---
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = value
+        if self._native is not None:
+            self._native.set_step(value)
+
+    @property
+    def optimizer_depth(self) -> int:
+        return self._optimizer_depth
+
+    @optimizer_depth.setter
+    def optimizer_depth(self, value: int) -> None:
+        self._optimizer_depth = value
+        if self._native is not None:
+            self._native.set_optimizer_depth(value)
+
+    @property
+    def checkpoint(self) -> Phase | None:
+        return self._checkpoint
+
+    @checkpoint.setter
+    def checkpoint(self, value: Phase | None) -> None:
+        self._checkpoint = value
+        if self._native is not None:
+            self._native.set_checkpoint(value)
+
+    def _use_native(self) -> bool:
+        """[native seam] MOEDOCTOR_NATIVE=1 and the extension builds; else the Python kernels."""
+        from moedoctor.recorder import native
+
+        if not native.requested():
+            return False
+        if self._native is None:
+            try:
+                if native.available():
+                    self._native = native.NativeKernels(self)
+            except Exception as e:  # never fail the job: the Python kernels record it
+                native.reason = f"{type(e).__name__}: {e}"
+            if self._native is None:
+                print(f"moedoctor: native kernel unavailable, using the Python kernels: {native.reason}",
+                      file=sys.stderr)
+                return False
+        return True
+
+    # -- [end native seam] ---------------------------------------------------------------------
+
     def register_kernels(self) -> None:
         """Put a recording kernel in front of every collective op this torch build has."""
+        if self._libraries or (self._native is not None and self._native.registered):
+            return
+        if self._use_native():  # [native seam]
+            self._native.register(all_specs())
+            return
         libraries: dict[str, torch.library.Library] = {}
         for spec in all_specs():
             lib = libraries.get(spec.namespace)
@@ -142,6 +201,8 @@ class Recorder:
         self._libraries = list(libraries.values())
 
     def unregister_kernels(self) -> None:
+        if self._native is not None and self._native.registered:  # [native seam]
+            self._native.unregister()
         for lib in self._libraries:
             lib._destroy()
         self._libraries = []
@@ -156,6 +217,8 @@ class Recorder:
         path = traces / fmt.trace_file_name(rank)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         self._rank = rank
+        if self._native is not None:  # [native seam]
+            self._native.set_fd(self._fd)
         header = {
             "format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "rank": rank,
             "local_rank": int(os.environ.get("LOCAL_RANK", rank)), "world_size": world,
@@ -407,9 +470,14 @@ class Recorder:
                 backend = None
             recorded = self._seq.get(name, 0) + self._p2p_seq.get(("#p2p", name), 0)
             groups.append([name, recorded, backend])
+        dropped = self._dropped
+        if self._native is not None and self._native.registered:  # [native seam] counters live in C++
+            counts, dropped = self._native.counts()
+            for group in groups:
+                group[1] = counts.get(group[0], 0)
         with self._lock:
             self._write(fmt.encode({"k": fmt.COVERAGE, "t": time.time(), "reason": reason,
-                                    "groups": groups, "dropped": self._dropped}))
+                                    "groups": groups, "dropped": dropped}))
 
     def _internal_error(self, spec: OpSpec, error: Exception) -> None:
         self._errors += 1
@@ -431,6 +499,11 @@ class Recorder:
 
     def _poll_pending(self) -> None:
         with self._poll_lock:
+            if self._native is not None:  # [native seam] native works; Python ones left by a switch
+                done = self._native.poll()
+                if done:
+                    with self._lock:
+                        self._write(fmt.encode({"k": fmt.DONE, "t": time.time(), "i": done}))
             self._poll_pending_locked()
 
     def _poll_pending_locked(self) -> None:

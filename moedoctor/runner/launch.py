@@ -50,6 +50,7 @@ class RunConfig:
     stacks: bool = True
     native: bool = False
     max_events: int | None = None
+    recorder: str = "python"               # "native" (C++ kernel, built beforehand) or "python"
     joined: bool = False                   # another node already runs this job in run_dir
     stop_grace: float = 5.0                # SIGTERM -> SIGKILL
     coverage_wait: float = 1.0             # after a snapshot request, before stopping the job
@@ -116,6 +117,7 @@ def job_environment(config: RunConfig, run_dir: RunDir, launch_id: str) -> dict[
     env[ENV_LAUNCH_ID] = launch_id
     if config.max_events is not None:
         env[ENV_MAX_EVENTS] = str(config.max_events)
+    env["MOEDOCTOR_NATIVE"] = "1" if config.recorder == "native" else "0"
     return env
 
 
@@ -131,6 +133,7 @@ def _versions() -> dict[str, str]:
     except metadata.PackageNotFoundError:
         torch_version = None
     return {"moedoctor_version": moedoctor.__version__, "torch_version": torch_version}
+
 
 
 class _Run:
@@ -407,7 +410,8 @@ class _Run:
 
     def _write_manifest(self, coverage: CoverageCheck | None = None) -> None:
         hosts = sorted({t.host for t in self.tracker.ranks.values()})
-        write_node(self.dir.manifest, self.node, command=list(self.config.command), versions=_versions(),
+        write_node(self.dir.manifest, self.node, command=list(self.config.command),
+                   versions=_versions() | {"recorder": self.config.recorder},
                    world_size=self._world_size(), hosts=hosts, coverage=coverage,
                    trace_problems=self.tracker.problems
                    + [p for t in self.tracker.ranks.values() for p in t.problems])

@@ -92,6 +92,9 @@ class TraceFile:
         self.path = Path(path)
         self.header = read_header(self.path)
         self.problems: list[str] = []
+        with open(self.path, "rb") as f:
+            if not f.readline().endswith(b"\n"):
+                self.problems.append(f"{self.path.name}: truncated after its header (no record)")
         self.capped = False
         self.groups: dict[int, Group] = {}
         self._sites: dict[int, CallSite] = {}

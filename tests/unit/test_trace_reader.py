@@ -115,3 +115,10 @@ def test_scatter_signature_ignores_the_root_only_inputs():
                                Phase.OTHER, 0)
 
     assert scatter(0, ((4,), (4,))).signature() == scatter(1, ()).signature()
+
+
+def test_file_cut_right_after_its_header_is_reported(tmp_path):
+    path = tmp_path / fmt.trace_file_name(0)
+    path.write_bytes(fmt.encode(header()).rstrip(b"\n"))
+    trace = read_trace(path)
+    assert not trace.events and trace.problems == [f"{path.name}: truncated after its header (no record)"]

@@ -1,0 +1,272 @@
+"""The native recording kernel: opt-in (``MOEDOCTOR_NATIVE=1``), the Python kernels stay the fallback.
+
+``kernel.cpp`` is the C++ twin of ``Recorder._kernel`` / ``Recorder._record``: a boxed kernel per
+collective op at ``BackendSelect`` that writes the same ``c`` line with one ``write(2)`` before the
+op is issued, and keeps c10d ``Work`` objects for the progress thread's ``poll()``. It is built on
+first use with ``torch.utils.cpp_extension.load`` into torch's extension cache (``TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``; ranks building at once wait on torch's file lock) and needs a
+C++ compiler and ``ninja``. Nothing here raises into the user's job: ``available()`` says whether the
+kernel could be built and loaded, ``reason`` why not.
+
+The counters (event ids, per-group and per-peer sequence numbers, written/dropped) live in C++ while
+the native kernels are registered; ``NativeKernels`` hands them over in both directions when the
+kernels are switched between Python and native (benchmarks do). Cold paths call back into Python
+(``_Helper``): a new code object's flags, a new call site, group or thread, the cap record, errors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+ENV_NATIVE = "MOEDOCTOR_NATIVE"
+_SOURCE = Path(__file__).with_name("kernel.cpp")
+
+_module = None
+_tried = False
+_load_lock = threading.Lock()
+reason = "not loaded yet"  # why available() is False; "" once loaded
+
+
+def requested() -> bool:
+    """The job asked for the native kernel (``MOEDOCTOR_NATIVE=1``)."""
+    return os.environ.get(ENV_NATIVE, "") == "1"
+
+
+def available() -> bool:
+    """Build (first time) and load the extension; False, with ``reason`` set, where it cannot be."""
+    return load() is not None
+
+
+def load():
+    """The extension module, or None. Never raises."""
+    global _module, _tried, reason
+    with _load_lock:
+        if not _tried:
+            _tried = True
+            try:
+                _module = _build()
+                reason = ""
+            except BaseException as e:  # noqa: BLE001 - a failed build must not end the job
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                reason = f"{type(e).__name__}: {e}".strip()[-2000:]
+        return _module
+
+
+def built() -> bool:
+    """This source is already built for this torch and Python (loading it is then fast)."""
+    try:
+        return _built(extension_name())
+    except Exception:
+        return False
+
+
+def extension_name() -> str:
+    """The module's name: a digest of the source, torch and Python versions (a new build per change)."""
+    import torch
+
+    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + sys.version.encode())
+    return f"moedoctor_native_{digest.hexdigest()[:12]}"
+
+
+def _build():
+    import torch.distributed as dist
+    from torch.utils import cpp_extension
+
+    if not dist.is_available():
+        raise RuntimeError("torch was built without torch.distributed")
+    if not cpp_extension.is_ninja_available():  # cpp_extension.load runs ninja even for a cached build
+        raise RuntimeError("ninja is not installed (pip install ninja)")
+    name = extension_name()
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None and not _built(name):
+        raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH")
+    return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"],
+                              verbose=os.environ.get("MOEDOCTOR_NATIVE_VERBOSE", "") == "1")
+
+
+def _built(name: str) -> bool:
+    """A build of this source is in torch's extension cache already."""
+    from torch.utils import cpp_extension
+
+    try:
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))  # private; torch >= 1.x
+    except Exception:
+        return False
+    return (folder / f"{name}.so").exists()
+
+
+# -- the Python side of the native kernel ---------------------------------------------------------
+
+
+def _dtype_names(module) -> list[str]:
+    """``str(dtype)`` without ``torch.``, indexed by the C++ ScalarType of each dtype."""
+    import torch
+
+    names: dict[int, str] = {}
+    dtypes = {value: None for value in vars(torch).values() if isinstance(value, torch.dtype)}
+    for value in dtypes:
+        if str(value).startswith("torch.q"):  # quantized: no collective carries them
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                index = module.scalar_type_of(torch.empty(0, dtype=value))
+        except Exception:
+            continue  # dtypes no plain tensor has: collectives never see them
+        names.setdefault(index, str(value).removeprefix("torch."))
+    table = [""] * (max(names, default=-1) + 1)
+    for index, name in names.items():
+        table[index] = name
+    return table
+
+
+class _Helper:
+    """What the C++ kernel asks Python for, on cold paths only (the GIL is held)."""
+
+    def __init__(self, recorder) -> None:
+        from moedoctor.recorder import callsite, core
+        from moedoctor.trace import format as fmt
+
+        self._recorder = recorder
+        self._fmt = fmt
+        self._describe = callsite.describe
+        self.flags = callsite._flags
+        self.json_str = core._json_str
+
+    def thread_name(self) -> str:
+        return self.json_str(threading.current_thread().name)
+
+    def group(self, name: str) -> tuple[bytes, list[int]]:
+        """A ``g`` record without its kind and id, and the group's global ranks."""
+        recorder = self._recorder
+        ranks = list(recorder._ranks_of(name))
+        desc = getattr(recorder._process_group(name), "group_desc", "")
+        return self._fmt.encode({"name": name, "desc": desc, "ranks": ranks}), ranks
+
+    def site(self, key: tuple) -> bytes:
+        """An ``s`` record without its kind and id."""
+        file, line, fn, stack = self._describe(key)
+        return self._fmt.encode({"file": file, "line": line, "fn": fn, "stack": stack})
+
+    def cap_record(self) -> bytes:
+        return self._fmt.encode({"k": self._fmt.CAP, "t": time.time(), "limit": self._recorder.max_events})
+
+    def error(self, op: str, message: str) -> None:
+        recorder = self._recorder
+        recorder._errors += 1
+        if recorder._errors <= 3:
+            recorder.write_evidence("recorder_error", {"op": op, "error": message, "native": True})
+
+
+class NativeKernels:
+    """The native kernels of one recorder: registration, state hand-over, polling, counters."""
+
+    def __init__(self, recorder) -> None:
+        from moedoctor.recorder import callsite, core
+
+        module = load()
+        if module is None:
+            raise RuntimeError(f"native kernel unavailable: {reason}")
+        self._m = module
+        self._recorder = recorder
+        self.registered = False
+        from torch._C._distributed_c10d import ReduceOp
+
+        reductions = {int(v): k.lower() for k, v in ReduceOp.RedOpType.__members__.items()}
+        reduce_names = [reductions.get(i, str(i)) for i in range(max(reductions) + 1)]
+        constants = {
+            "INTERNAL": callsite.INTERNAL, "MODULE_CALL": callsite.MODULE_CALL,
+            "FSDP_GROUP": callsite.FSDP_GROUP, "CKPT_SAVE": callsite.CKPT_SAVE, "CKPT_LOAD": callsite.CKPT_LOAD,
+            "MAX_SHAPES": core.MAX_SHAPES, "MAX_STACK": callsite.MAX_STACK, "MAX_WALK": callsite.MAX_WALK,
+            "MAX_PENDING": core.MAX_PENDING, "max_events": recorder.max_events,
+        }
+        module.configure(_Helper(recorder), constants, _dtype_names(module), reduce_names)
+        self.sync_phase()
+
+    # -- registration --------------------------------------------------------------------------
+
+    def register(self, specs) -> None:
+        def index(value):
+            return -1 if value is None else value
+
+        entries = [(s.namespace, s.raw_name, s.op, index(s.inputs), index(s.outputs), s.group,
+                    index(s.reduce_op), index(s.async_op), index(s.peer), len(s.arg_names)) for s in specs]
+        self._import_state()
+        self.set_fd(self._recorder._fd)
+        self._m.register_kernels(entries)
+        self.registered = True
+
+    def unregister(self) -> None:
+        self._m.unregister_kernels()
+        self.registered = False
+        self._export_state()
+
+    def set_fd(self, fd: int | None) -> None:
+        self._m.set_fd(-1 if fd is None else fd)
+
+    # -- what the hot path reads ---------------------------------------------------------------
+
+    def sync_phase(self) -> None:
+        recorder = self._recorder
+        self._m.set_step(recorder._step)
+        self._m.set_optimizer_depth(recorder._optimizer_depth)
+        self.set_checkpoint(recorder._checkpoint)
+
+    def set_step(self, value: int) -> None:
+        self._m.set_step(value)
+
+    def set_optimizer_depth(self, value: int) -> None:
+        self._m.set_optimizer_depth(value)
+
+    def set_checkpoint(self, phase) -> None:
+        self._m.set_checkpoint(None if phase is None else phase.value)
+
+    # -- the progress thread and coverage ------------------------------------------------------
+
+    def poll(self) -> list[int]:
+        """Event ids seen complete since the last poll, sorted."""
+        return self._m.poll()
+
+    def counts(self) -> tuple[dict[str, int], int]:
+        """({group name: collectives and p2p ops recorded}, dropped)."""
+        return self._m.counts()
+
+    def assume_completed(self, value: bool = True) -> None:
+        """Benchmarks only: count every work complete (the fake backend's never say so)."""
+        self._m.set_assume_completed(value)
+
+    # -- state hand-over between the Python and the native kernels -----------------------------
+
+    def _import_state(self) -> None:
+        r = self._recorder
+        with r._lock:
+            groups = []
+            for name, gid in r._group_ids.items():
+                pseq = {peer: n for (g, peer), n in r._p2p_seq.items() if g == name}
+                groups.append((name, gid, list(r._ranks_of(name)), r._seq.get(name, 0),
+                               r._p2p_seq.get(("#p2p", name), 0), pseq))
+            self._m.import_state(r._next_event, r._written, r._dropped, groups, len(r._sites),
+                                 list(r._sites.items()))
+
+    def _export_state(self) -> None:
+        r = self._recorder
+        next_event, written, dropped, groups, sites, next_site = self._m.export_state()
+        with r._lock:
+            r._next_event, r._written, r._dropped = next_event, written, dropped
+            for name, gid, ranks, seq, p2p_count, pseq in groups:
+                r._group_ids[name] = gid
+                r._group_ranks.setdefault(name, tuple(ranks))
+                r._seq[name] = seq
+                r._p2p_seq[("#p2p", name)] = p2p_count
+                for peer, n in pseq.items():
+                    r._p2p_seq[(name, peer)] = n
+            for key, sid in sites:
+                r._sites[key] = sid

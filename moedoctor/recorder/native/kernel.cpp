@@ -1,0 +1,945 @@
+// moedoctor's native recording kernel: the C++ twin of Recorder._kernel / Recorder._record
+// (moedoctor/recorder/core.py). Built at run time by moedoctor/recorder/native/__init__.py.
+//
+// One boxed kernel per collective op, registered at BackendSelect through a torch::Library of kind
+// IMPL per namespace. It writes the same `c` line as the Python recorder with one write(2) BEFORE
+// redispatching, and keeps c10d Works for the progress thread's poll(). The GIL is taken only for the
+// stack walk and the formatting; cold paths (a new code object, site, group, thread, the cap record,
+// errors) call back into Python through the helper object given to configure().
+//
+// Lock order: the GIL, then state_mu (taken with the GIL released while waiting); pending_mu is
+// never held together with the GIL.
+//
+// APIs used (present in torch >= 2.6): CppFunction::makeFromBoxedFunctor, torch::Library(IMPL,
+// ns, key), OperatorHandle::redispatchBoxed, DispatchKeySet(FULL_AFTER, key),
+// IValue::toCustomClass<c10d::ProcessGroup/Work/ReduceOp>, ProcessGroup::getGroupName,
+// torch::autograd::get_current_graph_task_id (graph_task.h). CPython >= 3.9 frame API.
+
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <Python.h>
+#include <frameobject.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace moedoctor_native {
+
+// Frame flags, as in moedoctor/recorder/callsite.py (sent by configure()).
+static int F_INTERNAL = 1, F_MODULE_CALL = 2, F_FSDP_GROUP = 4, F_CKPT_SAVE = 8, F_CKPT_LOAD = 16;
+static size_t MAX_SHAPES = 64, MAX_STACK = 8, MAX_WALK = 96, MAX_PENDING = 4096;
+
+struct Spec {
+  std::string op, qualified;
+  bool c10d = false;
+  int inputs = -1, outputs = -1, group = -1, reduce_op = -1, async_op = -1, peer = -1;
+  size_t nargs = 0;
+};
+
+struct GroupState {
+  int id = 0;
+  std::vector<int64_t> ranks;
+  int64_t seq = 0;        // collectives recorded
+  int64_t p2p_count = 0;  // p2p ops recorded
+  std::map<int64_t, int64_t> pseq;  // peer (global rank, or INT64_MIN for None) -> count
+};
+
+struct SiteKeyHash {
+  size_t operator()(const std::vector<std::pair<PyObject*, int>>& key) const {
+    size_t h = 1469598103934665603ull;
+    for (auto& [code, line] : key) {
+      h ^= reinterpret_cast<uintptr_t>(code) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+      h ^= static_cast<size_t>(line) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    }
+    return h;
+  }
+};
+using SiteKey = std::vector<std::pair<PyObject*, int>>;
+
+struct CodeOffsetHash {
+  size_t operator()(const std::pair<PyObject*, int>& key) const {
+    return std::hash<uintptr_t>()(reinterpret_cast<uintptr_t>(key.first)) * 31u + static_cast<size_t>(key.second);
+  }
+};
+
+struct PendingWork {
+  int64_t event;
+  int group;
+  c10::intrusive_ptr<c10d::Work> work;  // null: the op returned no Work (monitored_barrier_)
+};
+
+// -- state --------------------------------------------------------------------------------------
+
+// All state lives on the heap and is never freed: at exit, a daemon thread may still be inside a
+// kernel while the static destructors run, and the libraries must not deregister after the
+// dispatcher is gone.
+struct State {
+  std::vector<Spec> specs;
+  std::vector<std::unique_ptr<torch::Library>> libraries;
+  PyObject* helper = nullptr;  // moedoctor.recorder.native._Helper
+
+  // Read and written with the GIL held.
+  std::unordered_map<PyObject*, int> code_flags;  // code object (kept alive) -> flags
+  std::unordered_map<std::string, std::string> json_strings;  // str -> json.dumps(str)
+  std::unordered_map<std::pair<PyObject*, int>, int, CodeOffsetHash> lines;  // (code, offset) -> line
+  std::vector<std::string> dtype_names;  // ScalarType -> "float32"
+  std::vector<std::string> reduce_names;  // RedOpType -> "sum"
+  int64_t step = 0;
+  int64_t optimizer_depth = 0;
+  std::string checkpoint_phase;  // "" when not inside a checkpoint save/load
+
+  // Guarded by state_mu.
+  std::mutex state_mu;
+  std::atomic<int> fd{-1};
+  int64_t max_events = 2000000;
+  int64_t next_event = 0, written = 0, dropped = 0;
+  std::unordered_map<std::string, GroupState> groups;
+  std::vector<std::string> group_names;  // by id
+  std::unordered_map<SiteKey, int, SiteKeyHash> sites;
+  int next_site = 0;
+
+  // Guarded by pending_mu.
+  std::mutex pending_mu;
+  std::deque<PendingWork> fresh, pending;
+  std::unordered_map<int, int64_t> last_done;
+  bool assume_completed = false;  // benchmarks: the fake backend's works never complete
+};
+static State& S = *new State;
+
+static thread_local bool inside = false;  // a recorded op's own collectives pass straight through
+static thread_local std::string thread_json;  // this thread's name, JSON-encoded
+// -- small helpers ------------------------------------------------------------------------------
+
+// The GIL, taken the way any C++ thread may take it (creating a thread state where there is none).
+struct Gil {
+  PyGILState_STATE state;
+  Gil() : state(PyGILState_Ensure()) {}
+  ~Gil() { PyGILState_Release(state); }
+};
+
+// Take state_mu with the GIL held, releasing the GIL while waiting (its holder may need the GIL).
+struct StateLock {
+  StateLock() {
+    if (!S.state_mu.try_lock()) {
+      PyThreadState* saved = PyEval_SaveThread();
+      S.state_mu.lock();
+      PyEval_RestoreThread(saved);
+    }
+  }
+  ~StateLock() { S.state_mu.unlock(); }
+};
+
+static inline void append_int(std::string& out, int64_t value) {
+  char buf[24];
+  auto result = std::to_chars(buf, buf + sizeof(buf), value);
+  out.append(buf, result.ptr - buf);
+}
+
+static void write_all(int target, const char* data, size_t size) {
+  while (size > 0) {
+    ssize_t n = ::write(target, data, size);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return;  // nothing sensible to do: the trace is best effort
+    }
+    data += n;
+    size -= static_cast<size_t>(n);
+  }
+}
+
+static std::string py_error_text() {
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  std::string text = "python error";
+  if (value != nullptr) {
+    PyObject* repr = PyObject_Repr(value);
+    if (repr != nullptr) {
+      const char* s = PyUnicode_AsUTF8(repr);
+      if (s != nullptr) text = s;
+      Py_DECREF(repr);
+    }
+  }
+  PyErr_Clear();
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(tb);
+  return text;
+}
+
+// helper.<name>(*args): a new reference; throws std::runtime_error on a Python error. Cold paths only.
+static PyObject* call_helper(const char* name, PyObject* args) {
+  PyObject* fn = PyObject_GetAttrString(S.helper, name);
+  if (fn == nullptr) throw std::runtime_error(py_error_text());
+  PyObject* result = PyObject_CallObject(fn, args);
+  Py_DECREF(fn);
+  if (result == nullptr) throw std::runtime_error(py_error_text());
+  return result;
+}
+
+static PyObject* call_helper1(const char* name, PyObject* arg) {
+  PyObject* args = PyTuple_Pack(1, arg);
+  if (args == nullptr) throw std::runtime_error(py_error_text());
+  PyObject* result = nullptr;
+  try {
+    result = call_helper(name, args);
+  } catch (...) {
+    Py_DECREF(args);
+    throw;
+  }
+  Py_DECREF(args);
+  return result;
+}
+
+// Steals the reference: the bytes' content.
+static std::string take_bytes(PyObject* obj) {
+  char* data;
+  Py_ssize_t size;
+  if (PyBytes_AsStringAndSize(obj, &data, &size) != 0) {
+    Py_DECREF(obj);
+    throw std::runtime_error(py_error_text());
+  }
+  std::string out(data, static_cast<size_t>(size));
+  Py_DECREF(obj);
+  return out;
+}
+
+// Steals the reference: the str's UTF-8 content.
+static std::string take_str(PyObject* obj) {
+  const char* text = PyUnicode_AsUTF8(obj);
+  if (text == nullptr) {
+    Py_DECREF(obj);
+    throw std::runtime_error(py_error_text());
+  }
+  std::string out(text);
+  Py_DECREF(obj);
+  return out;
+}
+
+// json.dumps(value), ASCII-escaped as the Python recorder's _json_str; cached (GIL held).
+static const std::string& json_str(PyObject* str) {
+  Py_ssize_t size;
+  const char* utf8 = PyUnicode_AsUTF8AndSize(str, &size);
+  if (utf8 == nullptr) throw std::runtime_error(py_error_text());
+  std::string key(utf8, static_cast<size_t>(size));
+  auto it = S.json_strings.find(key);
+  if (it != S.json_strings.end()) return it->second;
+  std::string value = take_str(call_helper1("json_str", str));
+  return S.json_strings.emplace(std::move(key), std::move(value)).first->second;
+}
+
+// -- reading the op's arguments (no GIL) ---------------------------------------------------------
+
+struct TensorSide {
+  size_t count = 0;
+  std::string shapes = "[]";
+  std::string dtypes = "[]";
+};
+
+static void describe_tensors(const c10::IValue& value, TensorSide& side) {
+  const size_t limit = MAX_SHAPES;
+  const at::Tensor* tensors[256];
+  size_t kept = 0;
+  auto add = [&](const c10::IValue& item) {
+    if (item.isTensor()) {
+      ++side.count;
+      if (kept < limit && kept < 256) tensors[kept++] = &item.toTensor();
+    }
+  };
+  if (value.isTensor()) {
+    add(value);
+  } else if (value.isList()) {
+    for (const c10::IValue& item : value.toListRef()) {
+      if (item.isTensor()) {
+        add(item);
+      } else if (item.isList()) {
+        for (const c10::IValue& inner : item.toListRef()) add(inner);
+      }
+    }
+  }
+  if (kept == 0) return;
+  std::string& shapes = side.shapes;
+  shapes.clear();
+  shapes += '[';
+  for (size_t i = 0; i < kept; ++i) {
+    if (i) shapes += ',';
+    shapes += '[';
+    auto sizes = tensors[i]->sym_sizes();
+    for (size_t d = 0; d < sizes.size(); ++d) {
+      if (d) shapes += ',';
+      if (auto concrete = sizes[d].maybe_as_int()) {
+        append_int(shapes, *concrete);
+      } else {
+        std::ostringstream text;  // a symbolic size: written as Python's str() would
+        text << sizes[d];
+        shapes += text.str();
+      }
+    }
+    shapes += ']';
+  }
+  shapes += ']';
+  // The distinct dtypes of the described tensors, in order.
+  std::string& dtypes = side.dtypes;
+  dtypes.clear();
+  dtypes += '[';
+  c10::ScalarType seen[256];
+  size_t distinct = 0;
+  for (size_t i = 0; i < kept; ++i) {
+    c10::ScalarType st = tensors[i]->scalar_type();
+    bool known = false;
+    for (size_t j = 0; j < distinct && !known; ++j) known = seen[j] == st;
+    if (known) continue;
+    if (distinct) dtypes += ',';
+    seen[distinct++] = st;
+    dtypes += '"';
+    auto index = static_cast<size_t>(st);
+    if (index < S.dtype_names.size() && !S.dtype_names[index].empty()) {
+      dtypes += S.dtype_names[index];
+    } else {
+      dtypes += c10::toString(st);
+    }
+    dtypes += '"';
+  }
+  dtypes += ']';
+}
+
+static std::string group_name_of(const c10::IValue& value) {
+  if (value.isString()) return value.toStringRef();
+  return value.toCustomClass<c10d::ProcessGroup>()->getGroupName();
+}
+
+// -- the Python stack (GIL held) -----------------------------------------------------------------
+
+struct Attribution {
+  SiteKey site;
+  int flags = 0;
+  bool has_module = false;
+  std::string module_json;
+};
+
+static int flags_of(PyObject* code) {
+  auto it = S.code_flags.find(code);
+  if (it != S.code_flags.end()) return it->second;
+  PyObject* result = call_helper1("flags", code);  // callsite._flags (cold: once per code object)
+  int flags = static_cast<int>(PyLong_AsLong(result));
+  Py_DECREF(result);
+  if (S.code_flags.emplace(code, flags).second) Py_INCREF(code);  // kept alive, as callsite._flags_cache does
+  return flags;
+}
+
+// getattr(frame.f_locals.get("self"), "_module_fqn", None) of an FSDP param-group frame.
+static void fsdp_module(PyFrameObject* frame, Attribution& attribution) {
+  PyObject* self = nullptr;
+#if PY_VERSION_HEX >= 0x030C0000
+  self = PyFrame_GetVarString(frame, "self");
+#else
+  PyObject* locals = PyObject_GetAttrString(reinterpret_cast<PyObject*>(frame), "f_locals");
+  if (locals != nullptr) {
+    self = PyMapping_GetItemString(locals, "self");
+    Py_DECREF(locals);
+  }
+#endif
+  if (self == nullptr) {
+    PyErr_Clear();
+    return;
+  }
+  PyObject* fqn = PyObject_GetAttrString(self, "_module_fqn");
+  Py_DECREF(self);
+  if (fqn == nullptr) {
+    PyErr_Clear();
+    return;
+  }
+  try {
+    if (PyUnicode_Check(fqn)) {
+      attribution.module_json = json_str(fqn);
+      attribution.has_module = true;
+    }
+  } catch (...) {
+    Py_DECREF(fqn);
+    throw;
+  }
+  Py_DECREF(fqn);
+}
+
+// frame.f_lineno. PyCode_Addr2Line scans the code's line table, so from Python 3.11 (which has
+// PyFrame_GetLasti) the answer is cached per code object (kept alive in code_flags) and offset.
+static int line_of(PyFrameObject* frame, PyObject* code) {
+#if PY_VERSION_HEX >= 0x030B0000
+  const std::pair<PyObject*, int> key(code, PyFrame_GetLasti(frame));
+  auto it = S.lines.find(key);
+  if (it != S.lines.end()) return it->second;
+  const int line = PyFrame_GetLineNumber(frame);
+  S.lines.emplace(key, line);
+  return line;
+#else
+  (void)code;
+  return PyFrame_GetLineNumber(frame);
+#endif
+}
+
+// callsite.attribute: one walk up this thread's Python stack.
+static void attribute(Attribution& attribution) {
+  PyFrameObject* frame = PyThreadState_GetFrame(PyThreadState_Get());  // new reference, or null
+  size_t walked = 0;
+  while (frame != nullptr && walked < MAX_WALK) {
+    PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
+    int flags;
+    try {
+      flags = flags_of(reinterpret_cast<PyObject*>(code));
+      if (!(flags & F_INTERNAL)) {
+        if (attribution.site.size() < MAX_STACK) {
+          attribution.site.emplace_back(reinterpret_cast<PyObject*>(code), line_of(frame, reinterpret_cast<PyObject*>(code)));
+        }
+      } else if ((flags & F_FSDP_GROUP) && !attribution.has_module) {
+        fsdp_module(frame, attribution);
+      }
+    } catch (...) {
+      Py_DECREF(code);
+      Py_DECREF(frame);
+      throw;
+    }
+    Py_DECREF(code);  // kept alive by code_flags
+    attribution.flags |= flags;
+    PyFrameObject* back = PyFrame_GetBack(frame);
+    Py_DECREF(frame);
+    frame = back;
+    ++walked;
+  }
+  Py_XDECREF(frame);
+}
+
+static const char* phase_of(int flags) {
+  if (!S.checkpoint_phase.empty()) return S.checkpoint_phase.c_str();
+  if (flags & F_CKPT_LOAD) return "checkpoint_load";
+  if (flags & F_CKPT_SAVE) return "checkpoint_save";
+  if (S.optimizer_depth) return "optimizer";
+  if (torch::autograd::get_current_graph_task_id() != -1) return "backward";
+  if (flags & F_MODULE_CALL) return "forward";
+  return "other";
+}
+
+static const std::string& thread_name() {
+  if (thread_json.empty()) thread_json = take_str(call_helper("thread_name", nullptr));
+  return thread_json;
+}
+
+// -- interning (GIL and state_mu held) -----------------------------------------------------------
+
+static GroupState& intern_group(const std::string& name, int target) {
+  auto it = S.groups.find(name);
+  if (it != S.groups.end()) return it->second;
+  PyObject* pyname = PyUnicode_FromStringAndSize(name.data(), static_cast<Py_ssize_t>(name.size()));
+  if (pyname == nullptr) throw std::runtime_error(py_error_text());
+  PyObject* result;
+  try {
+    result = call_helper1("group", pyname);  // (record fragment bytes, [global ranks])
+  } catch (...) {
+    Py_DECREF(pyname);
+    throw;
+  }
+  Py_DECREF(pyname);
+  GroupState state;
+  state.id = static_cast<int>(S.groups.size());
+  std::string fragment;
+  bool ok = PyTuple_Check(result) && PyTuple_GET_SIZE(result) == 2;
+  if (ok) {
+    PyObject* bytes = PyTuple_GET_ITEM(result, 0);
+    Py_INCREF(bytes);
+    fragment = take_bytes(bytes);
+    PyObject* ranks = PyTuple_GET_ITEM(result, 1);
+    for (Py_ssize_t i = 0; ok && i < PyList_Size(ranks); ++i) {
+      state.ranks.push_back(PyLong_AsLongLong(PyList_GET_ITEM(ranks, i)));
+    }
+    ok = !PyErr_Occurred() && fragment.size() > 2;
+  }
+  Py_DECREF(result);
+  if (!ok) throw std::runtime_error("bad group record: " + py_error_text());
+  std::string record = "{\"k\":\"g\",\"id\":";
+  append_int(record, state.id);
+  record += ',';
+  record.append(fragment, 1, std::string::npos);
+  write_all(target, record.data(), record.size());
+  S.group_names.push_back(name);
+  return S.groups.emplace(name, std::move(state)).first->second;
+}
+
+static int intern_site(const SiteKey& key, int target) {
+  auto it = S.sites.find(key);
+  if (it != S.sites.end()) return it->second;
+  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(2 * key.size()));
+  if (tuple == nullptr) throw std::runtime_error(py_error_text());
+  for (size_t i = 0; i < key.size(); ++i) {
+    Py_INCREF(key[i].first);
+    PyTuple_SET_ITEM(tuple, 2 * i, key[i].first);
+    PyTuple_SET_ITEM(tuple, 2 * i + 1, PyLong_FromLong(key[i].second));
+  }
+  PyObject* result;
+  try {
+    result = call_helper1("site", tuple);  // record fragment bytes, from callsite.describe
+  } catch (...) {
+    Py_DECREF(tuple);
+    throw;
+  }
+  Py_DECREF(tuple);
+  std::string fragment = take_bytes(result);
+  int id = S.next_site++;
+  std::string record = "{\"k\":\"s\",\"id\":";
+  append_int(record, id);
+  record += ',';
+  record.append(fragment, 1, std::string::npos);
+  write_all(target, record.data(), record.size());
+  S.sites.emplace(key, id);
+  return id;
+}
+
+// -- the kernel ----------------------------------------------------------------------------------
+
+static bool python_usable() {
+  if (!Py_IsInitialized()) return false;
+#if PY_VERSION_HEX >= 0x030D0000
+  return !Py_IsFinalizing();
+#else
+  return !_Py_IsFinalizing();
+#endif
+}
+
+static void report_error(const Spec& spec, const std::string& message) {
+  PyObject* args = Py_BuildValue("(ss)", spec.qualified.c_str(), message.c_str());
+  if (args == nullptr) {
+    PyErr_Clear();
+    return;
+  }
+  try {
+    Py_DECREF(call_helper("error", args));
+  } catch (...) {
+  }
+  Py_DECREF(args);
+}
+
+// Writes the record; returns its event id (-1 when capped or not recorded) and sets group_id.
+static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id) {
+  if (stack->size() < spec.nargs) throw std::runtime_error("short stack");
+  const size_t base = stack->size() - spec.nargs;
+  auto arg = [&](int index) -> const c10::IValue& { return (*stack)[base + static_cast<size_t>(index)]; };
+
+  // What the IValues say, without the GIL.
+  std::string group_name = group_name_of(arg(spec.group));
+  TensorSide inputs, outputs;
+  if (spec.inputs >= 0) describe_tensors(arg(spec.inputs), inputs);
+  if (spec.outputs >= 0) describe_tensors(arg(spec.outputs), outputs);
+  std::string extra;
+  if (spec.reduce_op >= 0) {
+    const c10::IValue& value = arg(spec.reduce_op);
+    extra += ",\"red\":\"";
+    if (value.isString()) {
+      for (char c : value.toStringRef()) extra += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    } else {
+      auto op = static_cast<size_t>(value.toCustomClass<c10d::ReduceOp>()->op_);
+      extra += op < S.reduce_names.size() ? S.reduce_names[op] : std::to_string(op);
+    }
+    extra += '"';
+  }
+  if (inputs.count > MAX_SHAPES || outputs.count > MAX_SHAPES) {
+    extra += ",\"n\":[";
+    append_int(extra, static_cast<int64_t>(inputs.count));
+    extra += ',';
+    append_int(extra, static_cast<int64_t>(outputs.count));
+    extra += ']';
+  }
+  const bool is_async = !spec.c10d || spec.async_op < 0 || arg(spec.async_op).toBool();
+  const int64_t group_rank = spec.peer >= 0 ? arg(spec.peer).toInt() : 0;
+  const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::system_clock::now().time_since_epoch()).count();
+
+  Gil gil;
+  if (!python_usable()) return -1;
+  Attribution attribution;
+  attribute(attribution);
+  const std::string& thread = thread_name();
+  const char* phase = phase_of(attribution.flags);
+  const int64_t step = S.step;
+
+  StateLock lock;
+  const int target = S.fd.load();
+  if (target < 0) return -1;
+  GroupState& group = intern_group(group_name, target);
+  group_id = group.id;
+  const int site = attribution.site.empty() ? -1 : intern_site(attribution.site, target);
+  const int64_t event = S.next_event++;
+  std::string line;
+  line.reserve(256 + inputs.shapes.size() + outputs.shapes.size() + extra.size() + attribution.module_json.size());
+  line += "{\"k\":\"c\",\"i\":";
+  append_int(line, event);
+  line += ",\"g\":";
+  append_int(line, group.id);
+  line += ",\"seq\":";
+  if (spec.peer >= 0) {
+    const int64_t peer = (group_rank >= 0 && group_rank < static_cast<int64_t>(group.ranks.size()))
+        ? group.ranks[static_cast<size_t>(group_rank)] : group_rank;
+    const int64_t pseq = ++group.pseq[peer];
+    ++group.p2p_count;
+    append_int(line, group.seq);  // the collectives before it; not advanced
+    line += ",\"pseq\":";
+    append_int(line, pseq);
+    if (attribution.has_module) {
+      extra += ",\"mod\":";
+      extra += attribution.module_json;
+    }
+    extra += ",\"peer\":";
+    append_int(extra, peer);
+  } else {
+    append_int(line, ++group.seq);
+    if (attribution.has_module) {
+      extra += ",\"mod\":";
+      extra += attribution.module_json;
+    }
+  }
+  if (S.written >= S.max_events) {
+    if (S.dropped++ == 0) {
+      std::string cap = take_bytes(call_helper("cap_record", nullptr));
+      write_all(target, cap.data(), cap.size());
+    }
+    return -1;
+  }
+  ++S.written;
+  line += ",\"s\":";
+  if (site < 0) {
+    line += "null";
+  } else {
+    append_int(line, site);
+  }
+  line += ",\"t\":";  // time.time() as "%.6f"
+  const int64_t micros = (now_ns + 500) / 1000;
+  append_int(line, micros / 1000000);
+  char fraction[8] = {'.', '0', '0', '0', '0', '0', '0', 0};
+  for (int64_t rest = micros % 1000000, i = 6; i > 0; --i, rest /= 10) fraction[i] = static_cast<char>('0' + rest % 10);
+  line.append(fraction, 7);
+  line += ",\"op\":\"";
+  line += spec.op;
+  line += "\",\"raw\":\"";
+  line += spec.qualified;
+  line += "\",\"in\":";
+  line += inputs.shapes;
+  line += ",\"out\":";
+  line += outputs.shapes;
+  line += ",\"dt\":";
+  line += inputs.dtypes;
+  line += is_async ? ",\"async\":true,\"th\":" : ",\"async\":false,\"th\":";
+  line += thread;
+  line += ",\"ph\":\"";
+  line += phase;
+  line += "\",\"step\":";
+  append_int(line, step);
+  line += extra;
+  line += "}\n";
+  write_all(target, line.data(), line.size());
+  return event;
+}
+
+struct RecordingKernel final : public c10::OperatorKernel {
+  explicit RecordingKernel(size_t index) : index(index) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
+    const auto after = keyset & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::BackendSelect);
+    if (inside) {  // a functional collective's own c10d call, or one issued from our cold path
+      op.redispatchBoxed(after, stack);
+      return;
+    }
+    const Spec& spec = S.specs[index];
+    int64_t event = -1;
+    int group_id = -1;
+    inside = true;
+    if (S.fd.load(std::memory_order_relaxed) >= 0 && python_usable()) {
+      try {
+        event = record(spec, stack, group_id);
+      } catch (const std::exception& e) {  // the job must never fail because of the recorder
+        event = -1;
+        if (python_usable()) {
+          Gil gil;
+          report_error(spec, e.what());
+        }
+      } catch (...) {
+        event = -1;
+      }
+    }
+    try {
+      op.redispatchBoxed(after, stack);
+    } catch (...) {
+      inside = false;
+      throw;
+    }
+    inside = false;
+    if (event >= 0 && spec.c10d) {
+      c10::intrusive_ptr<c10d::Work> work;
+      try {
+        if (!stack->empty() && stack->back().isCustomClass()) work = stack->back().toCustomClass<c10d::Work>();
+      } catch (...) {
+      }
+      std::lock_guard<std::mutex> guard(S.pending_mu);
+      S.fresh.push_back(PendingWork{event, group_id, std::move(work)});
+    }
+  }
+
+  size_t index;
+};
+
+// -- Python API ----------------------------------------------------------------------------------
+
+static void configure(py::object helper, py::dict constants, std::vector<std::string> dtypes,
+                      std::vector<std::string> reductions) {
+  if (S.helper == nullptr) {
+    S.helper = helper.ptr();
+    Py_INCREF(S.helper);  // never released
+  }
+  F_INTERNAL = constants["INTERNAL"].cast<int>();
+  F_MODULE_CALL = constants["MODULE_CALL"].cast<int>();
+  F_FSDP_GROUP = constants["FSDP_GROUP"].cast<int>();
+  F_CKPT_SAVE = constants["CKPT_SAVE"].cast<int>();
+  F_CKPT_LOAD = constants["CKPT_LOAD"].cast<int>();
+  MAX_SHAPES = std::min<size_t>(constants["MAX_SHAPES"].cast<size_t>(), 256);
+  MAX_STACK = constants["MAX_STACK"].cast<size_t>();
+  MAX_WALK = constants["MAX_WALK"].cast<size_t>();
+  MAX_PENDING = constants["MAX_PENDING"].cast<size_t>();
+  StateLock lock;
+  S.max_events = constants["max_events"].cast<int64_t>();
+  S.dtype_names = std::move(dtypes);
+  S.reduce_names = std::move(reductions);
+}
+
+// entries: (namespace, raw_name, op, inputs, outputs, group, reduce_op, async_op, peer, nargs), -1 = none.
+static void register_kernels(const std::vector<py::tuple>& entries) {
+  if (!S.libraries.empty()) return;
+  std::vector<Spec> specs;
+  std::vector<std::pair<std::string, std::string>> names;
+  for (const py::tuple& e : entries) {
+    Spec spec;
+    names.emplace_back(e[0].cast<std::string>(), e[1].cast<std::string>());
+    spec.op = e[2].cast<std::string>();
+    spec.qualified = names.back().first + "::" + names.back().second;
+    spec.c10d = names.back().first == "c10d";
+    spec.inputs = e[3].cast<int>();
+    spec.outputs = e[4].cast<int>();
+    spec.group = e[5].cast<int>();
+    spec.reduce_op = e[6].cast<int>();
+    spec.async_op = e[7].cast<int>();
+    spec.peer = e[8].cast<int>();
+    spec.nargs = e[9].cast<size_t>();
+    specs.push_back(std::move(spec));
+  }
+  if (S.specs.empty()) {
+    S.specs = std::move(specs);  // never changed afterwards: kernels index into it
+  } else if (S.specs.size() != specs.size()) {
+    throw std::runtime_error("moedoctor native: another op set than at the first registration");
+  }
+  std::map<std::string, size_t> by_namespace;
+  for (size_t i = 0; i < names.size(); ++i) {
+    auto found = by_namespace.find(names[i].first);
+    if (found == by_namespace.end()) {
+      S.libraries.push_back(std::make_unique<torch::Library>(
+          torch::Library::IMPL, names[i].first, c10::DispatchKey::BackendSelect, __FILE__, __LINE__));
+      found = by_namespace.emplace(names[i].first, S.libraries.size() - 1).first;
+    }
+    S.libraries[found->second]->impl(
+        names[i].second.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<RecordingKernel>(i)));
+  }
+}
+
+static void unregister_kernels() { S.libraries.clear(); }
+
+static void set_fd(int value) { S.fd.store(value); }
+static void set_step(int64_t value) { S.step = value; }
+static void set_optimizer_depth(int64_t value) { S.optimizer_depth = value; }
+static void set_checkpoint(py::object value) {
+  S.checkpoint_phase = value.is_none() ? std::string() : value.cast<std::string>();
+}
+static void set_assume_completed(bool value) {
+  std::lock_guard<std::mutex> guard(S.pending_mu);
+  S.assume_completed = value;
+}
+
+static bool completed(const PendingWork& item) {
+  if (S.assume_completed) return true;
+  if (!item.work) return false;
+  try {
+    return item.work->isCompleted();
+  } catch (...) {  // a work that failed (its rank is going down): never completed
+    return false;
+  }
+}
+
+// The ids of the tracked collectives seen complete since the last poll (Recorder._poll_pending's
+// rules: the Work says so, or a later collective of its group has completed).
+static std::vector<int64_t> poll_completed() {
+  std::vector<int64_t> done;
+  py::gil_scoped_release no_gil;  // Work destructors run without the GIL, as torch's own holders do
+  std::vector<c10::intrusive_ptr<c10d::Work>> released;  // destroyed outside the lock
+  {
+    std::lock_guard<std::mutex> guard(S.pending_mu);
+    auto mark = [&](PendingWork& item) {
+      done.push_back(item.event);
+      auto it = S.last_done.find(item.group);
+      if (it == S.last_done.end()) {
+        S.last_done.emplace(item.group, item.event);
+      } else if (item.event > it->second) {
+        it->second = item.event;
+      }
+      released.push_back(std::move(item.work));
+    };
+    for (size_t n = S.fresh.size(); n > 0; --n) {
+      PendingWork item = std::move(S.fresh.front());
+      S.fresh.pop_front();
+      if (completed(item)) {
+        mark(item);
+      } else {
+        S.pending.push_back(std::move(item));
+      }
+    }
+    std::vector<PendingWork> still;
+    for (size_t n = S.pending.size(); n > 0; --n) {
+      PendingWork item = std::move(S.pending.front());
+      S.pending.pop_front();
+      if (completed(item)) {
+        mark(item);
+      } else {
+        still.push_back(std::move(item));
+      }
+    }
+    for (PendingWork& item : still) {
+      auto it = S.last_done.find(item.group);
+      if (it != S.last_done.end() && item.event < it->second) {
+        done.push_back(item.event);
+        released.push_back(std::move(item.work));
+      } else {
+        S.pending.push_back(std::move(item));
+      }
+    }
+    while (S.pending.size() > MAX_PENDING) {  // the oldest: its completion stays unknown
+      released.push_back(std::move(S.pending.front().work));
+      S.pending.pop_front();
+    }
+  }
+  released.clear();
+  std::sort(done.begin(), done.end());
+  return done;  // converted to a list once pybind11 holds the GIL again
+}
+
+// ({group name: collectives + p2p ops recorded}, dropped), for the coverage record.
+static py::tuple counts() {
+  py::dict result;
+  int64_t dropped;
+  {
+    StateLock lock;
+    for (auto& [name, group] : S.groups) result[py::str(name)] = group.seq + group.p2p_count;
+    dropped = S.dropped;
+  }
+  return py::make_tuple(result, dropped);
+}
+
+// Take over the Python recorder's counters (kernels switched from Python to native).
+// groups: [(name, id, [ranks], seq, p2p_count, {peer or None: count})]
+// sites: [(site key tuple (code, line, ...), id)]
+static void import_state(int64_t next_event, int64_t written, int64_t dropped, py::list groups, int site_count,
+                         py::list sites) {
+  StateLock lock;
+  for (py::handle item : sites) {
+    auto t = item.cast<py::tuple>();
+    auto key_tuple = t[0].cast<py::tuple>();
+    SiteKey key;
+    for (size_t i = 0; i + 1 < key_tuple.size(); i += 2) {
+      PyObject* code = key_tuple[i].ptr();
+      key.emplace_back(code, key_tuple[i + 1].cast<int>());
+    }
+    if (S.sites.emplace(key, t[1].cast<int>()).second) {
+      for (auto& [code, line] : key) Py_INCREF(code);  // as the Python recorder's _sites keys do
+    }
+  }
+  S.next_event = std::max(S.next_event, next_event);
+  S.written = std::max(S.written, written);
+  S.dropped = std::max(S.dropped, dropped);
+  S.next_site = std::max(S.next_site, site_count);
+  for (py::handle item : groups) {
+    auto t = item.cast<py::tuple>();
+    auto name = t[0].cast<std::string>();
+    GroupState state;
+    state.id = t[1].cast<int>();
+    state.ranks = t[2].cast<std::vector<int64_t>>();
+    state.seq = t[3].cast<int64_t>();
+    state.p2p_count = t[4].cast<int64_t>();
+    for (auto [peer, count] : t[5].cast<py::dict>()) {
+      state.pseq[peer.is_none() ? INT64_MIN : peer.cast<int64_t>()] = count.cast<int64_t>();
+    }
+    if (S.groups.find(name) == S.groups.end()) S.group_names.push_back(name);
+    S.groups[name] = std::move(state);
+  }
+}
+
+// The native counters, for the Python recorder to take over (kernels switched back to Python):
+// (next_event, written, dropped, groups as import_state takes them, [(site key, id)], next site id).
+static py::tuple export_state() {
+  StateLock lock;
+  py::list groups;
+  for (auto& name : S.group_names) {
+    GroupState& g = S.groups[name];
+    py::dict pseq;
+    for (auto& [peer, count] : g.pseq) {
+      if (peer == INT64_MIN) {
+        pseq[py::none()] = count;
+      } else {
+        pseq[py::int_(peer)] = count;
+      }
+    }
+    groups.append(py::make_tuple(name, g.id, g.ranks, g.seq, g.p2p_count, pseq));
+  }
+  py::list sites;
+  for (auto& [key, id] : S.sites) {
+    py::tuple k(2 * key.size());
+    for (size_t i = 0; i < key.size(); ++i) {
+      k[2 * i] = py::reinterpret_borrow<py::object>(key[i].first);
+      k[2 * i + 1] = py::int_(key[i].second);
+    }
+    sites.append(py::make_tuple(k, id));
+  }
+  return py::make_tuple(S.next_event, S.written, S.dropped, groups, sites, S.next_site);
+}
+
+static int scalar_type_of(const at::Tensor& t) { return static_cast<int>(t.scalar_type()); }
+
+}  // namespace moedoctor_native
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace moedoctor_native;
+  m.def("configure", &configure);
+  m.def("register_kernels", &register_kernels);
+  m.def("unregister_kernels", &unregister_kernels);
+  m.def("set_fd", &set_fd);
+  m.def("set_step", &set_step);
+  m.def("set_optimizer_depth", &set_optimizer_depth);
+  m.def("set_checkpoint", &set_checkpoint);
+  m.def("set_assume_completed", &set_assume_completed);
+  m.def("poll", &poll_completed);
+  m.def("counts", &counts);
+  m.def("import_state", &import_state);
+  m.def("export_state", &export_state);
+  m.def("scalar_type_of", &scalar_type_of);
+}
