@@ -98,3 +98,18 @@ def recorded_env(run_dir: Path, **extra: str) -> dict[str, str]:
     bootstrap = REPO / "moedoctor" / "_bootstrap"
     path = os.pathsep.join(p for p in (str(bootstrap), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return job_env(MOEDOCTOR_RUN_DIR=str(run_dir), PYTHONPATH=path, **extra)
+
+
+def live_processes(matches) -> list[int]:
+    """Pids of live (non-zombie) processes for which ``matches(proc_dir)`` is true."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            alive = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            if alive and matches(entry):
+                found.append(int(entry.name))
+        except OSError:
+            continue  # exited while we looked
+    return found

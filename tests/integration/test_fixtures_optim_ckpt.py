@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from torchrun_util import FIXTURES, JobResult, assert_ok, run_fixture
+from torchrun_util import FIXTURES, JobResult, assert_ok, live_processes, run_fixture
 
 NPROC = 2
 PG_TIMEOUT = ("--pg-timeout", "10")
@@ -26,17 +26,7 @@ CODE_REF = re.compile(r"((?:_lib/)?\w+\.py):(\d+) \(`([^`]+)`\)")
 def surviving_processes(name: str) -> list[int]:
     """Live (non-zombie) processes running this fixture's train.py."""
     script = f"fixtures/{name}/train.py".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            alive = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-            if alive and script in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            continue  # exited while we looked
-    return found
+    return live_processes(lambda proc: script in (proc / "cmdline").read_bytes())
 
 
 def run_and_reap(name: str, *args: str, timeout: float = 60.0) -> JobResult:

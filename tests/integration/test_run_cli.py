@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchrun_util import REPO, JobResult, job_env, run_command, torchrun_command
+from torchrun_util import REPO, JobResult, job_env, live_processes, run_command, torchrun_command
 
 from moedoctor.errors import EXIT_HANG, EXIT_INTERRUPTED
 
@@ -34,17 +34,7 @@ def moedoctor_run(run_dir: Path, script: str, *options: str, script_args: tuple[
 def survivors(run_dir: Path) -> list[int]:
     """Live (non-zombie) processes started for this run: their environment names its run dir."""
     mark = f"MOEDOCTOR_RUN_DIR={run_dir.resolve()}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            alive = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-            if alive and mark in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
+    return live_processes(lambda proc: mark in (proc / "environ").read_bytes().split(b"\0"))
 
 
 def manifest(run_dir: Path) -> dict:
