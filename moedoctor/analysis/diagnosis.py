@@ -16,7 +16,7 @@ import linecache
 import signal
 
 from moedoctor.analysis.culprits import Culprits, find_culprits
-from moedoctor.analysis.load import RunData
+from moedoctor.analysis.load import RunData, SourceKind
 from moedoctor.analysis.matching import all_divergences, stalled
 from moedoctor.analysis.model import (
     AlignedRow, Candidate, Divergence, DivergenceKind, OpView, RankSummary, Report, Suggestion, Verdict, WaitEdge,
@@ -117,6 +117,10 @@ def _primary(view: RunView, divs: list[Divergence], edges: list[WaitEdge], cycle
     return None
 
 
+#: Patterns proven by the collectives alone (ops, shapes, order), without phases or evidence.
+STRUCTURAL_PATTERNS = frozenset({"shape-mismatch", "collective-order-inversion", "not-a-desync"})
+
+
 def _choose(ctx: Context, died: list[int]) -> tuple[Pattern | None, Finding | None, list[Candidate]]:
     div = ctx.div
     if div is not None and div.kind == DivergenceKind.MISSING and ctx.culprits.ranks and all(
@@ -125,6 +129,10 @@ def _choose(ctx: Context, died: list[int]) -> tuple[Pattern | None, Finding | No
     ranked = classify_all(ctx)
     candidates = [Candidate(p.id, f.score, f.evidence) for p, f in ranked]
     named = [(p, f) for p, f in ranked if p.id != "unknown-desync" and f.score >= THRESHOLD]
+    if ctx.view.run.kind == SourceKind.FLIGHT_RECORDER:
+        # A Flight Recorder dump has no phases, steps or evidence: only patterns that the
+        # collectives' own structure proves may be named; the others stay candidates.
+        named = [(p, f) for p, f in named if p.id in STRUCTURAL_PATTERNS]
     if named and (len(named) == 1 or named[0][1].score - named[1][1].score >= TIE):
         return named[0][0], named[0][1], candidates
     if ctx.desync_kind():

@@ -567,3 +567,22 @@ class Recorder:
         if requested > self._snapshot_seen:
             self._snapshot_seen = requested
             self.write_coverage("snapshot")
+            self._dump_flight_recorder()
+
+    def _dump_flight_recorder(self) -> None:
+        """Write PyTorch's own Flight Recorder buffer of this rank (on by default since torch 2.10)
+        to ``RUN_DIR/flight_recorder/fr_rank_<rank>``, so a hang can also be read the way
+        Flight Recorder tools read it, and compared."""
+        c10d = torch._C._distributed_c10d
+        dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+        if dump is None:
+            return
+        try:
+            data = dump()
+            folder = self.run_dir / "flight_recorder"
+            folder.mkdir(exist_ok=True)
+            tmp = folder / f".fr_rank_{self._rank}.tmp"
+            tmp.write_bytes(data if isinstance(data, bytes) else data.encode())
+            tmp.rename(folder / f"fr_rank_{self._rank}")
+        except Exception as e:  # an old torch, or Flight Recorder disabled: the traces suffice
+            self.write_evidence("recorder_error", {"op": "flight recorder dump", "error": repr(e)})

@@ -69,3 +69,23 @@ def test_fixture_is_diagnosed(name, tmp_path):
         assert result.returncode == EXIT_HANG, context
         stuck = expected["pattern"] in ("straggler", "not-a-desync")
         assert report["verdict"] == ("stuck" if stuck else "desync"), context
+        if not stuck:
+            check_flight_recorder_agrees(run_dir, report)
+
+
+def check_flight_recorder_agrees(run_dir: Path, report: dict) -> None:
+    """At the hang the recorder also wrote PyTorch's own Flight Recorder dump of every rank: read on
+    its own, it must reach the same divergence, and say what it cannot know."""
+    from moedoctor.analysis import analyze, load_run
+    from moedoctor.render.json_report import report_to_dict
+
+    folder = run_dir / "flight_recorder"
+    assert sorted(p.name for p in folder.iterdir()) == ["fr_rank_0", "fr_rank_1"]
+    fr = report_to_dict(analyze(load_run(folder)))
+    assert fr["verdict"] == "desync", fr["summary"]
+    assert fr["divergence"]["group"]["ranks"] == report["divergence"]["group"]["ranks"], fr["summary"]
+    assert fr["divergence"]["seq"] == report["divergence"]["seq"], (fr["summary"], report["summary"])
+    assert any("Flight Recorder records none of them" in note for note in fr["incomplete"]), fr["incomplete"]
+    # Without phases or evidence the pattern is not claimed; the moedoctor trace's pattern is
+    # among the candidates or the analysis says it cannot tell.
+    assert fr["pattern"] in ("unknown-desync", report["pattern"]), fr["summary"]
