@@ -497,6 +497,11 @@ def _load_flight_recorder(path: Path) -> RunData:
     except Exception as e:  # noqa: BLE001 - a reader failure is bad input, not a crash
         raise MoedoctorError(f"{path}: Flight Recorder dumps could not be read ({type(e).__name__}: {e})",
                              EXIT_USAGE) from None
+    if fr.traces and not any(t.events for t in fr.traces):
+        raise MoedoctorError(
+            f"{path}: the Flight Recorder dumps hold no entries: Flight Recorder was off "
+            "(TORCH_FR_BUFFER_SIZE=0), or the wrong buffer was dumped (NCCL jobs keep theirs in "
+            "_dump_nccl_trace, not _dump_fr_trace). Nothing to analyze.", EXIT_USAGE)
     run = RunData(path=path, kind=SourceKind.FLIGHT_RECORDER, traces=list(fr.traces))
     run.incomplete.extend(fr.incomplete)
     _dedupe_and_sort(run)

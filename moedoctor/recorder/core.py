@@ -574,7 +574,9 @@ class Recorder:
         to ``RUN_DIR/flight_recorder/fr_rank_<rank>``, so a hang can also be read the way
         Flight Recorder tools read it, and compared."""
         c10d = torch._C._distributed_c10d
-        dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+        # NCCL keeps its own buffer; the generic one (Gloo's) is empty on an NCCL job.
+        names = ("_dump_nccl_trace", "_dump_fr_trace") if dist.get_backend() == "nccl" else ("_dump_fr_trace",)
+        dump = next((getattr(c10d, n) for n in names if hasattr(c10d, n)), None)
         if dump is None:
             return
         try:

@@ -357,3 +357,18 @@ def test_a_folder_with_damaged_dumps_reads_partially(tmp_path, data, dump):
     for missing in {1, 2} - set(ranks):
         assert any(line.startswith(f"rank {missing}: dump unreadable") for line in run.incomplete)
     assert run.source.startswith("flight recorder (")
+
+
+def test_dumps_without_entries_are_refused_not_called_healthy(tmp_path):
+    import pickle
+
+    from moedoctor.analysis import load_run
+    from moedoctor.errors import MoedoctorError
+
+    for rank in (0, 1):
+        (tmp_path / f"fr_rank_{rank}").write_bytes(pickle.dumps(
+            {"version": "2.10", "entries": [], "pg_config": {}, "pg_status": {}, "comm_lib_version": "2.21"}))
+    import pytest
+
+    with pytest.raises(MoedoctorError, match="hold no entries"):
+        load_run(tmp_path)
