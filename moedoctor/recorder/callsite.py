@@ -42,16 +42,6 @@ class Attribution(NamedTuple):
     flags: int  # the union of every walked frame's flags (MODULE_CALL, CKPT_SAVE, CKPT_LOAD, ...)
     fsdp_module: str | None
 
-    @property
-    def in_module_call(self) -> bool:
-        return bool(self.flags & MODULE_CALL)
-
-    @property
-    def checkpoint(self) -> str | None:
-        if self.flags & CKPT_LOAD:
-            return "load"
-        return "save" if self.flags & CKPT_SAVE else None
-
 
 _flags_cache: dict[object, int] = {}
 
