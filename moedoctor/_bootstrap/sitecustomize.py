@@ -1,7 +1,8 @@
 """moedoctor's bootstrap, put first on PYTHONPATH by ``moedoctor run`` for the job's processes.
 
 It does nothing until the process imports torch; then it installs the recorder, which opens this
-rank's trace when ``torch.distributed`` initializes. Any other ``sitecustomize`` on the path runs
+rank's trace when ``torch.distributed`` initializes, and the fixes named in ``MOEDOCTOR_FIXES``
+(``moedoctor verify``, ``moedoctor run --fix``). Any other ``sitecustomize`` on the path runs
 afterwards as it would have without moedoctor.
 """
 
@@ -10,15 +11,23 @@ import sys
 
 
 def _activate() -> None:
-    if not os.environ.get("MOEDOCTOR_RUN_DIR"):
+    record = bool(os.environ.get("MOEDOCTOR_RUN_DIR"))
+    fix = bool(os.environ.get("MOEDOCTOR_FIXES"))
+    if not (record or fix):
         return
     try:
         from moedoctor._imports import when_imported
-        from moedoctor.recorder.install import activate_from_env
 
-        when_imported("torch", lambda _module: activate_from_env())
+        if record:
+            from moedoctor.recorder.install import activate_from_env
+
+            when_imported("torch", lambda _module: activate_from_env())
+        if fix:  # after the recorder, so the fixes' own collectives are recorded too
+            from moedoctor.fixes.runtime import activate_from_env as activate_fixes
+
+            when_imported("torch", lambda _module: activate_fixes())
     except Exception as e:  # never stop the user's job from starting
-        print(f"moedoctor: recorder not installed: {e!r}", file=sys.stderr)
+        print(f"moedoctor: not installed: {e!r}", file=sys.stderr)
 
 
 def _chain_next_sitecustomize() -> None:

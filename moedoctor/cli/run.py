@@ -13,6 +13,9 @@ from rich.console import Console
 
 from moedoctor.cli.hang_report import report_after_hang, report_after_run
 from moedoctor.cli.live import ConsoleObserver
+from moedoctor.errors import MoedoctorError
+from moedoctor.fixes import FIXES, get_fix
+from moedoctor.fixes.config import load_fix_config, write_fix_config
 from moedoctor.runner import RunConfig, default_run_dir, prepare_run_dir, run_job
 from moedoctor.runner.command import check_launcher
 from moedoctor.runner.recorder_choice import choose_recorder
@@ -63,6 +66,12 @@ def run(
         "--max-events", min=1, metavar="N",
         help="Stop recording a rank's collectives after N events (sets MOEDOCTOR_MAX_EVENTS; the "
         "coverage check then reports the drop).", show_default="2000000")] = None,
+    fix: Annotated[Optional[list[str]], typer.Option(
+        "--fix", metavar="NAME", help="Inject a fix module into every rank (repeatable; `moedoctor fixes` lists "
+        "them). To prove a fix, use moedoctor verify.", show_default=False)] = None,
+    config: Annotated[Optional[Path], typer.Option(
+        "--config", metavar="FILE", help="YAML telling the fixes where your code is (docs/fixes.md).",
+        show_default=False)] = None,
 ) -> None:
     """Run a torchrun job, recording every collective of every rank, and diagnose it if it hangs.
 
@@ -70,6 +79,10 @@ def run(
     check to the run directory, stops the job's whole process tree and exits 124.
     """
     command = check_launcher(list(command or []))
+    fixes = tuple(get_fix(name).name for name in dict.fromkeys(fix or ()))
+    fix_config = load_fix_config(config, FIXES.values()) if config is not None else {}
+    if fix_config and not fixes:
+        raise MoedoctorError("--config only tells fixes where your code is: name a fix with --fix")
     if run_dir is None:
         run_dir = default_run_dir(Path("moedoctor-runs"))
     joined = prepare_run_dir(run_dir, command, force)
@@ -80,7 +93,8 @@ def run(
     config = RunConfig(
         command=command, run_dir=run_dir.resolve(), env=dict(os.environ), hang_timeout=hang_timeout,
         startup_timeout=startup_timeout, keep_alive=keep_alive, stacks=not no_stacks, native=native,
-        max_events=max_events, recorder=choice.kind, joined=joined,
+        max_events=max_events, recorder=choice.kind, joined=joined, fixes=fixes,
+        fix_config=write_fix_config(run_dir, fix_config),
     )
     observer = ConsoleObserver(console, live=sys.stdout.isatty() and sys.stderr.isatty())
     # A scheduler's SIGTERM or a closed terminal stops the job as Ctrl-C does.

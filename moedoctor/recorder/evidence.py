@@ -4,7 +4,8 @@
   no gradient at step time (written only when that set changes);
 - gradient norms from ``clip_grad_norm_`` / ``get_total_norm``: value and finiteness, rank-local
   (a DTensor norm is read from its local part, so recording issues no collective of its own);
-- begin/end of ``torch.autograd.backward`` and of ``torch.distributed.checkpoint`` save/load.
+- begin/end of ``torch.autograd.backward`` and of ``torch.distributed.checkpoint`` save/load;
+- the value of each scalar that a backward starts from (the loss), for ``moedoctor verify``.
 
 Each hook wraps a public torch entry point, keeps its signature and result, and writes one record.
 """
@@ -157,9 +158,14 @@ def _install_norm_hooks(recorder: Recorder) -> None:
 
 def _install_backward_hook(recorder: Recorder) -> None:
     original = torch.autograd.backward
+    ordinal = [0]  # backward calls on a scalar so far: the key ``moedoctor verify`` matches losses by
 
     @functools.wraps(original)
     def backward(*args, **kwargs):
+        root = args[0] if args else kwargs.get("tensors")
+        if isinstance(root, torch.Tensor) and root.numel() == 1 and type(root) is torch.Tensor:
+            _record_loss(recorder, root.detach(), ordinal[0])
+            ordinal[0] += 1
         recorder.write_evidence("backward_begin")
         try:
             return original(*args, **kwargs)
@@ -167,6 +173,23 @@ def _install_backward_hook(recorder: Recorder) -> None:
             recorder.write_evidence("backward_end")
 
     torch.autograd.backward = backward  # Tensor.backward calls torch.autograd.backward
+
+
+def _record_loss(recorder: Recorder, value: torch.Tensor, index: int) -> None:
+    """The scalar a backward starts from (the loss), so that a rerun's numbers can be compared."""
+    step = recorder.step
+
+    def emit(loss: float) -> None:
+        recorder.write_evidence("loss", {"index": index, "value": loss if math.isfinite(loss) else str(loss)},
+                                step=step)
+
+    if value.device.type == "cpu":
+        emit(float(value))
+    else:  # no device sync on the training path: copy asynchronously, written once it has landed
+        host = value.to("cpu", non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        recorder.defer(ready.query, lambda: emit(float(host)))
 
 
 # -- checkpoint ------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from pathlib import Path
 import moedoctor
 from moedoctor.errors import EXIT_HANG, EXIT_INTERRUPTED, MoedoctorError
 from moedoctor.events import CollectiveEvent
+from moedoctor.fixes.runtime import ENV_FIX_CHECKS, ENV_FIX_CONFIG, ENV_FIXES
 from moedoctor.recorder.install import ENV_MAX_EVENTS, ENV_RUN_DIR
 from moedoctor.runner import procs
 from moedoctor.runner.gpu import write_gpu_snapshot
@@ -52,6 +53,9 @@ class RunConfig:
     max_events: int | None = None
     recorder: str = "python"               # "native" (C++ kernel, built beforehand) or "python"
     joined: bool = False                   # another node already runs this job in run_dir
+    fixes: tuple[str, ...] = ()            # fix modules injected into every worker
+    fix_config: Path | None = None         # their normalized --config (JSON), if any
+    fix_checks: bool = False               # run the fixes' numerical checks (moedoctor verify)
     stop_grace: float = 5.0                # SIGTERM -> SIGKILL
     coverage_wait: float = 1.0             # after a snapshot request, before stopping the job
     poll_interval: float = 0.5
@@ -118,6 +122,14 @@ def job_environment(config: RunConfig, run_dir: RunDir, launch_id: str) -> dict[
     if config.max_events is not None:
         env[ENV_MAX_EVENTS] = str(config.max_events)
     env["MOEDOCTOR_NATIVE"] = "1" if config.recorder == "native" else "0"
+    for name in (ENV_FIXES, ENV_FIX_CONFIG, ENV_FIX_CHECKS):
+        env.pop(name, None)  # only what this run asks for
+    if config.fixes:
+        env[ENV_FIXES] = ",".join(config.fixes)
+        if config.fix_config is not None:
+            env[ENV_FIX_CONFIG] = str(config.fix_config)
+        if config.fix_checks:
+            env[ENV_FIX_CHECKS] = "1"
     return env
 
 
@@ -411,7 +423,7 @@ class _Run:
     def _write_manifest(self, coverage: CoverageCheck | None = None) -> None:
         hosts = sorted({t.host for t in self.tracker.ranks.values()})
         write_node(self.dir.manifest, self.node, command=list(self.config.command),
-                   versions=_versions() | {"recorder": self.config.recorder},
+                   versions=_versions() | {"recorder": self.config.recorder, "fixes": list(self.config.fixes)},
                    world_size=self._world_size(), hosts=hosts, coverage=coverage,
                    trace_problems=self.tracker.problems
                    + [p for t in self.tracker.ranks.values() for p in t.problems])

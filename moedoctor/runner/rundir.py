@@ -14,8 +14,8 @@ from moedoctor.runner.command import same_job
 
 MANIFEST_NAME = "manifest.json"
 #: What ``--force`` clears from a reused run directory; other files of the user's are left alone.
-_OWN_ENTRIES = ("traces", "stacks", "gpu", "control", MANIFEST_NAME, MANIFEST_NAME + ".lock", "job.log", "report.json",
-                "job-*.log")
+_OWN_ENTRIES = ("traces", "stacks", "gpu", "control", "fixes", "flight_recorder", MANIFEST_NAME,
+                MANIFEST_NAME + ".lock", "job.log", "report.json", "verification.json", "fix-config.json", "job-*.log")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,263 @@
+"""The worker side of the fixes: install the named fixes in this process and record what they did.
+
+The bootstrap calls ``activate_from_env`` once torch is imported, when ``MOEDOCTOR_FIXES`` names
+fixes. Each fix gets a ``FixRuntime``: it patches the fix's targets as their modules are imported
+(``__main__`` at ``init_process_group``), counts calls to the replacements, and keeps the results
+of the fix's numerical checks. All of it is written to
+``RUN_DIR/fixes/<fix>/rank-<N>.json`` (read back by ``moedoctor.fixes.status``) whenever it
+changes and when the process group is destroyed, so a rank that dies keeps what it had.
+
+A fix whose targets never show up says so on stderr when the job ends: silence would read as
+"applied".
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moedoctor._imports import when_imported
+from moedoctor.fixes.base import Fix, Target
+
+ENV_FIXES = "MOEDOCTOR_FIXES"            # comma-separated fix names
+ENV_FIX_CONFIG = "MOEDOCTOR_FIX_CONFIG"  # a JSON file: {fix name: normalized --config section}
+ENV_FIX_CHECKS = "MOEDOCTOR_FIX_CHECKS"  # "1": run the fixes' numerical checks (moedoctor verify)
+STATUS_FORMAT = 1
+
+_runtimes: list[FixRuntime] = []
+_pending_main: list[tuple[FixRuntime, Target, Callable]] = []
+
+
+@dataclass
+class TargetState:
+    path: str
+    note: str
+    patched: bool = False
+    calls: int = 0
+    error: str | None = None
+
+
+@dataclass
+class CheckState:
+    """One named check, aggregated over every time it ran in this process."""
+
+    name: str
+    passed: bool | None = None   # None: could not be checked (``detail`` says why)
+    runs: int = 0
+    passes: int = 0
+    failures: int = 0
+    detail: str = ""
+    worst: float | None = None   # e.g. the largest difference seen
+
+
+@dataclass
+class FixRuntime:
+    fix: Fix
+    config: dict
+    status_dir: Path | None
+    checks_enabled: bool
+    targets: dict[str, TargetState] = field(default_factory=dict)
+    checks: dict[str, CheckState] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    finishers: list[Callable[[], None]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def rank(self) -> int | None:
+        """This worker's global rank; None in a process that is not a rank (torchrun's agent)."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+        return int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
+
+    # -- used by fix modules ------------------------------------------------------------------------
+
+    def patch(self, target: Target, replace: Callable[[Any, Any], Any]) -> None:
+        """Replace ``target`` with ``replace(original, owner)`` once its module is imported."""
+        self.targets.setdefault(target.path, TargetState(target.path, target.note))
+        if target.module == "__main__":
+            _pending_main.append((self, target, replace))
+        else:
+            when_imported(target.module, lambda module: self._apply(module, target, replace))
+
+    def check(self, name: str, passed: bool | None, detail: str = "", worst: float | None = None) -> None:
+        """Record one run of a numerical check. ``passed=None``: it could not run (say why)."""
+        with self._lock:
+            state = self.checks.setdefault(name, CheckState(name))
+            before = state.passed
+            state.runs += 1
+            if passed is False:
+                state.failures += 1
+                state.detail = detail
+            elif passed is True:
+                state.passes += 1
+                state.detail = detail if not state.failures else state.detail
+            elif not state.failures and not state.passes:
+                state.detail = detail
+            state.passed = False if state.failures else (True if state.passes else None)
+            if worst is not None:
+                state.worst = worst if state.worst is None else max(state.worst, worst)
+            changed = state.runs == 1 or state.passed != before
+        if changed:
+            self.write()
+
+    def at_finish(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` when the job ends (process group destroyed, or exit), before the last write."""
+        self.finishers.append(callback)
+
+    def note(self, message: str) -> None:
+        """Something the user must hear about (a refusal, a target that does not fit): stderr and status."""
+        if message in self.notes:
+            return
+        self.notes.append(message)
+        sys.stderr.write(f"moedoctor: fix {self.fix.name} (rank {self.rank}): {message}\n")
+        sys.stderr.flush()
+        self.write()
+
+    # -- patching -------------------------------------------------------------------------------------
+
+    def _apply(self, module, target: Target, replace: Callable[[Any, Any], Any]) -> None:
+        state = self.targets[target.path]
+        owner = module
+        *parents, attr = target.qualname.split(".")
+        try:
+            for part in parents:
+                owner = getattr(owner, part)
+            original = getattr(owner, attr)
+        except AttributeError:
+            state.error = f"{target.module} has no {target.qualname}"
+            self.write()
+            return
+        try:
+            replacement = replace(original, owner)
+        except Exception as e:  # the fix refused this target: say so, leave it alone
+            state.error = f"not patched: {e}"
+            self.write()
+            return
+        setattr(owner, attr, self._counting(state, replacement))
+        state.patched = True
+        self.write()
+
+    def _counting(self, state: TargetState, function: Callable) -> Callable:
+        @functools.wraps(function)
+        def counted(*args, **kwargs):
+            state.calls += 1
+            if state.calls == 1:
+                self.write()
+            return function(*args, **kwargs)
+
+        counted.__moedoctor_fix__ = self.fix.name
+        return counted
+
+    # -- the record -------------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        return {"format": STATUS_FORMAT, "fix": self.fix.name, "rank": self.rank, "pid": os.getpid(),
+                "checks_enabled": self.checks_enabled,
+                "targets": [asdict(t) for t in self.targets.values()],
+                "checks": [asdict(c) for c in self.checks.values()], "notes": list(self.notes)}
+
+    def write(self) -> None:
+        if self.status_dir is None or self.rank is None:
+            return
+        folder = self.status_dir / self.fix.name
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"rank-{self.rank}.json"
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.status(), indent=1))
+            os.replace(tmp, path)
+        except OSError as e:
+            sys.stderr.write(f"moedoctor: fix {self.fix.name}: cannot write its status: {e}\n")
+
+    def finish(self) -> None:
+        """At the end of the job: run the fix's last checks, say loudly if it did nothing here."""
+        if self.rank is None:
+            return  # not a rank (the launcher imports torch too): nothing to say
+        for callback in self.finishers:
+            try:
+                callback()
+            except Exception as e:  # a check that cannot finish is a finding, not a crash of the job
+                self.note(f"final check failed to run: {e!r}")
+        if not any(t.patched for t in self.targets.values()):
+            looked = ", ".join(t.path for t in self.targets.values())
+            errors = "; ".join(t.error for t in self.targets.values() if t.error)
+            self.note(f"did NOTHING: none of its targets was found in this job (looked for {looked})"
+                      + (f"; {errors}" if errors else ""))
+        elif not any(t.calls for t in self.targets.values()):
+            patched = ", ".join(t.path for t in self.targets.values() if t.patched)
+            self.note(f"patched {patched} but the job never called it")
+        self.write()
+
+
+def activate_from_env() -> None:
+    """Install the fixes named in ``MOEDOCTOR_FIXES``; called once torch is imported."""
+    from moedoctor.fixes import FIXES
+
+    names = [n for n in os.environ.get(ENV_FIXES, "").split(",") if n]
+    config_path = os.environ.get(ENV_FIX_CONFIG)
+    config = json.loads(Path(config_path).read_text()) if config_path else {}
+    run_dir = os.environ.get("MOEDOCTOR_RUN_DIR")
+    status_dir = Path(run_dir) / "fixes" if run_dir else None
+    checks = os.environ.get(ENV_FIX_CHECKS) == "1"
+    for name in names:
+        fix = FIXES.get(name)
+        if fix is None:
+            sys.stderr.write(f"moedoctor: unknown fix {name!r} in {ENV_FIXES}; known: {', '.join(FIXES)}\n")
+            continue
+        runtime = FixRuntime(fix, config.get(name, {}), status_dir, checks)
+        for target in fix.all_targets(runtime.config):
+            runtime.targets.setdefault(target.path, TargetState(target.path, target.note))
+        fix.install(runtime)
+        _runtimes.append(runtime)
+        runtime.write()
+    if _runtimes:
+        _hook_process_group()
+        atexit.register(_finish_all)
+
+
+def _hook_process_group() -> None:
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original_init, original_destroy = dist.init_process_group, dist.destroy_process_group
+
+    @functools.wraps(original_init)
+    def init_process_group(*args, **kwargs):
+        result = original_init(*args, **kwargs)
+        main = sys.modules.get("__main__")
+        while _pending_main:  # the script's functions are defined by now; it calls them by name
+            runtime, target, replace = _pending_main.pop(0)
+            runtime._apply(main, target, replace)
+        return result
+
+    @functools.wraps(original_destroy)
+    def destroy_process_group(group=None):
+        if group is None or group is c10d.GroupMember.WORLD:
+            _finish_all()
+        return original_destroy(group)
+
+    for module in (dist, c10d):
+        module.init_process_group = init_process_group
+        module.destroy_process_group = destroy_process_group
+
+
+_finished = False
+
+
+def _finish_all() -> None:
+    global _finished
+    if _finished:
+        return
+    _finished = True
+    for runtime in _runtimes:
+        runtime.finish()

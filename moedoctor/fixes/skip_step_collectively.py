@@ -1,0 +1,206 @@
+"""``skip-step-collectively`` (pattern ``skipped-optimizer-step``): every rank skips, or none does.
+
+Mechanism: the function that decides to skip the optimizer step (a local non-finite check of the
+gradient norm, SkyRL PR #1370) is wrapped: its local answer becomes a flag, all-reduced with MAX
+over the decision's process group (its ``group`` argument, else the default group), and the wrapper
+returns the group's answer. So the ranks that would have stepped skip too, and nobody waits in the
+optimizer's collectives alone. The caller's skip path must leave the step a true no-op: not calling
+``step()`` does; zeroing gradients and stepping anyway does not (AdamW's weight decay and moments
+still move the weights: seed 001's review).
+
+Check (``moedoctor verify``): at every collective skip, a snapshot of every optimizer's parameters
+(local shards), state tensors and hyper-parameters, and every LR scheduler's position; at the next
+decision (or the end of the job) they must be bitwise unchanged.
+
+Risk: one extra 1-element all-reduce per step. If one rank's gradients overflow every step, every
+rank now skips every step (before, the job hung): watch the skip count.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from moedoctor.fixes.base import Fix, FixConfigError, Target, parse_target
+
+NAME = "skip-step-collectively"
+
+
+def _parse_config(section: Mapping[str, Any]) -> dict:
+    unknown = set(section) - {"decision", "returns"}
+    if unknown:
+        raise FixConfigError(f"unknown key(s) {sorted(unknown)}; expected 'decision' and 'returns'")
+    decisions = section.get("decision", [])
+    decisions = [decisions] if isinstance(decisions, str) else decisions
+    if not isinstance(decisions, list):
+        raise FixConfigError(f"decision: expected 'module:function' or a list of them, got {decisions!r}")
+    targets = [parse_target(d, f"decision[{i}]").path for i, d in enumerate(decisions)]
+    returns = section.get("returns", "flag")
+    if returns not in ("flag", "norm"):
+        raise FixConfigError(f"returns: expected 'flag' (true = skip) or 'norm' (non-finite = skip), got {returns!r}")
+    return {"targets": targets, "returns": returns}
+
+
+def _install(runtime) -> None:
+    import torch
+    import torch.distributed as dist
+
+    returns = runtime.config.get("returns", "flag")
+    snapshots = _StepSnapshots(runtime) if runtime.checks_enabled else None
+
+    def make_collective(original, owner):
+        if not callable(original):
+            raise TypeError(f"{original!r} is not callable")
+        signature = inspect.signature(original)
+
+        def collective_decision(*args, **kwargs):
+            if snapshots is not None:
+                snapshots.compare()  # the previous skip, if any, must have changed nothing
+            result = original(*args, **kwargs)
+            group = None
+            if "group" in signature.parameters:
+                group = signature.bind(*args, **kwargs).arguments.get("group")
+            local_skip = _wants_skip(result, returns)
+            flag = torch.tensor([1.0 if local_skip else 0.0], device=_collective_device(group))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            skip = bool(flag.item())
+            if skip and snapshots is not None:
+                snapshots.take()
+            return _as_result(result, skip, returns)
+
+        return collective_decision
+
+    for target in runtime.fix.all_targets(runtime.config):
+        runtime.patch(target, make_collective)
+    if snapshots is not None:
+        snapshots.track()
+        runtime.at_finish(snapshots.compare)
+
+
+def _wants_skip(result: Any, returns: str) -> bool:
+    if returns == "norm":
+        value = float(result.item() if hasattr(result, "item") else result)
+        return not math.isfinite(value)
+    return bool(result.item() if hasattr(result, "item") else result)
+
+
+def _as_result(result: Any, skip: bool, returns: str) -> Any:
+    """The group's decision in the type the caller expects."""
+    import torch
+
+    if returns == "norm":
+        if not skip:
+            return result
+        return torch.full_like(result, math.inf) if isinstance(result, torch.Tensor) else math.inf
+    if isinstance(result, torch.Tensor):
+        return torch.full_like(result, skip)
+    return type(result)(skip) if isinstance(result, (bool, int, float)) else skip
+
+
+def _collective_device(group):
+    import torch
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _register_instances(cls, registry: weakref.WeakSet) -> None:
+    """Add every instance of ``cls`` (and its subclasses, which call its ``__init__``) to ``registry``."""
+    original = cls.__init__
+
+    def init(obj, *args, **kwargs):
+        original(obj, *args, **kwargs)
+        registry.add(obj)
+
+    cls.__init__ = init
+
+
+class _StepSnapshots:
+    """Everything a skipped step must leave alone, taken at the skip, compared at the next decision."""
+
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime
+        self.optimizers: weakref.WeakSet = weakref.WeakSet()
+        self.schedulers: weakref.WeakSet = weakref.WeakSet()
+        self.pending: list[tuple[str, Any]] | None = None
+        self.skips = 0
+
+    def track(self) -> None:
+        """Know every optimizer and LR scheduler the job creates (their ``__init__`` is wrapped)."""
+        import torch
+
+        _register_instances(torch.optim.Optimizer, self.optimizers)
+        _register_instances(torch.optim.lr_scheduler.LRScheduler, self.schedulers)
+
+    def _state(self) -> list[tuple[str, Any]]:
+        import torch
+
+        def local(t):
+            return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+        items: list[tuple[str, Any]] = []
+        for i, optimizer in enumerate(list(self.optimizers)):
+            for g, group in enumerate(optimizer.param_groups):
+                items += [(f"optimizer{i}.group{g}.{k}", v) for k, v in group.items()
+                          if k != "params" and isinstance(v, (int, float, bool, tuple))]
+                for p, param in enumerate(group["params"]):
+                    items.append((f"optimizer{i}.group{g}.param{p}", local(param)))
+                    for key, value in optimizer.state.get(param, {}).items():
+                        value = local(value) if isinstance(value, torch.Tensor) else value
+                        items.append((f"optimizer{i}.group{g}.param{p}.{key}", value))
+        for i, scheduler in enumerate(list(self.schedulers)):
+            items.append((f"scheduler{i}.last_epoch", scheduler.last_epoch))
+            items.append((f"scheduler{i}.last_lr", tuple(getattr(scheduler, "_last_lr", ()) or ())))
+        return items
+
+    def take(self) -> None:
+        self.skips += 1
+        self.pending = self._state()
+
+    def compare(self) -> None:
+        import torch
+
+        if self.pending is None:
+            return
+        before, self.pending = self.pending, None
+        after = dict(self._state())
+        changed = []
+        for key, value in before:
+            now = after.get(key)
+            same = torch.equal(value, now) if isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor) \
+                else value == now
+            if not same:
+                changed.append(key)
+        tensors = sum(isinstance(v, torch.Tensor) for _, v in before)
+        if changed:
+            self.runtime.check("skipped step is a no-op", False,
+                               f"skip #{self.skips} changed {len(changed)} of {len(before)} items: "
+                               f"{', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}")
+        else:
+            self.runtime.check("skipped step is a no-op", True,
+                               f"{self.skips} skipped step(s): {tensors} tensors (params, optimizer state) "
+                               f"and {len(before) - tensors} hyper-parameters/scheduler values bitwise unchanged")
+
+
+FIX = Fix(
+    name=NAME,
+    patterns=("skipped-optimizer-step",),
+    summary="make the skip-the-step decision collective (non-finite flag all-reduced with MAX)",
+    mechanism="Wraps the function that decides to skip the optimizer step; its local answer is "
+              "all-reduced with MAX over the decision's group, so every rank skips or none does.",
+    risk="One 1-element all-reduce per step. The caller's skip path must not call step() (AdamW weight "
+         "decay moves weights even with zero grads); the check catches that. A rank that overflows every "
+         "step now makes every rank skip every step.",
+    cost="one 1-element all-reduce (and a host sync on its flag) per step",
+    check="at each skip, params, optimizer state, hyper-parameters and LR schedulers are snapshotted; "
+          "at the next decision they must be bitwise unchanged",
+    targets=(Target("_lib.sharded_optim:grad_norm_is_nonfinite", "moedoctor's fixtures"),),
+    install=_install,
+    parse_config=_parse_config,
+    config_help="decision: 'module:function' (returns true to skip, or the grad norm with returns: norm)",
+)

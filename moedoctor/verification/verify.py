@@ -1,0 +1,287 @@
+"""``verify``: rerun a job with fixes injected and prove them.
+
+A verification passes only if every required check passes:
+
+1. the job exits 0 by itself within the hang timeout;
+2. the analysis of the rerun finds no divergence: every group's collective sequence is identical on
+   all its ranks, and the coverage check found nothing missed;
+3. each fix was applied (a target patched and called) on every rank, and its numerical check held
+   on every rank (a check that could not run does not count as held);
+4. where the original run recorded losses before it hung, the rerun's losses match them.
+
+The change in step time (steps both runs completed) is reported, never judged.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from moedoctor.analysis import Report, Verdict, analyze, load_run
+from moedoctor.errors import MoedoctorError
+from moedoctor.fixes import get_fix
+from moedoctor.fixes.config import write_fix_config
+from moedoctor.fixes.status import FixStatus, read_fix_status
+from moedoctor.render.json_report import write_json
+from moedoctor.runner import Outcome, RunConfig, RunObserver, RunResult, run_job
+from moedoctor.runner.manifest import hang_of, load_manifest
+from moedoctor.runner.rundir import RunDir
+from moedoctor.verification.numbers import (
+    LossComparison, RunNumbers, StepTimeComparison, compare_losses, compare_step_times, read_numbers,
+)
+
+REPORT_NAME = "report.json"
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """What to verify: ``fixes`` on ``run`` (the rerun's ``RunConfig``, whose ``fixes`` field is set
+    from here), against the original run in ``original`` (None: no before column)."""
+
+    fixes: tuple[str, ...]
+    run: RunConfig
+    original: Path | None = None
+    fix_config: dict = field(default_factory=dict)
+    loss_rtol: float = 1e-4
+    loss_atol: float = 1e-6
+
+
+@dataclass(frozen=True)
+class Check:
+    """One row of the before/after table. ``passed`` None: not judged (``required`` False) or could
+    not be established (``required`` True, which fails the verification)."""
+
+    name: str
+    passed: bool | None
+    before: str
+    after: str
+    required: bool = True
+    detail: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.passed is False or (self.required and self.passed is None)
+
+
+@dataclass
+class Verification:
+    fixes: tuple[str, ...]
+    command: list[str]
+    run_dir: Path
+    original: Path | None
+    checks: list[Check]
+    report: Report | None
+    result: RunResult
+    losses: LossComparison | None = None
+    step_times: StepTimeComparison | None = None
+
+    @property
+    def passed(self) -> bool:
+        return not any(c.failed for c in self.checks)
+
+    @property
+    def reasons(self) -> list[str]:
+        return [f"{c.name}: {c.detail or c.after}" for c in self.checks if c.failed]
+
+
+@dataclass
+class OriginalRun:
+    """What the run being fixed recorded: its manifest, report and numbers."""
+
+    path: Path
+    command: list[str]
+    manifest: dict
+    report: dict | None
+    numbers: RunNumbers
+
+    @property
+    def hang_timeout(self) -> float | None:
+        hang = hang_of(self.manifest)
+        return hang.hang_timeout if hang else None
+
+
+def load_original(path: Path) -> OriginalRun:
+    """The run directory of the run to fix; ``MoedoctorError`` if it is not one."""
+    layout = RunDir(Path(path))
+    try:
+        manifest = load_manifest(layout.manifest)
+    except FileNotFoundError:
+        raise MoedoctorError(f"{path} is not a moedoctor run directory (no manifest.json); "
+                             "give the job after -- instead") from None
+    except (OSError, ValueError) as e:
+        raise MoedoctorError(f"cannot read {layout.manifest}: {e}") from None
+    command = manifest.get("command")
+    if not isinstance(command, list) or not command:
+        raise MoedoctorError(f"{layout.manifest} records no command to rerun")
+    report = None
+    report_path = layout.path / REPORT_NAME
+    if report_path.exists():
+        try:
+            report = json.loads(report_path.read_text())
+        except (OSError, ValueError):
+            report = None
+    return OriginalRun(layout.path, [str(c) for c in command], manifest, report, read_numbers(layout.path))
+
+
+def verify(config: VerifyConfig, observer: RunObserver | None = None) -> Verification:
+    """Run ``config.run`` with the fixes and their checks injected; judge the rerun."""
+    fixes = [get_fix(name) for name in config.fixes]
+    original = load_original(config.original) if config.original else None
+    run_dir = Path(config.run.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fix_config_path = write_fix_config(run_dir, config.fix_config)
+    run = replace(config.run, fixes=tuple(f.name for f in fixes), fix_config=fix_config_path, fix_checks=True)
+    started = time.monotonic()
+    result = run_job(run, observer)
+    elapsed = time.monotonic() - started
+    if result.outcome == Outcome.INTERRUPTED:
+        raise KeyboardInterrupt
+
+    report = _analyze(run_dir)
+    after = read_numbers(run_dir)
+    checks = [_completion_check(result, elapsed, original), _sequence_check(report, result, original)]
+    for fix in fixes:
+        status = read_fix_status(run_dir, fix.name)
+        checks += _fix_checks(fix.name, status, report, result)
+    losses = step_times = None
+    if original is not None:
+        losses = compare_losses(original.numbers, after, config.loss_rtol, config.loss_atol)
+        checks.append(_loss_check(losses, original.numbers))
+        step_times = compare_step_times(original.numbers, after)
+        checks.append(_step_time_check(step_times))
+    verification = Verification(tuple(f.name for f in fixes), run.command, run_dir, original.path if original else None,
+                                checks, report, result, losses, step_times)
+    return verification
+
+
+def _analyze(run_dir: Path) -> Report | None:
+    try:
+        report = analyze(load_run(run_dir))
+    except MoedoctorError:
+        return None
+    write_json(report, run_dir / REPORT_NAME)
+    return report
+
+
+# -- the checks -------------------------------------------------------------------------------------
+
+
+def _original_outcome(original: OriginalRun | None) -> str:
+    if original is None:
+        return "-"
+    m = original.manifest
+    hang = hang_of(m)
+    if hang is not None:
+        return f"hang: no progress for {hang.idle_seconds:g} s (watchdog at {hang.hang_timeout:g} s)"
+    exits = [r.get("exit_code") for r in (m.get("ranks") or {}).values() if isinstance(r, dict)]
+    failed = [c for c in exits if c not in (0, None)]
+    if m.get("status") == "interrupted":
+        return "interrupted"
+    if failed:
+        return f"a rank exited {failed[0]}"
+    return "finished" if m.get("status") == "finished" else str(m.get("status"))
+
+
+def _completion_check(result: RunResult, elapsed: float, original: OriginalRun | None) -> Check:
+    before = _original_outcome(original)
+    if result.outcome == Outcome.HANG:
+        idle = f" for {result.hang.idle_seconds:g} s" if result.hang else ""
+        return Check("job completes", False, before, f"hang again: no progress{idle}; job stopped")
+    if result.exit_code != 0:
+        return Check("job completes", False, before, f"exit {result.exit_code} after {elapsed:.1f} s")
+    return Check("job completes", True, before, f"exit 0 in {elapsed:.1f} s")
+
+
+def _describe_report(report: dict | Report | None) -> str:
+    if report is None:
+        return "-"
+    if isinstance(report, Report):
+        pattern, summary = report.pattern, report.summary
+    else:
+        pattern, summary = report.get("pattern"), report.get("summary", "")
+    return f"{pattern}: {summary}" if pattern else summary
+
+
+def _sequence_check(report: Report | None, result: RunResult, original: OriginalRun | None) -> Check:
+    before = _describe_report(original.report) if original else "-"
+    if report is None:
+        return Check("identical collective sequences", None, before, "could not be analyzed (no traces)")
+    if report.verdict != Verdict.HEALTHY:
+        return Check("identical collective sequences", False, before, _describe_report(report))
+    coverage = result.coverage
+    if coverage is not None and not coverage.complete:
+        return Check("identical collective sequences", False, before,
+                     f"{report.collectives} collectives agree, but the coverage check found "
+                     f"{len(coverage.gaps)} gap(s): a missed collective cannot be ruled out")
+    ranks = ", ".join(map(str, report.traced_ranks))
+    return Check("identical collective sequences", True, before,
+                 f"identical on every rank ({report.collectives} collectives, ranks {ranks}); coverage complete")
+
+
+def _fix_checks(name: str, status: FixStatus, report: Report | None, result: RunResult) -> list[Check]:
+    world = (report.world_size if report else None) or len(status.ranks)
+    expected = set(range(world)) if world else set(status.ranks)
+    applied = status.applied_ranks()
+    notes = status.notes()
+    if not status.ranks:
+        applied_check = Check(f"{name} applied", False, "-",
+                              "no rank reported it (was the fix installed? see job.log)")
+    elif not applied:
+        searched = ", ".join(status.searched())
+        why = "; ".join(notes) if notes else f"none of its targets was found (looked for {searched})"
+        applied_check = Check(f"{name} applied", False, "-", f"did not apply: {why}")
+    elif set(applied) != expected:
+        missing = sorted(expected - set(applied))
+        applied_check = Check(f"{name} applied", False, "-",
+                              f"applied on ranks {applied} only; not on {missing}" + (f" ({'; '.join(notes)})" if notes else ""))
+    else:
+        calls = ", ".join(f"{path.split(':')[-1]} x{n}" for path, n in status.calls().items() if n)
+        applied_check = Check(f"{name} applied", True, "-", f"on all {len(applied)} ranks: {calls}",
+                              detail="; ".join(notes))
+    checks = [applied_check]
+    by_name = status.checks()
+    if not by_name:
+        checks.append(Check(f"{name}: numerical check", None, "-",
+                            "never ran (the fix was not exercised on any rank)"))
+    for check_name, per_rank in by_name.items():
+        failed = [(r, c) for r, c in per_rank if c.passed is False]
+        unknown = [(r, c) for r, c in per_rank if c.passed is None]
+        ranks_ok = sorted(r for r, c in per_rank if c.passed)
+        worst = max((c.worst for _, c in per_rank if c.worst is not None), default=None)
+        worst_text = f"; largest difference {worst:.3g}" if worst is not None else ""
+        if failed:
+            rank, c = failed[0]
+            checks.append(Check(f"{name}: {check_name}", False, "-", f"fails on rank {rank}: {c.detail}"))
+        elif unknown or set(r for r, _ in per_rank) != expected:
+            why = unknown[0][1].detail if unknown else f"ran on ranks {ranks_ok} only"
+            checks.append(Check(f"{name}: {check_name}", None, "-", f"could not be established: {why}"))
+        else:
+            detail = per_rank[0][1].detail
+            checks.append(Check(f"{name}: {check_name}", True, "-",
+                                f"holds on all {len(per_rank)} ranks: {detail}{worst_text}"))
+    return checks
+
+
+def _loss_check(losses: LossComparison, before: RunNumbers) -> Check:
+    if losses.compared == 0:
+        return Check("losses before the hang", None, "none recorded", "nothing to compare", required=False)
+    ranks = sorted(before.losses)
+    before_text = f"{losses.compared} losses (ranks {', '.join(map(str, ranks))})"
+    if losses.passed:
+        return Check("losses before the hang", True, before_text,
+                     f"all {losses.compared} match (largest relative difference {losses.worst_relative:.2g})")
+    return Check("losses before the hang", False, before_text,
+                 f"{losses.compared - losses.matched} of {losses.compared} differ: {losses.mismatches[0]}")
+
+
+def _step_time_check(times: StepTimeComparison) -> Check:
+    if times.before is None or times.after is None:
+        after = f"{times.after_all * 1e3:.1f} ms (median)" if times.after_all else "-"
+        return Check("step time", None, "the original run completed too few steps", after, required=False)
+    change = times.change
+    steps = ", ".join(map(str, times.steps))
+    return Check("step time", None, f"{times.before * 1e3:.1f} ms (steps {steps})",
+                 f"{times.after * 1e3:.1f} ms ({change:+.1%}); all steps: {times.after_all * 1e3:.1f} ms",
+                 required=False)
