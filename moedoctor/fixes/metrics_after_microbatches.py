@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from moedoctor.fixes.base import Fix, FixConfigError, Target, parse_target
+from moedoctor.fixes.runtime import collective_device, first_mapping_argument
 
 NAME = "metrics-after-microbatches"
 REDUCE = Target("__main__:all_reduce_metrics", "moedoctor's fixture: reduces a metric dict")
@@ -79,6 +80,7 @@ def _install(runtime) -> None:
     deferral = _DeferredReduction(runtime)
     runtime.patch(reduce, deferral.make_reduce)
     runtime.patch(loop, deferral.make_loop)
+    runtime.at_finish(deferral.finish)
 
 
 class _StepState(threading.local):
@@ -96,7 +98,13 @@ class _DeferredReduction:
         self.state = _StepState()
         self.original_reduce: Callable | None = None
         self.reduce_signature: inspect.Signature | None = None
-        self.steps = 0
+        self.steps = 0           # loop calls whose reduction was deferred
+        self.calls_outside = 0   # reduce calls outside any loop: not deferred
+
+    def finish(self) -> None:
+        if self.steps == 0 and self.calls_outside:
+            self.runtime.note(f"deferred no reduction: the reduce function ran {self.calls_outside} time(s), "
+                              "never inside the loop function (check the loop target)")
 
     # -- the wrappers -----------------------------------------------------------------------------
 
@@ -111,8 +119,9 @@ class _DeferredReduction:
 
         def reduce_after_microbatches(*args, **kwargs):
             state = self.state
-            place = _mapping_place(args, kwargs)
+            place = first_mapping_argument(args, kwargs)
             if state.depth == 0 or place is None:
+                self.calls_outside += 1
                 return original(*args, **kwargs)
             metrics = args[place] if isinstance(place, int) else kwargs[place]
             local = dict(metrics)
@@ -209,7 +218,7 @@ class _DeferredReduction:
         count, digest = len(extras), zlib.crc32("\n".join(extras).encode())
         group = self._group(last_call)
         votes = torch.tensor([count, -count, digest, -digest], dtype=torch.int64,
-                             device=_collective_device(group))
+                             device=collective_device(group))
         dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
         high_count, low_count, high_digest, low_digest = votes.tolist()
         return high_count == -low_count and high_digest == -low_digest
@@ -256,17 +265,6 @@ class _DeferredReduction:
                                             f"reduction (relative tolerance {REL_TOL:g}){skipped}", worst)
         else:
             self.runtime.check(CHECK, None, f"step {self.steps}: no metric could be compared{skipped}")
-
-
-def _mapping_place(args: tuple, kwargs: dict) -> int | str | None:
-    """Where the metrics mapping is in a reduce call: the first mapping argument."""
-    for index, value in enumerate(args):
-        if isinstance(value, Mapping):
-            return index
-    for name, value in kwargs.items():
-        if isinstance(value, Mapping):
-            return name
-    return None
 
 
 def _metrics_index(result: Any) -> int | None:
@@ -320,15 +318,6 @@ def _without(reduced: Any, extras: Mapping) -> Any:
     if not isinstance(reduced, Mapping):
         return reduced
     return {key: value for key, value in reduced.items() if key not in extras}
-
-
-def _collective_device(group):
-    import torch
-    import torch.distributed as dist
-
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 FIX = Fix(

@@ -199,6 +199,30 @@ class FixRuntime:
         self.write()
 
 
+def collective_device(group):
+    """Where a fix's own small collective on ``group`` must live: the current GPU for NCCL, else CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def first_mapping_argument(args: tuple, kwargs: dict) -> int | str | None:
+    """Where a wrapped call's first mapping argument is (a state dict, a metrics dict): its position
+    in ``args`` or its keyword; None when there is none."""
+    from collections.abc import Mapping
+
+    for index, value in enumerate(args):
+        if isinstance(value, Mapping):
+            return index
+    for name, value in kwargs.items():
+        if isinstance(value, Mapping):
+            return name
+    return None
+
+
 def activate_from_env() -> None:
     """Install the fixes named in ``MOEDOCTOR_FIXES``; called once torch is imported."""
     from moedoctor.fixes import FIXES

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from moedoctor.fixes.base import Fix, FixConfigError, Target, parse_target
+from moedoctor.fixes.runtime import collective_device
 
 NAME = "skip-step-collectively"
 
@@ -64,7 +65,7 @@ def _install(runtime) -> None:
             if "group" in signature.parameters:
                 group = signature.bind(*args, **kwargs).arguments.get("group")
             local_skip = _wants_skip(result, returns)
-            flag = torch.tensor([1.0 if local_skip else 0.0], device=_collective_device(group))
+            flag = torch.tensor([1.0 if local_skip else 0.0], device=collective_device(group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             skip = bool(flag.item())
             if skip and snapshots is not None:
@@ -98,15 +99,6 @@ def _as_result(result: Any, skip: bool, returns: str) -> Any:
     if isinstance(result, torch.Tensor):
         return torch.full_like(result, skip)
     return type(result)(skip) if isinstance(result, (bool, int, float)) else skip
-
-
-def _collective_device(group):
-    import torch
-    import torch.distributed as dist
-
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _register_instances(cls, registry: weakref.WeakSet) -> None:

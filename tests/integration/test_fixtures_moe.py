@@ -108,7 +108,9 @@ def test_expected_yaml_line_references(name: str) -> None:
 def test_expert_dense_forward_matches_sparse_loop() -> None:
     # The expert-dense fix must not change the block's output or the loss, only which experts run.
     sys.path.insert(0, str(FIXTURES))
-    from _lib.moe import TinyMoeConfig, TinyMoeModel, TinyMoeSparseMoeBlock, blocked_experts, expert_dense_forward
+    from _lib.moe import TinyMoeConfig, TinyMoeModel, TinyMoeSparseMoeBlock, blocked_experts
+
+    from moedoctor.fixes.expert_dense import expert_dense_forward
 
     config = TinyMoeConfig()
     torch.manual_seed(0)
