@@ -23,10 +23,10 @@ def fixes(
     fixes, and the classes and functions it patches (more can be named with --config)."""
     console = Console()
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, expand=True)
-    for name in ("fix", "fixes pattern", "what it does", "targets"):
-        table.add_column(name, overflow="fold")
+    for name, ratio in (("fix", 2), ("fixes pattern", 2), ("what it does", 3), ("targets", 5)):
+        table.add_column(name, overflow="fold", ratio=ratio)
     for fix in FIXES.values():
-        targets = "\n".join(escape(t.describe()) for t in fix.targets) or "(from --config only)"
+        targets = "\n".join(escape(line) for line in _target_lines(fix.targets, verbose)) or "(from --config only)"
         table.add_row(f"[bold]{fix.name}[/]", ", ".join(fix.patterns), escape(fix.summary), targets)
     console.print(table)
     if verbose:
@@ -36,5 +36,22 @@ def fixes(
                                 ("checked by", fix.check), ("--config", fix.config_help)):
                 if text:
                     console.print(f"  {label}: {escape(text)}", highlight=False, soft_wrap=True)
+    if not verbose:
+        console.print("(-v lists every target class)", highlight=False)
     console.print("Use: moedoctor verify --fix NAME --run RUN_DIR   (docs/fixes.md explains each fix)",
                   highlight=False, soft_wrap=True)
+
+
+def _target_lines(targets, verbose: bool, shown: int = 3) -> list[str]:
+    """Targets grouped by their note; a long group is summarized unless ``verbose``."""
+    groups: dict[str, list[str]] = {}
+    for target in targets:
+        groups.setdefault(target.note, []).append(target.path)
+    lines = []
+    for note, paths in groups.items():
+        if verbose or len(paths) <= shown:
+            lines += [f"{path} ({note})" if note else path for path in paths]
+        else:
+            names = ", ".join(path.rsplit(":", 1)[-1] for path in paths[:shown])
+            lines.append(f"{note}: {len(paths)} classes ({names}, ...)")
+    return lines

@@ -87,7 +87,8 @@ def verify(
                   f"(hang timeout {timeout:g}s) in {run_dir}", highlight=False, soft_wrap=True)
     run_config = RunConfig(command=command, run_dir=run_dir.resolve(), env=dict(os.environ), hang_timeout=timeout,
                            startup_timeout=startup_timeout, recorder=choice.kind)
-    observer = ConsoleObserver(console, live=sys.stdout.isatty() and sys.stderr.isatty())
+    # The rerun's own diagnosis, if it hangs again, is in its run directory; the table says what failed.
+    observer = ConsoleObserver(console, live=sys.stdout.isatty() and sys.stderr.isatty(), report=False)
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         verification = verify_job(VerifyConfig(tuple(fixes), run_config, original.path if original else None,

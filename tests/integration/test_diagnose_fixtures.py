@@ -4,29 +4,22 @@
 culprit ranks, the group's ranks and the call site (in the divergence, the evidence or the
 suggestion). The controls come out ``healthy``, ``straggler`` and ``not-a-desync``.
 ``inactive_experts`` aborts on Gloo (the size mismatch raises SIGABRT) instead of hanging, so its
-verdict is ``crashed`` with the desync pattern still named.
+verdict is ``crashed`` with the desync pattern still named, unless online detection stopped the job
+as a desync first.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from torchrun_util import FIXTURES, REPO, run_command, torchrun_command
+from torchrun_util import FIXTURES
 
 from moedoctor.errors import EXIT_HANG
 
-NPROC = 2
 NAMES = sorted(p.parent.name for p in FIXTURES.glob("*/expected.yaml"))
-
-
-def moedoctor_run(run_dir: Path, name: str, timeout: float = 90.0):
-    cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", "8", "--",
-           *torchrun_command(FIXTURES / name / "train.py", NPROC, "--pg-timeout", "60")]
-    return run_command(cmd, timeout, cwd=REPO)
 
 
 def call_sites(report: dict) -> list[str]:
@@ -40,10 +33,9 @@ def call_sites(report: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_fixture_is_diagnosed(name, tmp_path):
+def test_fixture_is_diagnosed(name, diagnosed_run):
     expected = yaml.safe_load((FIXTURES / name / "expected.yaml").read_text())
-    run_dir = tmp_path / "run"
-    result = moedoctor_run(run_dir, name)
+    run_dir, result = diagnosed_run(name)
     report_path = run_dir / "report.json"
     assert report_path.exists(), f"no report.json (exit {result.returncode}):\n{result.tail()}"
     report = json.loads(report_path.read_text())
@@ -64,7 +56,11 @@ def test_fixture_is_diagnosed(name, tmp_path):
         assert report["fixes"] == [expected["fix"]], context
         assert f"moedoctor verify --fix {expected['fix']} --run" in result.output, context
     if expected.get("failure") == "abort":
-        assert report["verdict"] == "crashed", context
+        # Gloo's size check aborts a rank within milliseconds; online detection sees the mismatched
+        # pair first in most runs and stops the job as a desync. Either way the pattern is named.
+        assert report["verdict"] in ("crashed", "desync"), context
+        if report["verdict"] == "desync":
+            assert result.returncode == EXIT_HANG, context
     else:
         assert result.returncode == EXIT_HANG, context
         stuck = expected["pattern"] in ("straggler", "not-a-desync")

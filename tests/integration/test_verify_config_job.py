@@ -1,0 +1,36 @@
+"""``--config`` names the user's own function (a ``__main__`` target), and the skip check is not a
+formality: a "skip" that steps with zeroed gradients (AdamW weight decay still moves the weights,
+seed 001) fails verification."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from torchrun_util import REPO, run_command, torchrun_command
+
+JOB = REPO / "tests" / "jobs" / "skip_then_step.py"
+
+
+@pytest.mark.parametrize("wrong_skip", [False, True])
+def test_skip_check_catches_a_step_that_is_not_a_no_op(tmp_path, wrong_skip):
+    config = tmp_path / "fixes.yaml"
+    config.write_text("skip-step-collectively:\n  decision: __main__:should_skip\n")
+    rerun = tmp_path / "rerun"
+    job = torchrun_command(JOB, 2, *(["--wrong-skip"] if wrong_skip else []))
+    result = run_command([sys.executable, "-m", "moedoctor", "verify", "--fix", "skip-step-collectively",
+                          "--config", str(config), "--run-dir", str(rerun), "--hang-timeout", "20", "--json",
+                          "--", *job], 120, cwd=REPO)
+    assert (rerun / "verification.json").exists(), result.tail()
+    verification = json.loads((rerun / "verification.json").read_text())
+    checks = {c["name"]: c for c in verification["checks"]}
+    context = f"{json.dumps(checks, indent=1)}\n{result.tail(30)}"
+    assert checks["skip-step-collectively applied"]["passed"], context
+    no_op = checks["skip-step-collectively: skipped step is a no-op"]
+    if wrong_skip:
+        assert result.returncode == 1 and no_op["passed"] is False, context
+        assert "changed" in no_op["after"], context
+    else:
+        assert result.returncode == 0 and no_op["passed"] is True, context
+        assert "bitwise unchanged" in no_op["after"], context
