@@ -84,8 +84,10 @@ def _payload(e: CollectiveEvent) -> tuple:
     return (e.in_shapes or e.out_shapes, e.dtypes)
 
 
-def _classes(present: dict[int, CollectiveEvent]) -> list[tuple[int, ...]]:
-    """Ranks grouped by what they issued; a reduce op splits a class only where both are known."""
+def op_classes(present: dict[int, CollectiveEvent]) -> list[tuple[int, ...]]:
+    """Ranks grouped by what they issued at one (group, seq); a reduce op splits a class only where
+    both are known. More than one class is a mismatch: the one definition of "the ranks did the same
+    thing", shared by the offline analysis and ``moedoctor run``'s online detector."""
     by_sig: dict[tuple, list[int]] = defaultdict(list)
     for r in sorted(present):
         by_sig[present[r].signature()].append(r)
@@ -102,6 +104,9 @@ def _classes(present: dict[int, CollectiveEvent]) -> list[tuple[int, ...]]:
         split[0] = sorted(split[0] + unknown)
         classes.extend(split)
     return sorted((tuple(c) for c in classes), key=lambda c: (-len(c), c[0]))
+
+
+_classes = op_classes
 
 
 def _divergence(view: RunView, group: str, seq: int, present: dict[int, CollectiveEvent], missing: tuple[int, ...],

@@ -35,10 +35,17 @@ def report_after_hang(run_dir: Path, console: Console) -> None:
     if hang is None:
         console.print(f"moedoctor: no hang recorded in {escape(str(layout.manifest))}", soft_wrap=True)
         return
-    stopped = "job stopped" if hang.stopped else "job left running (--keep-alive)"
-    console.print(f"\n[bold red]Hang[/]: no rank made progress for {hang.idle_seconds:.1f}s "
-                  f"(hang timeout {hang.hang_timeout:g}s) on {escape(hang.host)}; {stopped}.",
-                  highlight=False, soft_wrap=True)
+    stopped = "stopping the job" if hang.stopped else "job left running (--keep-alive)"
+    if hang.trigger == "desync":
+        after = f", {hang.detection_latency_s:.1f} s after it was issued" if hang.detection_latency_s is not None else ""
+        console.print(f"\n[bold red]Desync detected while the job ran[/]: {escape(hang.finding or '?')}{after}; "
+                      f"{stopped}.", highlight=False, soft_wrap=True)
+    else:
+        console.print(f"\n[bold red]Hang[/]: no rank made progress for {hang.idle_seconds:.1f}s "
+                      f"(hang timeout {hang.hang_timeout:g}s) on {escape(hang.host)}; {stopped}.",
+                      highlight=False, soft_wrap=True)
+    for lag in hang.lags[:5]:
+        console.print(f"[yellow]Lag[/]: {escape(lag)}", highlight=False, soft_wrap=True)
     written = analysis_report(layout, console)
     if written is None:
         _hang_table(hang, console)

@@ -17,6 +17,7 @@ from moedoctor.cli.hang_report import report_after_hang
 from moedoctor.runner import Outcome, RunDir, RunObserver, RunStatus
 from moedoctor.runner.launch import RankStatus
 from moedoctor.runner.manifest import HangRecord
+from moedoctor.runner.online import Desync, Lag
 
 LOG_EVERY = 10.0
 
@@ -60,13 +61,15 @@ def _idle(r: RankStatus) -> str:
 class ConsoleObserver(RunObserver):
     """Renders ``run_job``'s progress to a stderr console; passes the job's output through."""
 
-    def __init__(self, console: Console, live: bool):
+    def __init__(self, console: Console, live: bool, report: bool = True):
         self.console = console
+        self.report = report  # print the diagnosis as soon as it is written (before the job is stopped)
         self.use_live = live
         self.live: Live | None = None
         self.run_dir: RunDir | None = None
         self.last_line = 0.0
         self.muted = False  # once the job is being stopped, its dying words go to job.log only
+        self.desync: Desync | None = None
         self.decoders = {1: codecs.getincrementaldecoder("utf-8")("replace"),
                          2: codecs.getincrementaldecoder("utf-8")("replace")}
 
@@ -107,13 +110,28 @@ class ConsoleObserver(RunObserver):
                            f"{status.idle_seconds:.1f}s; collecting stacks, GPU state and coverage...",
                            highlight=False, soft_wrap=True)
 
+    def desync_detected(self, desync: Desync, status: RunStatus) -> None:
+        self.desync = desync
+        self._stop_live(status)
+        self.console.print(f"[bold red]moedoctor: desync[/]: {escape(desync.line())} "
+                           f"({desync.latency:.1f}s after it was issued); collecting stacks, GPU state and "
+                           "coverage...", highlight=False, soft_wrap=True)
+
+    def lag_detected(self, lag: Lag) -> None:
+        message = f"[yellow]moedoctor: lag[/]: {escape(lag.line())} (a straggler or a desync; watching on)"
+        if self.live is not None:
+            self.live.console.print(message, highlight=False, soft_wrap=True)
+        else:
+            self.console.print(message, highlight=False, soft_wrap=True)
+
     def diagnosed(self, hang: HangRecord) -> None:
-        if not hang.stopped:  # --keep-alive: show the diagnosis now, the job goes on
+        # Now, not after the job is stopped: stopping takes seconds the user should not wait for.
+        if self.report:
             report_after_hang(self.run_dir.path, self.console)
 
     def stopping(self, outcome: Outcome) -> None:
         self._stop_live(None)
-        why = "interrupted" if outcome == Outcome.INTERRUPTED else "hang"
+        why = "interrupted" if outcome == Outcome.INTERRUPTED else "desync" if self.desync else "hang"
         self.muted = True
         self.console.print(f"[bold]moedoctor:[/] {why}: stopping the job's processes (SIGTERM, then SIGKILL); "
                            "their last output goes to job.log", highlight=False, soft_wrap=True)

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from moedoctor.cli.hang_report import report_after_hang, report_after_run
+from moedoctor.cli.hang_report import report_after_run
 from moedoctor.cli.live import ConsoleObserver
 from moedoctor.errors import MoedoctorError
 from moedoctor.fixes import FIXES, get_fix
@@ -23,8 +23,8 @@ from moedoctor.runner.recorder_choice import choose_recorder
 app = typer.Typer()
 
 EPILOG = ("Example: moedoctor run --hang-timeout 120 -- torchrun --nproc_per_node=8 train.py "
-          "--config big.yaml.  Exit status: the job's own; 124 when a hang was detected and the job "
-          "stopped; 130 when interrupted; 2 when refused.")
+          "--config big.yaml.  Exit status: the job's own; 124 when a hang or (online) a desync was "
+          "detected and the job stopped; 130 when interrupted; 2 when refused.")
 
 
 @app.command(
@@ -53,6 +53,12 @@ def run(
         "(or --hang-timeout, if longer) before declaring a hang.")] = 300.0,
     keep_alive: Annotated[bool, typer.Option(
         "--keep-alive", help="On a hang, collect the diagnosis but leave the job running.")] = False,
+    online: Annotated[bool, typer.Option(
+        "--online/--no-online",
+        help="While the job runs, compare the ranks' collectives per group and sequence number: the first "
+        "mismatch (op, shapes, dtypes), once every rank involved has issued its side, is diagnosed at once "
+        "like a hang (stacks, GPU state, report; the job stopped unless --keep-alive; exit 124), without "
+        "waiting for --hang-timeout. A rank a step behind its waiting group is reported, not acted on.")] = True,
     no_stacks: Annotated[bool, typer.Option(
         "--no-stacks", help="On a hang, do not dump the ranks' stacks with py-spy.")] = False,
     native: Annotated[bool, typer.Option(
@@ -75,8 +81,9 @@ def run(
 ) -> None:
     """Run a torchrun job, recording every collective of every rank, and diagnose it if it hangs.
 
-    On a hang it writes the ranks' stacks (py-spy), a GPU snapshot (NVML) and the coverage
-    check to the run directory, stops the job's whole process tree and exits 124.
+    On a hang, or as soon as two ranks of a group issue different collectives (online detection),
+    it writes the ranks' stacks (py-spy), a GPU snapshot (NVML) and the coverage check to the run
+    directory, stops the job's whole process tree and exits 124.
     """
     command = check_launcher(list(command or []))
     fixes = tuple(get_fix(name).name for name in dict.fromkeys(fix or ()))
@@ -92,7 +99,7 @@ def run(
         console.print(f"moedoctor: recording with the Python kernels ({choice.note})")
     config = RunConfig(
         command=command, run_dir=run_dir.resolve(), env=dict(os.environ), hang_timeout=hang_timeout,
-        startup_timeout=startup_timeout, keep_alive=keep_alive, stacks=not no_stacks, native=native,
+        startup_timeout=startup_timeout, keep_alive=keep_alive, online=online, stacks=not no_stacks, native=native,
         max_events=max_events, recorder=choice.kind, joined=joined, fixes=fixes,
         fix_config=write_fix_config(run_dir, fix_config),
     )
@@ -106,7 +113,8 @@ def run(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if result.hang is not None and result.hang.stopped:
-        report_after_hang(result.run_dir.path, console)
+        console.print(f"moedoctor: the job was stopped (exit {result.exit_code}); the diagnosis is above.",
+                      highlight=False)
     else:
         report_after_run(result, console)
     raise typer.Exit(result.exit_code)

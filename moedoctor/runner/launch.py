@@ -1,5 +1,5 @@
-"""``run_job``: start a torchrun job with the recorder injected, watch it for hangs, diagnose and
-stop it, and record the run in its run directory. The CLI's ``moedoctor run`` is a thin shell
+"""``run_job``: start a torchrun job with the recorder injected, watch it for hangs and (online)
+for desyncs, diagnose and stop it, and record the run in its run directory. The CLI's ``moedoctor run`` is a thin shell
 around this; what the user sees is the ``RunObserver``'s business."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from moedoctor.runner.manifest import (
     CoverageCheck, HangRecord, LastCollective, NodeRecord, RankAtHang, RankExit, Status,
     coverage_check, relevant_env, write_node,
 )
+from moedoctor.runner.online import Desync, DesyncDetector, Lag
 from moedoctor.runner.progress import ProgressTracker, RankProgress
 from moedoctor.runner.rundir import RunDir
 from moedoctor.runner.stacks import StackDump, StackTarget, dump_stacks
@@ -48,6 +49,7 @@ class RunConfig:
     hang_timeout: float = 180.0            # no progress on any rank this long = hang
     startup_timeout: float = 300.0         # allowance before any rank has opened its trace
     keep_alive: bool = False
+    online: bool = True                    # online desync detection (a desync is diagnosed as a hang)
     stacks: bool = True
     native: bool = False
     max_events: int | None = None
@@ -105,6 +107,8 @@ class RunObserver:
     def output(self, data: bytes, stream: int) -> None: ...  # stream: 1 stdout, 2 stderr
     def status(self, status: RunStatus) -> None: ...
     def hang_detected(self, status: RunStatus) -> None: ...
+    def desync_detected(self, desync: Desync, status: RunStatus) -> None: ...  # diagnosis follows
+    def lag_detected(self, lag: Lag) -> None: ...  # reported only; the run goes on
     def diagnosed(self, hang: HangRecord) -> None: ...  # stacks, GPU state, manifest written
     def stopping(self, outcome: Outcome) -> None: ...
 
@@ -156,7 +160,9 @@ class _Run:
         self.launch_id = uuid.uuid4().hex
         self.node = NodeRecord(node=f"{config.host}:{os.getpid()}", host=config.host,
                                moedoctor_pid=os.getpid(), start=time.time())
-        self.tracker = ProgressTracker(self.dir.traces)
+        self.detector = DesyncDetector() if config.online else None
+        self.tracker = ProgressTracker(self.dir.traces,
+                                       listener=self.detector.feed if self.detector is not None else None)
         self.seen: dict[int, procs.JobProcess] = {}  # rank -> worker process, on this node
         self.proc: subprocess.Popen | None = None
         self.log_lock = threading.Lock()
@@ -213,6 +219,7 @@ class _Run:
     def _watch(self) -> RunResult:
         hang: HangRecord | None = None
         armed, progress_at_hang = True, None
+        desync_reported = False
         next_scan = 0.0
         while True:
             code = self.proc.poll()
@@ -220,7 +227,12 @@ class _Run:
                 return self._ended(code, hang)
             self.tracker.poll()
             now = time.monotonic()
-            if now >= next_scan:
+            desync = None
+            if self.detector is not None:
+                self._report_lags(now)
+                if self.detector.desync is not None and not desync_reported:
+                    desync, desync_reported = self.detector.desync, True
+            if desync is None and now >= next_scan:
                 self._scan()
                 next_scan = now + 1.0
             status = self._status(now)
@@ -228,8 +240,8 @@ class _Run:
             last = self.tracker.last_progress()
             if not armed and last != progress_at_hang:
                 armed = True  # progress again after a kept-alive hang: watch for the next one
-            if armed and status.idle_seconds >= status.limit:
-                hang = self._diagnose(status)
+            if desync is not None or (armed and status.idle_seconds >= status.limit):
+                hang = self._diagnose(status, desync)
                 if not self.config.keep_alive:
                     self.observer.stopping(Outcome.HANG)
                     self._stop()
@@ -288,10 +300,23 @@ class _Run:
 
     # -- a hang ----------------------------------------------------------------------------------
 
-    def _diagnose(self, status: RunStatus) -> HangRecord:
+    def _report_lags(self, now: float) -> None:
+        lags = self.detector.check_lags(self.tracker.ranks, now)
+        for lag in lags:
+            if len(self.node.lags) < 100:
+                self.node.lags.append(lag.line())
+            self.observer.lag_detected(lag)
+        if lags:
+            self._write_manifest()
+
+    def _diagnose(self, status: RunStatus, desync: Desync | None = None) -> HangRecord:
         """Ask the ranks for coverage records, dump stacks and the GPUs in parallel, and return
-        the hang as recorded in the manifest."""
-        self.observer.hang_detected(status)
+        the hang as recorded in the manifest. ``desync``: declared by the online detector, not by
+        the hang timeout."""
+        if desync is not None:
+            self.observer.desync_detected(desync, status)
+        else:
+            self.observer.hang_detected(status)
         requested = self._request_snapshot()
         local = procs.rank_processes(procs.job_processes(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id)))
         self.seen.update(local)
@@ -307,10 +332,18 @@ class _Run:
                 dumps = dump_stacks([StackTarget(r, p) for r, p in sorted(targets.items())],
                                     self.dir.stacks, self.config.host, self.config.native)
             gpu_file = gpu.result()
-        self._await_coverage(requested)
+        # A desync is already proven by the traces: the coverage records are wanted, not worth a second.
+        self._await_coverage(requested, self.config.coverage_wait / 2 if desync is not None else None)
         hang = HangRecord(detected_at=requested, host=self.config.host,
                           hang_timeout=self.config.hang_timeout, idle_seconds=round(status.idle_seconds, 1),
-                          stopped=not self.config.keep_alive, gpu_file=str(gpu_file))
+                          stopped=not self.config.keep_alive, gpu_file=str(gpu_file),
+                          lags=list(self.node.lags))
+        found = desync or (self.detector.desync if self.detector is not None else None)
+        if found is not None:
+            hang.finding = found.line()
+            hang.detection_latency_s = round(found.latency, 3)
+        if desync is not None:
+            hang.trigger = "desync"
         by_rank = {d.rank: d for d in dumps}
         now = time.monotonic()
         for rank in sorted(set(self.tracker.ranks) | set(targets)):
@@ -337,10 +370,11 @@ class _Run:
         except (KeyboardInterrupt, OSError):
             pass  # a second Ctrl-C: stop at once
 
-    def _await_coverage(self, requested: float) -> None:
-        """Wait until ``coverage_wait`` after the request for the ranks' coverage records, and up to
-        a second more for ranks that have not answered yet."""
-        soon = time.monotonic() + max(0.0, requested + self.config.coverage_wait - time.time())
+    def _await_coverage(self, requested: float, wait: float | None = None) -> None:
+        """Wait until ``coverage_wait`` (or ``wait``) after the request for the ranks' coverage
+        records, and up to a second more for ranks that have not answered yet."""
+        wait = self.config.coverage_wait if wait is None else wait
+        soon = time.monotonic() + max(0.0, requested + wait - time.time())
         latest = soon + 1.0
         while time.monotonic() < latest:
             ranks = self.tracker.poll()

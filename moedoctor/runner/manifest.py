@@ -84,6 +84,11 @@ class RankAtHang:
 
 @dataclass
 class HangRecord:
+    """The diagnosis of a stuck job. ``trigger`` says what declared it: ``hang`` (no progress for
+    ``hang_timeout``) or ``desync`` (the online detector saw two ranks of a group issue different
+    collectives at one seq: ``finding`` in one line, ``detection_latency_s`` from the later of the two
+    issue times to the detection). ``lags``: ranks seen falling behind their group by a step."""
+
     detected_at: float
     host: str
     hang_timeout: float
@@ -91,6 +96,10 @@ class HangRecord:
     stopped: bool
     ranks: list[RankAtHang] = field(default_factory=list)
     gpu_file: str | None = None
+    trigger: str = "hang"
+    finding: str | None = None
+    detection_latency_s: float | None = None
+    lags: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -115,6 +124,7 @@ class NodeRecord:
     env: dict[str, str] = field(default_factory=dict)
     ranks: list[RankExit] = field(default_factory=list)
     hang: HangRecord | None = None
+    lags: list[str] = field(default_factory=list)   # online lag findings, one line each (at most 100)
 
 
 def coverage_check(ranks: Mapping[int, RankProgress], world_size: int | None) -> CoverageCheck:
@@ -226,4 +236,6 @@ def hang_of(manifest: dict) -> HangRecord | None:
     ranks = [RankAtHang(**{**r, "last": LastCollective(**r["last"]) if r.get("last") else None})
              for r in raw["ranks"]]
     fields = {k: raw[k] for k in ("detected_at", "host", "hang_timeout", "idle_seconds", "stopped")}
-    return HangRecord(**fields, ranks=ranks, gpu_file=raw.get("gpu_file"))
+    return HangRecord(**fields, ranks=ranks, gpu_file=raw.get("gpu_file"), trigger=raw.get("trigger", "hang"),
+                      finding=raw.get("finding"), detection_latency_s=raw.get("detection_latency_s"),
+                      lags=list(raw.get("lags") or ()))

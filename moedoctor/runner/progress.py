@@ -86,9 +86,13 @@ class ProgressTracker:
     """Polled by the watchdog: ``poll()`` reads what every trace file gained and returns the
     per-rank state. Files that are not moedoctor traces are reported in ``problems``, once."""
 
-    def __init__(self, traces_dir: Path, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, traces_dir: Path, clock: Callable[[], float] = time.monotonic,
+                 listener: Callable[[int, list, bool], None] | None = None):
         self.traces_dir = Path(traces_dir)
         self.clock = clock
+        #: Called with (rank, newly read items, restarted) for every batch, so other consumers
+        #: (the online desync detector) see each record parsed once, in file order.
+        self.listener = listener
         self.ranks: dict[int, RankProgress] = {}
         self.problems: list[str] = []
         self._followers: dict[Path, _Follower] = {}
@@ -113,8 +117,11 @@ class ProgressTracker:
     def _apply(self, trace: TraceFile, items: list, now: float) -> None:
         h = trace.header
         state = self.ranks.get(h.rank)
-        if state is None or state.pid != h.pid:  # new, or restarted with a new process
+        restarted = state is not None and state.pid != h.pid
+        if state is None or restarted:  # new, or restarted with a new process
             state = self.ranks[h.rank] = RankProgress(h.rank, h.host, h.pid, h.local_rank, h.world_size, now)
+        if self.listener is not None and (items or restarted):
+            self.listener(h.rank, items, restarted)
         for item in items:
             if isinstance(item, CollectiveEvent):
                 state.issued += 1
