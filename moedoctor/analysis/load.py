@@ -115,7 +115,7 @@ def load_run(path: Path | str, *, stream_above: int = STREAM_THRESHOLD, workers:
         run = RunData(path=path, kind=SourceKind.RUN_DIR, traces=[])
         run.manifest = _read_manifest(path / "manifest.json", run.incomplete)
         run.stacks = _read_stacks(path / "stacks", run.incomplete)
-        run.gpus = _read_gpus(path / "gpu", run.incomplete)
+        run.gpus = read_gpu_snapshots(path / "gpu", run.incomplete)
         paths = trace_paths(path / "traces")
         if not paths:
             run.incomplete.append("no trace files in traces/ (no rank reached init_process_group, or the "
@@ -441,7 +441,7 @@ def _read_stacks(folder: Path, incomplete: list[str]) -> dict[int, StackDump]:
     return stacks
 
 
-def _read_gpus(folder: Path, incomplete: list[str]) -> list[GpuSnapshot]:
+def read_gpu_snapshots(folder: Path, incomplete: list[str]) -> list[GpuSnapshot]:
     snapshots = []
     if not folder.is_dir():
         return snapshots

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 
 import moedoctor
-from moedoctor.cli import analyze, fixes, run, verify
+from moedoctor.cli import analyze, fixes, run, triage, verify
 from moedoctor.errors import MoedoctorError
 
 app = typer.Typer(
@@ -23,7 +23,7 @@ app = typer.Typer(
     rich_markup_mode="markdown",
 )
 # One Typer per subcommand module, merged into the top level (``moedoctor run``, ...).
-for module in (run, analyze, verify, fixes):
+for module in (run, analyze, verify, fixes, triage):
     app.add_typer(module.app)
 
 

@@ -43,6 +43,8 @@ class Frame:
 class StackTarget:
     rank: int
     pid: int
+    nonblocking: bool = False  # read without attaching (a stopped or D-state process: attaching would
+    #                            wake it or never return); py-spy may then see a torn stack
 
 
 @dataclass
@@ -93,10 +95,13 @@ def dump_stacks(targets: list[StackTarget], out_dir: Path, host: str, native: bo
 def _dump_one(target: StackTarget, out_dir: Path, host: str, native: bool, timeout: float,
               py_spy: str | None) -> StackDump:
     record = {"rank": target.rank, "pid": target.pid, "host": host, "time": time.time(), "native": native}
+    if target.nonblocking:
+        record["nonblocking"] = True
     if py_spy is None:
         record["error"] = f"py-spy is not installed: {sys.executable} -m pip install py-spy"
     else:
-        cmd = [py_spy, "dump", "--json", "--pid", str(target.pid)] + (["--native"] if native else [])
+        cmd = [py_spy, "dump", "--json", "--pid", str(target.pid)] + (["--native"] if native else []) \
+            + (["--nonblocking"] if target.nonblocking else [])
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if done.returncode == 0:

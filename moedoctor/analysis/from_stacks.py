@@ -1,0 +1,277 @@
+"""A ``Report`` from the ranks' stacks alone: what ``moedoctor triage`` says about a job that left
+no traces (started with plain ``torchrun``, no Flight Recorder dump).
+
+One py-spy dump per rank, taken while the job hangs. The ranks are grouped by identical main-thread
+stack (each frame as file:function, line numbers kept for the job's own code only, so two ranks
+blocked in the same collective from the same line match however torch's internals moved), and each
+class is described by the collective it waits in (the innermost ``torch.distributed`` frame, with
+the API the job called, e.g. ``all_gather_object -> all_gather``) and its innermost own frame.
+
+What the stacks prove, and what they do not:
+
+- some ranks inside a collective, others outside any: a **straggler** (the ranks outside are where
+  the others wait for them); a rank that skipped a collective and then blocked in its own code looks
+  the same, and the stack names the function, which tells them apart;
+- ranks inside **different** collectives (or the same one from different call sites): a **code
+  desync**; which known pattern it is needs the sequence of collectives (traces or Flight Recorder);
+- every rank inside the same collective from the same line: stuck in one collective; shapes are not
+  in a stack, so a hardware or network fault, a frozen rank (process state ``T``: then it is named
+  ``not-a-desync``) or a peer on another node cannot be told apart from here;
+- no rank inside a collective: not a collective hang (the job computes, or is stuck in its own code).
+
+One snapshot: a healthy job caught inside a collective looks stuck; run triage again to compare.
+Nothing here imports torch, prints or exits.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+
+from moedoctor.analysis.load import GpuSnapshot
+from moedoctor.analysis.model import RankSummary, Report, Suggestion, Verdict
+from moedoctor.analysis.patterns import by_id, names
+from moedoctor.runner.stacks import Frame, StackDump
+
+SOURCE_KIND = "stacks"
+#: Frames of these files are the job's libraries, not its own code.
+_LIBRARY_MARKERS = ("/torch/", "/moedoctor/", "/site-packages/", "/dist-packages/")
+#: A frame in one of these is inside torch.distributed (a collective, a wait, a rendezvous).
+_DISTRIBUTED_MARKERS = ("/torch/distributed/", "c10d")
+_C10D = "/torch/distributed/distributed_c10d.py"
+#: Wrappers between the API the job called and the collective's implementation.
+_WRAPPERS = ("/torch/distributed/c10d_logger.py", "/torch/utils/_contextlib.py")
+#: Process states that mean the process does not run at all (``/proc/PID/stat``).
+_FROZEN = {"T": "stopped (state T: a SIGSTOP, or a debugger holds it)", "t": "stopped by a tracer (state t)",
+           "D": "in uninterruptible sleep (state D: stuck in a kernel or driver call)"}
+
+
+@dataclass(frozen=True, slots=True)
+class RankStack:
+    """What one rank's main thread shows."""
+
+    rank: int
+    collective: str | None   # the innermost torch.distributed function it waits in (None: outside any)
+    api: str | None          # the outermost distributed_c10d function of that chain (what the job called)
+    user_frame: Frame | None
+    key: tuple[str, ...]     # the normalized stack, for grouping
+
+    @property
+    def waits_in(self) -> str | None:
+        if self.collective is None:
+            return None
+        return self.collective if self.api in (None, self.collective) else f"{self.api} -> {self.collective}"
+
+    def where(self) -> str:
+        f = self.user_frame
+        return "no frame of the job's own code" if f is None else f"{f.function} ({_short(f.file)}:{f.line})"
+
+
+@dataclass(frozen=True, slots=True)
+class StackClass:
+    """Ranks whose main threads show the same stack."""
+
+    ranks: tuple[int, ...]
+    stack: RankStack
+
+    def describe(self) -> str:
+        who = names(self.ranks)
+        s = self.stack
+        if s.collective is None:
+            return f"{who}: in {s.where()}, outside any collective"
+        return f"{who}: {'waits' if len(self.ranks) == 1 else 'wait'} in {s.waits_in}, called from {s.where()}"
+
+
+def read_rank_stack(dump: StackDump) -> RankStack | None:
+    """The collective, own frame and normalized stack of a dump (None: no main-thread frames)."""
+    frames = dump.main_thread
+    if not frames:
+        return None
+    return RankStack(dump.rank, *_collective(frames), user_frame=_user_frame(frames), key=_key(frames))
+
+
+def classify_stacks(stacks: dict[int, StackDump]) -> list[StackClass]:
+    """Ranks grouped by identical normalized main-thread stack, largest class first (ties: lowest rank)."""
+    by_key: dict[tuple[str, ...], list[RankStack]] = {}
+    for rank in sorted(stacks):
+        s = read_rank_stack(stacks[rank])
+        if s is not None:
+            by_key.setdefault(s.key, []).append(s)
+    classes = [StackClass(tuple(s.rank for s in group), group[0]) for group in by_key.values()]
+    return sorted(classes, key=lambda c: (-len(c.ranks), c.ranks[0]))
+
+
+def report_from_stacks(stacks: dict[int, StackDump], *, source: str, world_size: int | None = None,
+                       gpus: list[GpuSnapshot] | None = None, states: dict[int, str] | None = None,
+                       incomplete: list[str] | None = None) -> Report:
+    """The verdict the stacks allow, as a ``Report`` the usual renderers print.
+
+    ``states`` maps a rank to its process state letter (``/proc/PID/stat``); ``world_size`` the
+    job's, to say when ranks of other nodes were not seen."""
+    states = states or {}
+    incomplete = list(incomplete or [])
+    classes = classify_stacks(stacks)
+    read = sorted(r for c in classes for r in c.ranks)
+    for rank, dump in sorted(stacks.items()):
+        if rank not in read:
+            incomplete.append(f"rank {rank}: no stack ({dump.error or 'py-spy showed no main thread'})")
+    if world_size and len(read) < world_size:
+        absent = sorted(set(range(world_size)) - set(read))
+        incomplete.append(f"no stack of {names(absent)} (of world size {world_size}): on another node, or "
+                          "unreadable; run moedoctor triage on each node")
+    frozen = {r: _FROZEN[s] for r, s in sorted(states.items()) if s in _FROZEN}
+    evidence = [c.describe() + (f" [{len(c.ranks)} of {len(read)} ranks]" if len(classes) > 1 else "")
+                for c in classes]
+    evidence.extend(f"rank {r}'s process is {why}" for r, why in frozen.items())
+    evidence.extend(_gpu_lines(gpus or []))
+
+    inside = [c for c in classes if c.stack.collective is not None]
+    outside = [c for c in classes if c.stack.collective is None]
+    pattern = None
+    culprits: list[int] = []
+    reasoning = "the stacks do not single out a rank"
+    suggestion = None
+    if not classes:
+        verdict = Verdict.STUCK
+        summary = "No rank's stack could be read: nothing to conclude (see Incomplete data)."
+    elif not inside:
+        verdict = Verdict.HEALTHY
+        summary = (f"No rank waits in a collective: {names(read)} {'is' if len(read) == 1 else 'are'} in the job's "
+                   "own code, so this is not a collective hang (if the job makes no progress, the stacks show "
+                   "where it is stuck).")
+        reasoning = "no rank waits in a collective"
+    elif outside:
+        pattern = by_id("straggler")
+        verdict = Verdict.STUCK
+        culprits = sorted(r for c in outside for r in c.ranks)
+        waiting = sorted(r for c in inside for r in c.ranks)
+        odd = outside[0].stack
+        summary = (f"{pattern.title}: {names(culprits)} {'is' if len(culprits) == 1 else 'are'} in {odd.where()}, "
+                   f"outside any collective, while {names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} "
+                   f"in {_ops(inside)}.")
+        reasoning = f"{names(culprits)}: outside any collective while the others wait in one"
+        f = odd.user_frame
+        suggestion = Suggestion(None if f is None else f"{f.file}:{f.line}", None if f is None else f.function,
+                                f"{names(culprits)} {'is' if len(culprits) == 1 else 'are'} stuck in "
+                                f"{odd.where()}, not in a collective. " + pattern.advice)
+    elif len({c.stack.collective for c in inside}) > 1 or len({_site(c.stack) for c in inside}) > 1:
+        pattern = by_id("unknown-desync")
+        verdict = Verdict.DESYNC
+        differ = "different collectives" if len({c.stack.collective for c in inside}) > 1 else \
+            f"{inside[0].stack.collective} from different call sites"
+        summary = (f"Code desync: ranks wait in {differ} ("
+                   + " vs ".join(f"{names(c.ranks)} in {c.stack.waits_in} from {c.stack.where()}" for c in inside)
+                   + "). Which pattern it is needs the sequence of collectives: run the job under moedoctor "
+                   "run, or with Flight Recorder dumps.")
+        if len(inside) > 1 and len(inside[0].ranks) > len(inside[1].ranks):
+            culprits = sorted(r for c in inside[1:] for r in c.ranks)
+            reasoning = f"{names(culprits)}: the odd ones out (the other ranks agree)"
+        else:
+            reasoning = "undetermined: no majority among the ranks' collectives"
+        suggestion = Suggestion(None, None, "The ranks issued different collectives: find the branch, loop count "
+                                "or size that depends on rank-local data on the way to these call sites, and make "
+                                "the collective unconditional and identical on every rank of the group. To name the "
+                                "pattern and the first diverging collective, record the job with moedoctor run.")
+    else:
+        verdict = Verdict.STUCK
+        s = inside[0].stack
+        if frozen:
+            pattern = by_id("not-a-desync")
+            culprits = sorted(frozen)
+            reasoning = f"{names(culprits)}: the process does not run"
+            suggestion = Suggestion(None, None, pattern.advice)
+        whom = names(read) if len(read) > 1 else f"the only rank seen ({names(read)})"
+        summary = (f"Stuck in one collective: {whom} {'waits' if len(read) == 1 else 'wait'} in {s.waits_in} from "
+                   f"{s.where()}. Not a code desync between these ranks: suspect the hardware or network, a "
+                   "frozen rank, or a peer elsewhere" + (" (another node)" if world_size and len(read) < world_size
+                                                          else "")
+                   + ("." if not frozen else f"; {names(sorted(frozen))} does not run."))
+    return Report(
+        source=source, source_kind=SOURCE_KIND, verdict=verdict, summary=summary,
+        pattern=pattern.id if pattern else None, pattern_title=pattern.title if pattern else None,
+        culprit_ranks=culprits, culprit_reasoning=reasoning, divergence=None, wait_for=[], cycle=None,
+        evidence=evidence, candidates=[], fixes=[], verify_command=None, suggestion=suggestion, groups=[],
+        ranks=_summaries(stacks), alignment=[], alignment_ranks=[], incomplete=incomplete,
+        world_size=world_size, traced_ranks=[], collectives=0,
+    )
+
+
+# ---- reading a stack ----------------------------------------------------------------------------
+
+def _is_library(frame: Frame) -> bool:
+    return any(m in frame.file for m in _LIBRARY_MARKERS) or frame.file.startswith(_STDLIB)
+
+
+def _is_distributed(frame: Frame) -> bool:
+    return any(m in frame.file for m in _DISTRIBUTED_MARKERS)
+
+
+def _collective(frames: tuple[Frame, ...]) -> tuple[str | None, str | None]:
+    """Walk out from the innermost frame through library frames: the innermost torch.distributed
+    frame met before the job's own code is the collective; the outermost distributed_c10d frame of
+    that run is the API the job called."""
+    collective = api = None
+    for f in frames:
+        if not _is_library(f):
+            break
+        if not _is_distributed(f) or any(f.file.endswith(w) for w in _WRAPPERS):
+            continue
+        if collective is None:
+            collective = f.function
+        if f.file.endswith(_C10D):
+            api = f.function
+    return collective, api
+
+
+def _user_frame(frames: tuple[Frame, ...]) -> Frame | None:
+    return next((f for f in frames if not _is_library(f)), None)
+
+
+def _key(frames: tuple[Frame, ...]) -> tuple[str, ...]:
+    return tuple(f"{f.file}:{f.function}" if _is_library(f) else f"{f.file}:{f.function}:{f.line}" for f in frames)
+
+
+def _site(s: RankStack) -> str | None:
+    f = s.user_frame
+    return None if f is None else f"{f.file}:{f.line}"
+
+
+def _ops(classes: list[StackClass]) -> str:
+    return " / ".join(dict.fromkeys(f"{c.stack.waits_in} (from {c.stack.where()})" for c in classes))
+
+
+def _short(path: str) -> str:
+    return path.rsplit("/", 1)[-1]
+
+
+def _gpu_lines(gpus: list[GpuSnapshot]) -> list[str]:
+    out = []
+    for snap in gpus:
+        if not snap.available:
+            out.append(f"no GPU state for host {snap.host}: {snap.reason}")
+            continue
+        bad = [f"GPU {d.index}: {d.ecc_uncorrected} uncorrected ECC errors" for d in snap.devices if d.ecc_uncorrected]
+        bad += [f"GPU {d.index}: row remapping failed" for d in snap.devices if d.remapped_failure]
+        fine = f"no GPU errors on {len(snap.devices)} GPU(s)"
+        out.append(f"NVML on {snap.host}: " + ("; ".join(bad) if bad else fine))
+    return out
+
+
+def _summaries(stacks: dict[int, StackDump]) -> list[RankSummary]:
+    out = []
+    for rank, dump in sorted(stacks.items()):
+        s = read_rank_stack(dump)
+        if s is None:
+            stack = f"unavailable: {dump.error.split('. ')[0]}" if dump.error else None
+            out.append(RankSummary(rank, None, None, False, stack, None, None, None))
+            continue
+        where = s.where() if s.user_frame else str(dump.main_thread[0])
+        out.append(RankSummary(rank, None, None, s.collective is not None,
+                               f"{s.waits_in} <- {where}" if s.collective else where,
+                               s.collective is not None, None, None))
+    return out
+
+
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+__all__ = ["RankStack", "StackClass", "classify_stacks", "read_rank_stack", "report_from_stacks", "SOURCE_KIND"]

@@ -1,0 +1,279 @@
+"""``triage(pid, out_dir) -> TriageResult``: examine a running, stuck job from outside, without
+stopping it.
+
+1. Resolve PID: a rank (``RANK`` in its environment: the job is it and its sibling ranks under the
+   same launcher) or a launcher (torchrun, the elastic agent, ``moedoctor run``: the ranks among its
+   descendants).
+2. Collect into ``out_dir``, laid out like a run directory: every local rank's stacks in parallel
+   (``stacks/``, py-spy), the NVML snapshot (``gpu/``), Flight Recorder dumps through the job's debug
+   pipe where it set one (``flight_recorder/``), and the job's moedoctor traces when it runs under
+   ``moedoctor run`` (``traces/``, after asking its recorders for a snapshot record).
+3. Analyze: the traces or the Flight Recorder dumps with the fresh stacks (``analyze``), else the
+   stacks alone (``report_from_stacks``).
+
+Nothing is signalled. ``py-spy dump`` stops each rank for the few milliseconds it takes to read its
+stack (ptrace), as any ``py-spy dump`` does; ranks already stopped (state T) or stuck in the kernel
+(state D) are read with ``--nonblocking`` instead, which never attaches, so their state is left as
+it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moedoctor.analysis import analyze, load_run
+from moedoctor.analysis.from_stacks import report_from_stacks
+from moedoctor.analysis.load import read_gpu_snapshots
+from moedoctor.analysis.model import Report, Verdict
+from moedoctor.errors import EXIT_USAGE, MoedoctorError
+from moedoctor.runner import procs
+from moedoctor.runner.gpu import write_gpu_snapshot
+from moedoctor.runner.rundir import RunDir
+from moedoctor.runner.stacks import (
+    StackDump, StackTarget, dump_stacks, find_py_spy,
+)
+from moedoctor.triage.flight_recorder import FlightRecorderResult, trigger_dumps
+
+ENV_RUN_DIR = "MOEDOCTOR_RUN_DIR"
+#: Traces up to this size are copied into the triage folder; larger ones are linked.
+COPY_TRACES_BELOW = 64 << 20
+#: Process states in which ptrace must not be used (it would not return, or would change the state).
+_NO_ATTACH = ("T", "t", "D")
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    pid: int
+    state: str
+    env: dict[str, str]
+
+
+@dataclass
+class TriageResult:
+    """What triage found and where it put it. ``evidence`` is what the report was built from:
+    ``traces``, ``flight-recorder`` or ``stacks``."""
+
+    pid: int
+    launcher: int | None
+    ranks: list[RankProcess]
+    out_dir: Path
+    stacks: dict[int, StackDump]
+    gpu: dict
+    flight_recorder: FlightRecorderResult
+    run_dir: Path | None
+    evidence: str
+    report: Report
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "pid": self.pid, "launcher": self.launcher, "out_dir": str(self.out_dir), "evidence": self.evidence,
+            "ranks": {str(r.rank): {"pid": r.pid, "state": r.state,
+                                    "stack_error": self.stacks[r.rank].error if r.rank in self.stacks else None}
+                      for r in self.ranks},
+            "gpu": {"available": bool(self.gpu.get("available")), "reason": self.gpu.get("reason")},
+            "flight_recorder": {"enabled": self.flight_recorder.enabled,
+                                "dumps": {str(r): str(p) for r, p in sorted(self.flight_recorder.dumps.items())}},
+            "run_dir": None if self.run_dir is None else str(self.run_dir),
+            "notes": self.notes,
+        }
+
+
+def triage(pid: int, out_dir: Path, *, native: bool = False, flight_recorder: bool = True,
+           fr_wait: float = 5.0, snapshot_wait: float = 1.5, host: str | None = None) -> TriageResult:
+    """Examine the job PID belongs to; raise ``MoedoctorError`` when PID is no torch job or nothing
+    could be read."""
+    host = host or socket.gethostname()
+    launcher, ranks = find_ranks(pid)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise MoedoctorError(f"{out_dir} is not empty: choose another --out", EXIT_USAGE)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    run_dir = _job_run_dir(ranks)
+    requested = _request_snapshot(run_dir) if run_dir is not None else None
+
+    stacks = _dump_all(ranks, out_dir / "stacks", host, native)
+    if stacks and all(d.error for d in stacks.values()):
+        first = next(iter(stacks.values())).error
+        if "permission" in first or find_py_spy() is None:
+            raise MoedoctorError(f"could not read any rank's stack: {first}", EXIT_USAGE)
+    gpu_path = write_gpu_snapshot(out_dir / "gpu", host)
+    gpu = json.loads(gpu_path.read_text())
+    if not gpu.get("available"):
+        notes.append(f"NVML absent: no GPU info ({gpu.get('reason')})")
+
+    fr = FlightRecorderResult()
+    if flight_recorder:
+        fr = trigger_dumps({r.rank: (r.pid, r.env) for r in ranks}, out_dir / "flight_recorder", wait=fr_wait)
+        notes.extend(fr.notes)
+        if not fr.enabled:
+            notes.append("Flight Recorder: the job set no TORCH_NCCL_DEBUG_INFO_PIPE_FILE, so no dump can be "
+                         "asked for (NCCL only: Gloo has no such trigger)")
+    else:
+        notes.append("Flight Recorder: not asked (--no-flight-recorder)")
+
+    traces = False
+    if run_dir is not None:
+        if requested is not None:
+            _await(requested, snapshot_wait)
+        traces = _take_traces(run_dir, out_dir, notes)
+    report, evidence = _report(out_dir, stacks, ranks, traces, fr, notes)
+    if evidence == "traces" and report.verify_command and run_dir is not None:
+        # verify replays the job's own run directory (its manifest holds the command), not this copy
+        report.verify_command = report.verify_command.replace(str(out_dir), str(run_dir))
+    return TriageResult(pid=pid, launcher=launcher, ranks=ranks, out_dir=out_dir, stacks=stacks, gpu=gpu,
+                        flight_recorder=fr, run_dir=run_dir, evidence=evidence, report=report, notes=notes)
+
+
+# ---- which processes ----------------------------------------------------------------------------
+
+def find_ranks(pid: int) -> tuple[int | None, list[RankProcess]]:
+    """(launcher pid or None, the job's rank processes on this node) for a rank's or a launcher's PID."""
+    if not Path(f"/proc/{pid}").exists() or not procs.is_alive(pid):
+        raise MoedoctorError(f"no such process: {pid}", EXIT_USAGE)
+    env = procs.environ(pid)
+    if env is None:
+        raise MoedoctorError(f"cannot read the environment of pid {pid} ({_command(pid)}): it belongs to another "
+                             "user; run moedoctor triage as that user or as root", EXIT_USAGE)
+    if "RANK" in env:
+        parent = _ppid(pid)
+        siblings = procs.rank_processes(procs.job_processes(parent)) if parent and parent > 1 else {}
+        same = {r: p for r, p in siblings.items() if _same_job(procs.environ(p.pid) or {}, env)}
+        if pid in {p.pid for p in same.values()}:
+            return parent, _ranked(same)
+        rank = int(env["RANK"]) if env["RANK"].isdigit() else 0
+        return None, _ranked({rank: procs.JobProcess(pid, parent or 0, rank, None, None)})
+    found = procs.rank_processes(procs.job_processes(pid))
+    if not found:
+        raise MoedoctorError(f"pid {pid} ({_command(pid)}) is not a torch distributed job: no process with RANK in "
+                             "its environment under it. Give the pid of torchrun, of its elastic agent or of a "
+                             "rank.", EXIT_USAGE)
+    return pid, _ranked(found)
+
+
+def _ranked(found: dict[int, procs.JobProcess]) -> list[RankProcess]:
+    return [RankProcess(r, p.pid, _state(p.pid), procs.environ(p.pid) or {}) for r, p in sorted(found.items())]
+
+
+def _same_job(a: dict[str, str], b: dict[str, str]) -> bool:
+    keys = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def _command(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+    return raw[:120] + ("..." if len(raw) > 120 else "") if raw else "?"
+
+
+# ---- collecting ---------------------------------------------------------------------------------
+
+def _dump_all(ranks: list[RankProcess], folder: Path, host: str, native: bool) -> dict[int, StackDump]:
+    targets = [StackTarget(r.rank, r.pid, nonblocking=r.state in _NO_ATTACH) for r in ranks]
+    return {d.rank: d for d in sorted(dump_stacks(targets, folder, host, native), key=lambda d: d.rank)}
+
+
+def _job_run_dir(ranks: list[RankProcess]) -> Path | None:
+    for r in ranks:
+        value = r.env.get(ENV_RUN_DIR)
+        if value:
+            path = Path(value)
+            if not path.is_absolute():
+                try:
+                    path = Path(os.readlink(f"/proc/{r.pid}/cwd")) / path
+                except OSError:
+                    pass
+            if path.is_dir():
+                return path
+    return None
+
+
+def _request_snapshot(run_dir: Path) -> float | None:
+    """Touch ``control/snapshot`` as ``moedoctor run``'s watchdog does: each rank's recorder answers
+    with a coverage record (its counts so far), which proves its Python threads still run."""
+    control = RunDir(run_dir).snapshot_request
+    try:
+        control.parent.mkdir(parents=True, exist_ok=True)
+        control.touch()
+        now = time.time()
+        os.utime(control, (now, now))
+        return now
+    except OSError:
+        return None
+
+
+def _await(since: float, wait: float) -> None:
+    remaining = since + wait - time.time()
+    if remaining > 0:
+        time.sleep(remaining)
+
+
+def _take_traces(run_dir: Path, out_dir: Path, notes: list[str]) -> bool:
+    src = RunDir(run_dir)
+    files = sorted(src.traces.glob("rank-*.jsonl*")) if src.traces.is_dir() else []
+    if not files:
+        notes.append(f"the job runs under moedoctor ({run_dir}) but wrote no traces yet")
+        return False
+    size = sum(f.stat().st_size for f in files)
+    if size < COPY_TRACES_BELOW:
+        shutil.copytree(src.traces, out_dir / "traces")
+    else:
+        (out_dir / "traces").symlink_to(src.traces.resolve(), target_is_directory=True)
+        notes.append(f"traces are {size >> 20} MiB: linked, not copied, from {src.traces}")
+    if src.manifest.exists():
+        shutil.copyfile(src.manifest, out_dir / "manifest.json")
+    notes.append(f"moedoctor traces read from {run_dir}")
+    return True
+
+
+# ---- the report ---------------------------------------------------------------------------------
+
+def _report(out_dir: Path, stacks: dict[int, StackDump], ranks: list[RankProcess], traces: bool,
+            fr: FlightRecorderResult, notes: list[str]) -> tuple[Report, str]:
+    states = {r.rank: r.state for r in ranks}
+    world = next((int(r.env["WORLD_SIZE"]) for r in ranks if r.env.get("WORLD_SIZE", "").isdigit()), None)
+    from_stacks = report_from_stacks(stacks, source=str(out_dir), world_size=world,
+                                     gpus=read_gpu_snapshots(out_dir / "gpu", []), states=states)
+    for source, label in ((out_dir if traces else None, "traces"),
+                          (out_dir / "flight_recorder" if fr.dumps else None, "flight-recorder")):
+        if source is None:
+            continue
+        try:
+            run = load_run(source)
+        except MoedoctorError as e:
+            notes.append(f"{label}: not analyzed ({e.message})")
+            continue
+        run.stacks = stacks
+        if not run.gpus:
+            run.gpus = read_gpu_snapshots(out_dir / "gpu", run.incomplete)
+        report = analyze(run)
+        if report.verdict == Verdict.HEALTHY and from_stacks.verdict != Verdict.HEALTHY:
+            notes.append(f"the {label} show no problem yet (recorded up to a moment ago); the report is "
+                         "the stacks'")
+            return from_stacks, "stacks"
+        return report, label
+    return from_stacks, "stacks"
