@@ -189,7 +189,8 @@ class FixRuntime:
             except Exception as e:  # a check that cannot finish is a finding, not a crash of the job
                 self.note(f"final check failed to run: {e!r}")
         if not any(t.patched for t in self.targets.values()):
-            looked = ", ".join(t.path for t in self.targets.values())
+            paths = [t.path for t in self.targets.values()]
+            looked = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
             errors = "; ".join(t.error for t in self.targets.values() if t.error)
             self.note(f"did NOTHING: none of its targets was found in this job (looked for {looked})"
                       + (f"; {errors}" if errors else ""))

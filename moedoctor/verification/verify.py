@@ -26,7 +26,7 @@ from moedoctor.fixes.config import write_fix_config
 from moedoctor.fixes.status import FixStatus, read_fix_status
 from moedoctor.render.json_report import write_json
 from moedoctor.runner import Outcome, RunConfig, RunObserver, RunResult, run_job
-from moedoctor.runner.manifest import hang_of, load_manifest
+from moedoctor.runner.manifest import HangRecord, hang_of, load_manifest
 from moedoctor.runner.rundir import RunDir
 from moedoctor.verification.numbers import (
     LossComparison, RunNumbers, StepTimeComparison, compare_losses, compare_step_times, read_numbers,
@@ -174,7 +174,7 @@ def _original_outcome(original: OriginalRun | None) -> str:
     m = original.manifest
     hang = hang_of(m)
     if hang is not None:
-        return f"hang: no progress for {hang.idle_seconds:g} s (watchdog at {hang.hang_timeout:g} s)"
+        return _describe_hang(hang)
     exits = [r.get("exit_code") for r in (m.get("ranks") or {}).values() if isinstance(r, dict)]
     failed = [c for c in exits if c not in (0, None)]
     if m.get("status") == "interrupted":
@@ -184,11 +184,18 @@ def _original_outcome(original: OriginalRun | None) -> str:
     return "finished" if m.get("status") == "finished" else str(m.get("status"))
 
 
+def _describe_hang(hang: HangRecord) -> str:
+    if hang.trigger == "desync" and hang.finding:
+        latency = f", {hang.detection_latency_s:.1f} s after it was issued" if hang.detection_latency_s is not None else ""
+        return f"desync seen while running: {hang.finding}{latency}"
+    return f"hang: no progress for {hang.idle_seconds:g} s (watchdog at {hang.hang_timeout:g} s)"
+
+
 def _completion_check(result: RunResult, elapsed: float, original: OriginalRun | None) -> Check:
     before = _original_outcome(original)
     if result.outcome == Outcome.HANG:
-        idle = f" for {result.hang.idle_seconds:g} s" if result.hang else ""
-        return Check("job completes", False, before, f"hang again: no progress{idle}; job stopped")
+        after = _describe_hang(result.hang) if result.hang else "hang"
+        return Check("job completes", False, before, f"{after}; job stopped")
     if result.exit_code != 0:
         return Check("job completes", False, before, f"exit {result.exit_code} after {elapsed:.1f} s")
     return Check("job completes", True, before, f"exit 0 in {elapsed:.1f} s")
@@ -229,8 +236,12 @@ def _fix_checks(name: str, status: FixStatus, report: Report | None, result: Run
         applied_check = Check(f"{name} applied", False, "-",
                               "no rank reported it (was the fix installed? see job.log)")
     elif not applied:
-        searched = ", ".join(status.searched())
-        why = "; ".join(notes) if notes else f"none of its targets was found (looked for {searched})"
+        searched = status.searched()
+        shown = ", ".join(searched[:3]) + (f" and {len(searched) - 3} more" if len(searched) > 3 else "")
+        why = f"none of its {len(searched)} target(s) was found in the job (looked for {shown})"
+        others = [n for n in notes if "did NOTHING" not in n]
+        if others:
+            why += "; " + "; ".join(others)
         applied_check = Check(f"{name} applied", False, "-", f"did not apply: {why}")
     elif set(applied) != expected:
         missing = sorted(expected - set(applied))

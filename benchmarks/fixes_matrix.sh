@@ -2,7 +2,8 @@
 # docs/fixes.md's NCCL table and the online-detection latency on NCCL (2 GPUs): every desync fixture
 # under `moedoctor run`, then `moedoctor verify` with its fix; one wrong fix; then `moedoctor triage`
 # on a fixture started with plain torchrun and the NCCL Flight Recorder pipe enabled.
-# About 5 minutes of device time. Summary in $OUT/summary.txt, full outputs beside it.
+# About 4 minutes of device time. Summary in $OUT/summary.txt, full outputs beside it.
+# BACKEND=gloo runs the same on CPU (no GPU needed; the Flight Recorder pipe is NCCL's only).
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1
@@ -13,14 +14,15 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 md="python3 -m moedoctor"
 launch="python3 -m torch.distributed.run --standalone --nproc_per_node 2"
+backend=${BACKEND:-nccl}
 runs=/tmp/moedoctor-gpu-runs; rm -rf "$runs"
 {
-python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU')"
 for spec in inactive_experts:expert-dense skipped_optimizer_step:skip-step-collectively \
             inflight_metric_allreduce:metrics-after-microbatches uneven_dtensor_allgather:key-manifest-checkpoint; do
   name=${spec%%:*}; fix=${spec##*:}
   t0=$(date +%s.%N)
-  $md run --run-dir "$runs/$name" --hang-timeout 20 -- $launch "fixtures/$name/train.py" --backend nccl --pg-timeout 60 \
+  $md run --run-dir "$runs/$name" --hang-timeout 20 -- $launch "fixtures/$name/train.py" --backend $backend --pg-timeout 60 \
     > "$out/$name.run.txt" 2>&1
   rc=$?
   echo "== $name: moedoctor run exit $rc in $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
@@ -49,7 +51,7 @@ echo "== triage of a plain torchrun job (inflight_metric_allreduce), Flight Reco
 export TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DEBUG_INFO_TEMP_FILE=/tmp/fr/nccl_trace_rank_ \
        TORCH_NCCL_DEBUG_INFO_PIPE_FILE=/tmp/fr/pipe_
 mkdir -p /tmp/fr
-setsid $launch fixtures/inflight_metric_allreduce/train.py --backend nccl --pg-timeout 600 > "$out/triage_job.txt" 2>&1 &
+setsid $launch fixtures/inflight_metric_allreduce/train.py --backend $backend --pg-timeout 600 > "$out/triage_job.txt" 2>&1 &
 job=$!
 sleep 30
 t0=$(date +%s.%N)
