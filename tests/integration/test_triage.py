@@ -1,6 +1,6 @@
 """``moedoctor triage --pid`` on real hanging jobs started with plain ``torchrun`` (Gloo, 2 ranks,
 ``--pg-timeout 600`` so they stay stuck): it names the stuck ranks and the pattern the evidence
-allows, and the job is still running afterwards. One more job runs under ``moedoctor run
+allows, and the job is still running afterwards (a rank that stopped itself stays stopped). One more job runs under ``moedoctor run
 --keep-alive``, where the traces give triage the full pattern."""
 
 from __future__ import annotations
@@ -137,5 +137,19 @@ def test_triage_job_under_moedoctor_run_gives_the_full_pattern(tmp_path):
         assert (run_dir / "control" / "snapshot").exists()  # the recorders were asked for a snapshot
         time.sleep(1)
         assert_still_running(job, ranks)
+    finally:
+        job.stop()
+
+
+def test_triage_hardware_like_is_not_a_desync_and_leaves_the_stopped_rank_stopped(tmp_path):
+    job = plain_job("hardware_like", tmp_path)  # rank 1 SIGSTOPs itself inside the all_reduce
+    try:
+        code, doc = triage_when(job, tmp_path, lambda d: d["pattern"] == "not-a-desync")
+        ranks = job.ranks()
+        assert code == 1 and doc["verdict"] == "stuck", doc["summary"]
+        assert both_in_collectives(doc), doc["ranks"]
+        states = {r: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] for r, pid in ranks.items()}
+        assert states[1] in ("T", "t"), states  # read without attaching: not woken up
+        assert job.proc.poll() is None and all(procs.is_alive(pid) for pid in ranks.values())
     finally:
         job.stop()
