@@ -65,3 +65,12 @@ def test_bad_config_is_refused_before_anything_runs(capsys, tmp_path):
                            str(tmp_path / "rerun"), "--", "torchrun", "x.py"])
     assert str(config) in err and "expert-dense" in err
     assert not (tmp_path / "rerun").exists()
+
+
+def test_run_refuses_an_unknown_fix_and_a_config_without_a_fix(capsys, tmp_path):
+    assert "no fix called 'nope'" in refused(capsys, ["run", "--run-dir", str(tmp_path / "a"), "--fix", "nope", "--",
+                                                      "torchrun", "x.py"])
+    config = tmp_path / "fixes.yaml"
+    config.write_text("skip-step-collectively:\n  decision: mypkg.train:should_skip\n")
+    err = refused(capsys, ["run", "--run-dir", str(tmp_path / "b"), "--config", str(config), "--", "torchrun", "x.py"])
+    assert "name a fix with --fix" in err
