@@ -106,7 +106,8 @@ def verify(
 
         typer.echo(json.dumps(verification_to_dict(verification), indent=1))
     else:
-        render_verification(verification, Console())
+        # A before/after table needs room: 140 columns when writing to a file or a pipe (rich's 80 wraps it).
+        render_verification(verification, Console(width=None if sys.stdout.isatty() else 140))
         console.print(f"Written: {written}", highlight=False, soft_wrap=True)
     raise typer.Exit(0 if verification.passed else EXIT_NOT_VERIFIED)
 
