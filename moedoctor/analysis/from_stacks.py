@@ -25,17 +25,14 @@ Nothing here imports torch, prints or exits.
 
 from __future__ import annotations
 
-import sysconfig
 from dataclasses import dataclass
 
 from moedoctor.analysis.load import GpuSnapshot
 from moedoctor.analysis.model import RankSummary, Report, Suggestion, Verdict
 from moedoctor.analysis.patterns import by_id, names
-from moedoctor.runner.stacks import Frame, StackDump
+from moedoctor.runner.stacks import Frame, StackDump, is_library_frame
 
 SOURCE_KIND = "stacks"
-#: Frames of these files are the job's libraries, not its own code.
-_LIBRARY_MARKERS = ("/torch/", "/moedoctor/", "/site-packages/", "/dist-packages/")
 #: A frame in one of these is inside torch.distributed (a collective, a wait, a rendezvous).
 _DISTRIBUTED_MARKERS = ("/torch/distributed/", "c10d")
 _C10D = "/torch/distributed/distributed_c10d.py"
@@ -87,7 +84,7 @@ def read_rank_stack(dump: StackDump) -> RankStack | None:
     frames = dump.main_thread
     if not frames:
         return None
-    return RankStack(dump.rank, *_collective(frames), user_frame=_user_frame(frames), key=_key(frames))
+    return RankStack(dump.rank, *_collective(frames), user_frame=dump.user_frame, key=_key(frames))
 
 
 def classify_stacks(stacks: dict[int, StackDump]) -> list[StackClass]:
@@ -198,10 +195,6 @@ def report_from_stacks(stacks: dict[int, StackDump], *, source: str, world_size:
 
 # ---- reading a stack ----------------------------------------------------------------------------
 
-def _is_library(frame: Frame) -> bool:
-    return any(m in frame.file for m in _LIBRARY_MARKERS) or frame.file.startswith(_STDLIB)
-
-
 def _is_distributed(frame: Frame) -> bool:
     return any(m in frame.file for m in _DISTRIBUTED_MARKERS)
 
@@ -212,7 +205,7 @@ def _collective(frames: tuple[Frame, ...]) -> tuple[str | None, str | None]:
     that run is the API the job called."""
     collective = api = None
     for f in frames:
-        if not _is_library(f):
+        if not is_library_frame(f):
             break
         if not _is_distributed(f) or any(f.file.endswith(w) for w in _WRAPPERS):
             continue
@@ -223,12 +216,8 @@ def _collective(frames: tuple[Frame, ...]) -> tuple[str | None, str | None]:
     return collective, api
 
 
-def _user_frame(frames: tuple[Frame, ...]) -> Frame | None:
-    return next((f for f in frames if not _is_library(f)), None)
-
-
 def _key(frames: tuple[Frame, ...]) -> tuple[str, ...]:
-    return tuple(f"{f.file}:{f.function}" if _is_library(f) else f"{f.file}:{f.function}:{f.line}" for f in frames)
+    return tuple(f"{f.file}:{f.function}" if is_library_frame(f) else f"{f.file}:{f.function}:{f.line}" for f in frames)
 
 
 def _site(s: RankStack) -> str | None:
@@ -270,8 +259,5 @@ def _summaries(stacks: dict[int, StackDump]) -> list[RankSummary]:
                                f"{s.waits_in} <- {where}" if s.collective else where,
                                s.collective is not None, None, None))
     return out
-
-
-_STDLIB = sysconfig.get_paths()["stdlib"]
 
 __all__ = ["RankStack", "StackClass", "classify_stacks", "read_rank_stack", "report_from_stacks", "SOURCE_KIND"]

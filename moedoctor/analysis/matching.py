@@ -26,11 +26,11 @@ def first_divergence(view: RunView, group: str) -> Divergence | None:
         if not present:
             continue
         missing = tuple(r for r in members if r not in present and view.never_reached(r, group, seq))
-        classes = _classes(present)
+        classes = op_classes(present)
         if missing or len(classes) > 1:
             classes = classes + ([missing] if missing else [])
             return _divergence(view, group, seq, present, missing, classes,
-                               DivergenceKind.MISMATCH if len(_classes(present)) > 1 else DivergenceKind.MISSING)
+                               DivergenceKind.MISMATCH if len(op_classes(present)) > 1 else DivergenceKind.MISSING)
     return None
 
 
@@ -47,7 +47,7 @@ def stalled(view: RunView, group: str) -> Divergence | None:
     present = {r: view.event(r, group, seq) for r in members}
     if seq == 0 or any(e is None or e.completed is not None for e in present.values()):
         return None
-    if len(_classes(present)) != 1:
+    if len(op_classes(present)) != 1:
         return None
     return _divergence(view, group, seq, present, (), [tuple(members)], DivergenceKind.STALLED)
 
@@ -105,8 +105,6 @@ def op_classes(present: dict[int, CollectiveEvent]) -> list[tuple[int, ...]]:
         classes.extend(split)
     return sorted((tuple(c) for c in classes), key=lambda c: (-len(c), c[0]))
 
-
-_classes = op_classes
 
 
 def _divergence(view: RunView, group: str, seq: int, present: dict[int, CollectiveEvent], missing: tuple[int, ...],

@@ -23,9 +23,6 @@ from moedoctor.runner.manifest import hang_of, load_manifest
 from moedoctor.runner.rundir import RunDir
 
 
-REPORT_NAME = "report.json"
-
-
 def report_after_hang(run_dir: Path, console: Console) -> None:
     """The hang in one line, then the analysis report; ``report.json`` written into the run directory.
     If the analysis cannot run, the per-rank table of the watchdog's hang record instead."""
@@ -64,7 +61,7 @@ def analysis_report(layout: RunDir, console: Console, quiet_if_healthy: bool = F
     try:
         run = load_run(layout.path)
         report = analyze(run)
-        path = write_json(report, layout.path / REPORT_NAME)
+        path = write_json(report, layout.report)
     except MoedoctorError as e:
         console.print(f"[yellow]moedoctor: no analysis:[/] {escape(e.message)}", highlight=False, soft_wrap=True)
         return None

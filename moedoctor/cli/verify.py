@@ -91,8 +91,7 @@ def verify(
     observer = ConsoleObserver(console, live=sys.stdout.isatty() and sys.stderr.isatty(), report=False)
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        verification = verify_job(VerifyConfig(tuple(fixes), run_config, original.path if original else None,
-                                               fix_config), observer)
+        verification = verify_job(VerifyConfig(tuple(fixes), run_config, original, fix_config), observer)
     except KeyboardInterrupt:
         console.print("moedoctor: interrupted; the rerun was stopped")
         raise typer.Exit(130) from None

@@ -70,11 +70,8 @@ def _parse_config(section: Mapping[str, Any]) -> dict:
 
 def _install(runtime) -> None:
     config = runtime.config
-    if config.get("reduce"):
+    if config.get("reduce"):  # the configured pair replaces the fixture's
         reduce, loop = Target(config["reduce"], "from --config"), Target(config["loop"], "from --config")
-        for target in (REDUCE, LOOP):  # the fixture's names do not apply to this job
-            if target.path not in (reduce.path, loop.path):
-                runtime.targets.pop(target.path, None)
     else:
         reduce, loop = REDUCE, LOOP
     deferral = _DeferredReduction(runtime)

@@ -31,6 +31,7 @@ ENV_FIXES = "MOEDOCTOR_FIXES"            # comma-separated fix names
 ENV_FIX_CONFIG = "MOEDOCTOR_FIX_CONFIG"  # a JSON file: {fix name: normalized --config section}
 ENV_FIX_CHECKS = "MOEDOCTOR_FIX_CHECKS"  # "1": run the fixes' numerical checks (moedoctor verify)
 STATUS_FORMAT = 1
+STATUS_DIR = "fixes"  # RUN_DIR/fixes/<fix>/rank-<N>.json
 
 _runtimes: list[FixRuntime] = []
 _pending_main: list[tuple[FixRuntime, Target, Callable]] = []
@@ -232,7 +233,7 @@ def activate_from_env() -> None:
     config_path = os.environ.get(ENV_FIX_CONFIG)
     config = json.loads(Path(config_path).read_text()) if config_path else {}
     run_dir = os.environ.get("MOEDOCTOR_RUN_DIR")
-    status_dir = Path(run_dir) / "fixes" if run_dir else None
+    status_dir = Path(run_dir) / STATUS_DIR if run_dir else None
     checks = os.environ.get(ENV_FIX_CHECKS) == "1"
     for name in names:
         fix = FIXES.get(name)
@@ -240,40 +241,23 @@ def activate_from_env() -> None:
             sys.stderr.write(f"moedoctor: unknown fix {name!r} in {ENV_FIXES}; known: {', '.join(FIXES)}\n")
             continue
         runtime = FixRuntime(fix, config.get(name, {}), status_dir, checks)
-        for target in fix.all_targets(runtime.config):
-            runtime.targets.setdefault(target.path, TargetState(target.path, target.note))
-        fix.install(runtime)
+        fix.install(runtime)  # registers its targets through runtime.patch
         _runtimes.append(runtime)
         runtime.write()
     if _runtimes:
-        _hook_process_group()
+        from moedoctor import _process_group_hooks as process_group_hooks
+
+        process_group_hooks.after_init(_patch_main)
+        process_group_hooks.before_destroy(_finish_all)
         atexit.register(_finish_all)
 
 
-def _hook_process_group() -> None:
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    original_init, original_destroy = dist.init_process_group, dist.destroy_process_group
-
-    @functools.wraps(original_init)
-    def init_process_group(*args, **kwargs):
-        result = original_init(*args, **kwargs)
-        main = sys.modules.get("__main__")
-        while _pending_main:  # the script's functions are defined by now; it calls them by name
-            runtime, target, replace = _pending_main.pop(0)
-            runtime._apply(main, target, replace)
-        return result
-
-    @functools.wraps(original_destroy)
-    def destroy_process_group(group=None):
-        if group is None or group is c10d.GroupMember.WORLD:
-            _finish_all()
-        return original_destroy(group)
-
-    for module in (dist, c10d):
-        module.init_process_group = init_process_group
-        module.destroy_process_group = destroy_process_group
+def _patch_main() -> None:
+    """At ``init_process_group``: the script's functions are defined by now, and it calls them by name."""
+    main = sys.modules.get("__main__")
+    while _pending_main:
+        runtime, target, replace = _pending_main.pop(0)
+        runtime._apply(main, target, replace)
 
 
 _finished = False

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moedoctor.fixes.runtime import STATUS_DIR
+
 
 @dataclass(frozen=True)
 class TargetStatus:
@@ -84,7 +86,7 @@ class FixStatus:
 
 def read_fix_status(run_dir: Path, fix: str) -> FixStatus:
     result = FixStatus(fix)
-    folder = Path(run_dir) / "fixes" / fix
+    folder = Path(run_dir) / STATUS_DIR / fix
     for path in sorted(folder.glob("rank-*.json")) if folder.is_dir() else ():
         try:
             data = json.loads(path.read_text())

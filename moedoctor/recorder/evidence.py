@@ -137,15 +137,8 @@ def _install_norm_hooks(recorder: Recorder) -> None:
 
         if value is None:
             emit(None)
-        elif value.device.type == "cpu":
-            emit(float(value))
         else:
-            # Reading a GPU value here would sync the device and stall the CPU's run-ahead:
-            # copy it asynchronously and let the progress thread write it once it has landed.
-            host = value.to("cpu", non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            recorder.defer(ready.query, lambda: emit(float(host)))
+            _emit_when_ready(recorder, value, emit)
         return total
 
     clip_grad._get_total_norm = get_total_norm  # clip_grad_norm_ looks it up here at call time
@@ -183,13 +176,20 @@ def _record_loss(recorder: Recorder, value: torch.Tensor, index: int) -> None:
         recorder.write_evidence("loss", {"index": index, "value": loss if math.isfinite(loss) else str(loss)},
                                 step=step)
 
+    _emit_when_ready(recorder, value, emit)
+
+
+def _emit_when_ready(recorder: Recorder, value: torch.Tensor, emit) -> None:
+    """``emit(float(value))``: at once for a CPU tensor. Reading a GPU value here would sync the
+    device and stall the CPU's run-ahead: it is copied asynchronously, and the progress thread
+    emits it once it has landed."""
     if value.device.type == "cpu":
         emit(float(value))
-    else:  # no device sync on the training path: copy asynchronously, written once it has landed
-        host = value.to("cpu", non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        recorder.defer(ready.query, lambda: emit(float(host)))
+        return
+    host = value.to("cpu", non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    recorder.defer(ready.query, lambda: emit(float(host)))
 
 
 # -- checkpoint ------------------------------------------------------------------------------------

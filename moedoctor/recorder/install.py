@@ -4,7 +4,6 @@ default process group is created (or at once if it already exists)."""
 from __future__ import annotations
 
 import atexit
-import functools
 import os
 import sys
 from pathlib import Path
@@ -39,8 +38,8 @@ def install(run_dir: Path, max_events: int | None = None):
     if _recorder is not None:
         return _recorder
     import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
 
+    from moedoctor import _process_group_hooks as process_group_hooks
     from moedoctor.recorder import evidence
     from moedoctor.recorder.core import DEFAULT_MAX_EVENTS, Recorder
 
@@ -48,24 +47,9 @@ def install(run_dir: Path, max_events: int | None = None):
     recorder.register_kernels()
     evidence.install(recorder)
 
-    original_init = c10d.init_process_group
-    original_destroy = c10d.destroy_process_group
-
-    @functools.wraps(original_init)
-    def init_process_group(*args, **kwargs):
-        result = original_init(*args, **kwargs)
-        recorder.open()
-        return result
-
-    @functools.wraps(original_destroy)
-    def destroy_process_group(group=None):
-        if group is None or group is c10d.GroupMember.WORLD:
-            recorder.close("destroy")  # while the groups still answer their sequence counters
-        return original_destroy(group)
-
-    for module in (dist, c10d):
-        module.init_process_group = init_process_group
-        module.destroy_process_group = destroy_process_group
+    # Closed before the default group is destroyed, while the groups still answer their sequence counters.
+    process_group_hooks.before_destroy(lambda: recorder.close("destroy"))
+    process_group_hooks.after_init(recorder.open)
     if dist.is_initialized():
         recorder.open()
     atexit.register(lambda: dist.is_initialized() and recorder.close("exit"))

@@ -317,7 +317,7 @@ class _Run:
             self.observer.desync_detected(desync, status)
         else:
             self.observer.hang_detected(status)
-        requested = self._request_snapshot()
+        requested = self.dir.request_snapshot()
         local = procs.rank_processes(procs.job_processes(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id)))
         self.seen.update(local)
         targets = {rank: p.pid for rank, p in local.items()}
@@ -355,18 +355,10 @@ class _Run:
         self.observer.diagnosed(hang)
         return hang
 
-    def _request_snapshot(self) -> float:
-        """Ask every rank for a coverage record (they poll the request's mtime); returns its time."""
-        requested = time.time()
-        self.dir.control.mkdir(parents=True, exist_ok=True)
-        self.dir.snapshot_request.touch()
-        os.utime(self.dir.snapshot_request, (requested, requested))
-        return requested
-
     def _last_coverage(self) -> None:
         """Before stopping an interrupted job: its ranks' coverage records, if they come quickly."""
         try:
-            self._await_coverage(self._request_snapshot())
+            self._await_coverage(self.dir.request_snapshot())
         except (KeyboardInterrupt, OSError):
             pass  # a second Ctrl-C: stop at once
 

@@ -27,7 +27,7 @@ class JobProcess:
     world_size: int | None
 
 
-def _stat(pid: int) -> tuple[int, str] | None:
+def stat(pid: int) -> tuple[int, str] | None:
     """(parent pid, state letter) of a process, or None when it is gone."""
     try:
         fields = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
@@ -50,13 +50,24 @@ def environ(pid: int) -> dict[str, str] | None:
     return env
 
 
+def path_of(pid: int, path: str) -> Path:
+    """``path`` as process ``pid`` sees it: a relative path is relative to its working directory."""
+    p = Path(path)
+    if p.is_absolute():
+        return p
+    try:
+        return Path(os.readlink(PROC / str(pid) / "cwd")) / p
+    except OSError:
+        return p
+
+
 def _pids() -> list[int]:
     return [int(e.name) for e in PROC.iterdir() if e.name.isdigit()]
 
 
 def is_alive(pid: int) -> bool:
     """Running, not a zombie waiting to be reaped."""
-    st = _stat(pid)
+    st = stat(pid)
     return st is not None and st[1] not in ("Z", "X")
 
 
@@ -72,7 +83,7 @@ def job_processes(launcher_pid: int, marker: tuple[str, str] | None = None) -> l
     environment ``(key, value)``) every process whose environment carries it."""
     parents: dict[int, int] = {}
     for pid in _pids():
-        st = _stat(pid)
+        st = stat(pid)
         if st is not None and st[1] not in ("Z", "X"):
             parents[pid] = st[0]
     children: dict[int, list[int]] = {}

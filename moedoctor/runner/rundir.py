@@ -4,7 +4,9 @@ job's log), and the rules for choosing, reusing and joining one."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -45,9 +47,24 @@ class RunDir:
         """Touched by the watchdog; every rank answers a newer mtime with a coverage record."""
         return self.control / "snapshot"
 
+    def request_snapshot(self) -> float:
+        """Ask every rank's recorder for a coverage record (they poll the request's mtime; the answer
+        also shows that the rank's Python threads still run); returns the request's time. OSError if
+        the run directory cannot be written."""
+        requested = time.time()
+        self.control.mkdir(parents=True, exist_ok=True)
+        self.snapshot_request.touch()
+        os.utime(self.snapshot_request, (requested, requested))
+        return requested
+
     @property
     def manifest(self) -> Path:
         return self.path / MANIFEST_NAME
+
+    @property
+    def report(self) -> Path:
+        """The analysis of the run (``moedoctor analyze --json``'s document), written when it ends."""
+        return self.path / "report.json"
 
     @property
     def job_log(self) -> Path:

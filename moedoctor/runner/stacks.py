@@ -27,6 +27,7 @@ PTRACE_HELP = ("py-spy needs ptrace permission to read another process's stack: 
 _PERMISSION_HINTS = ("permission denied", "operation not permitted", "ptrace", "eperm")
 #: Frames in these folders are the machinery a rank waits in, not the place the job asked it to.
 _LIBRARY_MARKERS = ("/torch/", "/moedoctor/", "/site-packages/", "/dist-packages/")
+_STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +67,13 @@ class StackDump:
     @property
     def user_frame(self) -> Frame | None:
         """The innermost main-thread frame outside torch, moedoctor and other installed packages."""
-        stdlib = sysconfig.get_paths()["stdlib"]
-        for frame in self.main_thread:
-            if not any(m in frame.file for m in _LIBRARY_MARKERS) and not frame.file.startswith(stdlib):
-                return frame
-        return None
+        return next((frame for frame in self.main_thread if not is_library_frame(frame)), None)
+
+
+def is_library_frame(frame: Frame) -> bool:
+    """A frame of torch, moedoctor, another installed package or the standard library: the machinery
+    a rank waits in, not the job's own code."""
+    return any(m in frame.file for m in _LIBRARY_MARKERS) or frame.file.startswith(_STDLIB)
 
 
 def find_py_spy() -> str | None:

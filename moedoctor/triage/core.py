@@ -20,7 +20,6 @@ it was.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import time
@@ -169,17 +168,13 @@ def _same_job(a: dict[str, str], b: dict[str, str]) -> bool:
 
 
 def _ppid(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+    st = procs.stat(pid)
+    return st[0] if st else None
 
 
 def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
+    st = procs.stat(pid)
+    return st[1] if st else "?"
 
 
 def _command(pid: int) -> str:
@@ -199,29 +194,16 @@ def _dump_all(ranks: list[RankProcess], folder: Path, host: str, native: bool) -
 
 def _job_run_dir(ranks: list[RankProcess]) -> Path | None:
     for r in ranks:
-        value = r.env.get(ENV_RUN_DIR)
-        if value:
-            path = Path(value)
-            if not path.is_absolute():
-                try:
-                    path = Path(os.readlink(f"/proc/{r.pid}/cwd")) / path
-                except OSError:
-                    pass
-            if path.is_dir():
-                return path
+        path = procs.path_of(r.pid, r.env[ENV_RUN_DIR]) if r.env.get(ENV_RUN_DIR) else None
+        if path is not None and path.is_dir():
+            return path
     return None
 
 
 def _request_snapshot(run_dir: Path) -> float | None:
-    """Touch ``control/snapshot`` as ``moedoctor run``'s watchdog does: each rank's recorder answers
-    with a coverage record (its counts so far), which proves its Python threads still run."""
-    control = RunDir(run_dir).snapshot_request
+    """Ask the job's recorders for their counts so far, as ``moedoctor run``'s watchdog does."""
     try:
-        control.parent.mkdir(parents=True, exist_ok=True)
-        control.touch()
-        now = time.time()
-        os.utime(control, (now, now))
-        return now
+        return RunDir(run_dir).request_snapshot()
     except OSError:
         return None
 

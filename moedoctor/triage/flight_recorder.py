@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moedoctor.runner import procs
+
 PIPE_VARIABLES = ("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_FR_DEBUG_INFO_PIPE_FILE")
 DUMP_VARIABLES = ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE")
 DEFAULT_DUMP_PREFIX = "/tmp/nccl_trace_rank_"
@@ -51,8 +53,8 @@ def trigger_dumps(ranks: dict[int, tuple[int, dict[str, str]]], out_dir: Path, w
         if prefix is None:
             continue
         result.enabled = True
-        pipe = _in_cwd(pid, f"{prefix}{rank}.pipe")
-        target = _in_cwd(pid, f"{dump_prefix(env)}{rank}")
+        pipe = procs.path_of(pid, f"{prefix}{rank}.pipe")
+        target = procs.path_of(pid, f"{dump_prefix(env)}{rank}")
         before = _mtime(target)
         try:
             fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
@@ -85,17 +87,6 @@ def trigger_dumps(ranks: dict[int, tuple[int, dict[str, str]]], out_dir: Path, w
     for rank, (target, _) in sorted(pending.items()):
         result.notes.append(f"rank {rank}: no Flight Recorder dump appeared at {target} within {wait:.0f} s")
     return result
-
-
-def _in_cwd(pid: int, path: str) -> Path:
-    """A path as the job sees it: relative paths are relative to the rank's working directory."""
-    p = Path(path)
-    if p.is_absolute():
-        return p
-    try:
-        return Path(os.readlink(f"/proc/{pid}/cwd")) / p
-    except OSError:
-        return p
 
 
 def _mtime(path: Path) -> float:

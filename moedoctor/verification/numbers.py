@@ -48,8 +48,7 @@ def read_numbers(run_dir: Path) -> RunNumbers:
         ends = numbers.step_ends.setdefault(trace.rank, {})
         for e in trace.evidence:
             if e.kind == "loss":
-                value = e.data.get("value")
-                losses[int(e.data["index"])] = float(value) if not isinstance(value, str) else float(value)
+                losses[int(e.data["index"])] = float(e.data["value"])  # "inf" / "nan" are written as strings
             elif e.kind == "optimizer_step_end" and e.step > 0:
                 ends[e.step] = max(ends.get(e.step, e.time), e.time)
     return numbers

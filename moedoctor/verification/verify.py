@@ -32,17 +32,14 @@ from moedoctor.verification.numbers import (
     LossComparison, RunNumbers, StepTimeComparison, compare_losses, compare_step_times, read_numbers,
 )
 
-REPORT_NAME = "report.json"
-
-
 @dataclass(frozen=True)
 class VerifyConfig:
     """What to verify: ``fixes`` on ``run`` (the rerun's ``RunConfig``, whose ``fixes`` field is set
-    from here), against the original run in ``original`` (None: no before column)."""
+    from here), against the original run (``load_original``; None: no before column)."""
 
     fixes: tuple[str, ...]
     run: RunConfig
-    original: Path | None = None
+    original: OriginalRun | None = None
     fix_config: dict = field(default_factory=dict)
     loss_rtol: float = 1e-4
     loss_atol: float = 1e-6
@@ -116,10 +113,9 @@ def load_original(path: Path) -> OriginalRun:
     if not isinstance(command, list) or not command:
         raise MoedoctorError(f"{layout.manifest} records no command to rerun")
     report = None
-    report_path = layout.path / REPORT_NAME
-    if report_path.exists():
+    if layout.report.exists():
         try:
-            report = json.loads(report_path.read_text())
+            report = json.loads(layout.report.read_text())
         except (OSError, ValueError):
             report = None
     return OriginalRun(layout.path, [str(c) for c in command], manifest, report, read_numbers(layout.path))
@@ -128,7 +124,7 @@ def load_original(path: Path) -> OriginalRun:
 def verify(config: VerifyConfig, observer: RunObserver | None = None) -> Verification:
     """Run ``config.run`` with the fixes and their checks injected; judge the rerun."""
     fixes = [get_fix(name) for name in config.fixes]
-    original = load_original(config.original) if config.original else None
+    original = config.original
     run_dir = Path(config.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     fix_config_path = write_fix_config(run_dir, config.fix_config)
@@ -151,9 +147,8 @@ def verify(config: VerifyConfig, observer: RunObserver | None = None) -> Verific
         checks.append(_loss_check(losses, original.numbers))
         step_times = compare_step_times(original.numbers, after)
         checks.append(_step_time_check(step_times))
-    verification = Verification(tuple(f.name for f in fixes), run.command, run_dir, original.path if original else None,
-                                checks, report, result, losses, step_times)
-    return verification
+    return Verification(tuple(f.name for f in fixes), run.command, run_dir, original.path if original else None,
+                        checks, report, result, losses, step_times)
 
 
 def _analyze(run_dir: Path) -> Report | None:
@@ -161,7 +156,7 @@ def _analyze(run_dir: Path) -> Report | None:
         report = analyze(load_run(run_dir))
     except MoedoctorError:
         return None
-    write_json(report, run_dir / REPORT_NAME)
+    write_json(report, RunDir(run_dir).report)
     return report
 
 
