@@ -1,5 +1,10 @@
 """Probe: does the Work a c10d op hands the dispatcher report completion from another thread, on
-this backend? (The recorder's progress thread relies on it.) Run under torchrun."""
+this backend? (The recorder's progress thread relies on it.) Run under torchrun.
+
+Answer on NCCL (torch 2.11): for ``async_op=True`` yes (``Work.unbox`` gives the Work, and
+``is_completed()`` is True once done); without ``async_op`` the Work is null (``Work.unbox`` gives
+None): ``ProcessGroupNCCL`` returns none for sync collectives since torch 2.8. Those are proven
+complete from Flight Recorder instead (``moedoctor/recorder/fr_poller.py``)."""
 
 import os
 import threading
@@ -26,14 +31,15 @@ def kernel(keyset, *args, **kwargs):
 
 
 lib.impl("allreduce_", kernel, "BackendSelect", with_keyset=True)
-dist.all_reduce(torch.ones(4, device=device))
+dist.all_reduce(torch.ones(4, device=device))                      # sync
+dist.all_reduce(torch.ones(4, device=device), async_op=True).wait()  # async
 torch.cuda.synchronize() if backend == "nccl" else None
 time.sleep(0.2)
 result = {}
 
 
-def probe():
-    work = captured[0]
+def probe(work):
+    result.clear()
     result["type"] = type(work).__name__
     try:
         result["methods"] = work._method_names()
@@ -52,8 +58,9 @@ def probe():
         result["error"] = repr(e)[:300]
 
 
-thread = threading.Thread(target=probe)
-thread.start()
-thread.join()
-print(f"[rank {dist.get_rank()}] {backend} probe: {result}", flush=True)
+for name, work in zip(("sync", "async"), captured):
+    thread = threading.Thread(target=probe, args=(work,))
+    thread.start()
+    thread.join()
+    print(f"[rank {dist.get_rank()}] {backend} probe, {name} all_reduce: {result}", flush=True)
 dist.destroy_process_group()

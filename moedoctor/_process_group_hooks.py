@@ -1,7 +1,9 @@
 """One wrapper around ``torch.distributed``'s ``init_process_group`` and ``destroy_process_group``
 for everything moedoctor installs in a worker (the recorder, the fixes), instead of one wrapper each.
 
-``after_init(callback)``: called after the default process group is created, in registration order.
+``after_init(callback)``: called after the default process group is created, in registration order,
+however the job creates it: ``dist.init_process_group``, the function imported by name, or
+``init_device_mesh`` (which holds its own reference, taken while torch was imported).
 ``before_destroy(callback)``: called before the default group is destroyed (destroying a subgroup
 calls nothing), the last registered first: what was installed last is torn down first, so the
 recorder (installed first) still records what the fixes do at the end.
@@ -10,6 +12,7 @@ recorder (installed first) still records what the fixes do at the end.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 
 _after_init: list[Callable[[], None]] = []
@@ -53,4 +56,16 @@ def _install() -> None:
     for module in (dist, c10d):
         module.init_process_group = init_process_group
         module.destroy_process_group = destroy_process_group
+    # Modules that imported the functions by name before this ran hold the originals:
+    # torch.distributed.device_mesh (init_device_mesh calls init_process_group through its own
+    # reference), and any module imported while torch itself was.
+    replacements = {id(original_init): init_process_group, id(original_destroy): destroy_process_group}
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if module is None or module in (dist, c10d) or not isinstance(namespace, dict):
+            continue
+        for name in ("init_process_group", "destroy_process_group"):
+            held = namespace.get(name)
+            if held is not None and id(held) in replacements:
+                namespace[name] = replacements[id(held)]
     _installed = True

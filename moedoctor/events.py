@@ -29,6 +29,8 @@ COLLECTIVE_OPS = frozenset({
     "monitored_barrier",
 })
 P2P_OPS = frozenset({"send", "recv"})
+#: Variable-size collectives: their sizes are checked pairwise (``analysis.contracts``), not compared.
+CONTRACT_OPS = frozenset({"all_to_all", "gather", "scatter"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +104,9 @@ class CollectiveEvent:
     peer: int | None = None
     p2p_seq: int | None = None
     completed: float | None = None
+    root: int | None = None                     # rooted ops: the root's global rank
+    in_splits: tuple[int, ...] | None = None    # all_to_all_single: rows sent to each group member
+    out_splits: tuple[int, ...] | None = None   # all_to_all_single: rows received from each member
 
     @property
     def is_p2p(self) -> bool:
@@ -110,15 +115,36 @@ class CollectiveEvent:
     def signature(self) -> tuple:
         """What must agree across the ranks of a group at one sequence number.
 
-        Rooted ops are compared on the side every rank has: scatter's non-root ranks pass no
-        inputs. The reduce op is not part of it: a c10d collective's reduce op is known only when
-        the recorder saw it still running (see ``reduce_ops_agree``)."""
-        if self.op == "scatter":
-            return (self.op, self.out_shapes)
-        return (self.op, self.in_shapes, self.dtypes)
+        Only what every rank must pass identically: variable-size collectives are compared on what
+        must agree, and their sizes by the pairwise contract (``analysis.contracts``). An
+        ``all_to_all`` compares the trailing dimensions of its rows (expert-parallel dispatch sends
+        data-dependent row counts); a list ``all_gather`` its output list (its inputs may be
+        uneven); ``gather`` and ``scatter`` their root (the root's lists pair with the others'
+        tensors); other rooted ops their root too. The reduce op is not part of it: a c10d collective's reduce op is known only
+        when the recorder saw it still running (see ``reduce_ops_agree``)."""
+        op = self.op
+        if op == "all_to_all":
+            return (op, self.dtypes, _rows(self.in_shapes), _rows(self.out_shapes))
+        if op == "gather":
+            return (op, self.root, self.dtypes)
+        if op == "scatter":  # non-root ranks pass no inputs, so no dtypes either
+            return (op, self.root)
+        if op == "all_gather" and len(self.out_shapes) > 1:
+            return (op, self.out_shapes, self.dtypes)
+        if self.root is not None:
+            return (op, self.in_shapes, self.dtypes, self.root)
+        return (op, self.in_shapes, self.dtypes)
 
     def reduce_ops_agree(self, other: "CollectiveEvent") -> bool:
         return self.reduce_op is None or other.reduce_op is None or self.reduce_op == other.reduce_op
+
+
+def _rows(shapes: tuple[tuple[int, ...], ...]) -> tuple:
+    """What must agree of an all_to_all's tensors: one tensor's trailing dimensions (its rows are
+    split across the group), or, for a list of tensors, how many there are."""
+    if len(shapes) == 1:
+        return ("rows", shapes[0][1:])
+    return ("list", len(shapes))
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,6 +88,15 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
+def _traced(tensor: torch.Tensor) -> bool:
+    """A tensor that only stands for one while a graph is traced (torch.compile's fake and functional
+    tensors, meta tensors): a collective on it sends nothing and advances no backend counter."""
+    keys = torch._C._dispatch_keys(tensor)
+    return tensor.is_meta or keys.has(torch._C.DispatchKey.Python) or keys.has(torch._C.DispatchKey.Functionalize)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
 MAX_SHAPES = 64  # tensors described per side of one collective; the rest are counted, not listed
 MAX_PENDING = 4096  # collectives watched for completion; a backend whose works never report it
 #                    (e.g. the fake backend) must not make each poll slower than the last
@@ -238,6 +247,7 @@ class Recorder:
             self._thread.join(timeout=2.0)
         self._run_deferred(wait=True)
         self._poll_pending()
+        self._poll_flight_recorder(final=True)
         self.write_coverage(reason)
 
     # -- the hot path ----------------------------------------------------------------------------
@@ -290,8 +300,10 @@ class Recorder:
             group_name = ProcessGroup.unbox(group_arg).group_name
         else:
             group_name = group_arg if isinstance(group_arg, str) else group_arg.group_name
-        attribution = callsite.attribute(3)
         inputs = _tensors(self._arg(spec, spec.inputs, args, kwargs))
+        if inputs and type(inputs[0]) not in _PLAIN and _traced(inputs[0]):
+            return None, -1  # torch.compile tracing the collective with fake tensors: nothing is sent
+        attribution = callsite.attribute(3)
         outputs = _tensors(self._arg(spec, spec.outputs, args, kwargs))
         extra = ""
         if spec.reduce_op is not None and spec.namespace != "c10d":
@@ -300,6 +312,12 @@ class Recorder:
             extra = f',"red":"{self._reduce_name(self._arg(spec, spec.reduce_op, args, kwargs))}"'
         if len(inputs) > MAX_SHAPES or len(outputs) > MAX_SHAPES:
             extra += f',"n":[{len(inputs)},{len(outputs)}]'
+        if spec.out_splits is not None:
+            ins, outs = self._arg(spec, spec.in_splits, args, kwargs, ()), self._arg(spec, spec.out_splits, args, kwargs, ())
+            extra += f',"sp":[[{",".join(map(str, map(int, ins)))}],[{",".join(map(str, map(int, outs)))}]]'
+        if spec.root is not None:
+            root = self._global_rank(group_name, self._arg(spec, spec.root, args, kwargs))
+            extra += f',"root":{"null" if root is None else root}'
         if attribution.fsdp_module is not None:
             extra += f',"mod":{_json_str(attribution.fsdp_module)}'
         peer = None
@@ -492,10 +510,35 @@ class Recorder:
         while not self._stop.wait(self.poll_interval):
             self._poll_pending()
             self._run_deferred()
+            self._poll_flight_recorder()
             now = time.monotonic()
             if now >= next_control:
                 next_control = now + 0.5
                 self._answer_snapshot(snapshot_file)
+
+    def _poll_flight_recorder(self, final: bool = False) -> None:
+        """Completion from PyTorch's Flight Recorder for the collectives whose ``Work`` is not
+        watched (NCCL collectives without ``async_op``, functional collectives): about once a
+        second, off the training thread (``moedoctor/recorder/fr_poller.py``)."""
+        poller = getattr(self, "_fr_poller", None)
+        if poller is None:
+            if self._fd is None:
+                return
+            try:
+                from moedoctor.recorder import fr_poller
+
+                poller = self._fr_poller = fr_poller.FlightRecorderPoller(self) if fr_poller.enabled() else False
+            except Exception as e:  # the traces suffice without it
+                poller = self._fr_poller = False
+                self.write_evidence("recorder_error", {"op": "flight recorder completion", "error": repr(e)})
+        if not poller:
+            return
+        try:
+            with self._poll_lock:
+                poller.poll(final)
+        except Exception as e:  # never again: a poller that failed once would fail every second
+            self._fr_poller = False
+            self.write_evidence("recorder_error", {"op": "flight recorder completion", "error": repr(e)})
 
     def _poll_pending(self) -> None:
         with self._poll_lock:

@@ -27,7 +27,15 @@ def activate_from_env() -> None:
             return
         from moedoctor.recorder.core import DEFAULT_MAX_EVENTS
 
-        install(Path(os.environ[ENV_RUN_DIR]), int(os.environ.get(ENV_MAX_EVENTS, DEFAULT_MAX_EVENTS)))
+        run_dir = Path(os.environ[ENV_RUN_DIR])
+        install(run_dir, int(os.environ.get(ENV_MAX_EVENTS, DEFAULT_MAX_EVENTS)))
+        if "RANK" in os.environ:
+            from moedoctor.trace.format import write_recorder_marker
+
+            try:
+                write_recorder_marker(run_dir / "control", int(os.environ["RANK"]), os.getpid())
+            except (OSError, ValueError):
+                pass  # the marker only explains a missing trace; never fail the job over it
     except Exception as e:
         print(f"moedoctor: recorder not installed: {e!r}", file=sys.stderr)
 

@@ -72,6 +72,9 @@ class OpSpec:
     async_op: int | None
     peer: int | None
     arg_names: tuple[str, ...]
+    root: int | None = None          # rooted ops (broadcast, reduce, gather, scatter): the root's group rank
+    in_splits: int | None = None     # all_to_all_single: rows sent to each member
+    out_splits: int | None = None    # all_to_all_single: rows received from each member
 
     @property
     def qualified(self) -> str:
@@ -98,12 +101,14 @@ def op_spec(namespace: str, raw_name: str, normalized: str) -> OpSpec | None:
     group = _first(names, _GROUP_ARGS)
     if group is None:
         return None
-    peer = _first(names, _PEER_ARGS) if normalized in ("send", "recv") else None
+    p2p = normalized in ("send", "recv")
     return OpSpec(
         namespace=namespace, raw_name=raw_name, op=normalized, packet=overload,
         inputs=_first(names, _INPUT_ARGS), outputs=_first(names, _OUTPUT_ARGS), group=group,
         reduce_op=_first(names, ("reduce_op",)), async_op=_first(names, ("async_op",)),
-        peer=peer, arg_names=tuple(names),
+        peer=_first(names, _PEER_ARGS) if p2p else None, arg_names=tuple(names),
+        root=None if p2p else _first(names, _ROOT_ARGS),
+        in_splits=_first(names, ("input_split_sizes",)), out_splits=_first(names, ("output_split_sizes",)),
     )
 
 

@@ -32,6 +32,7 @@ class Completion:
 
     event_ids: tuple[int, ...]
     time: float
+    source: str | None = None   # who proved it: None for the collective's Work, "fr" for Flight Recorder
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,13 @@ class RankTrace:
     groups: dict[str, Group] = field(default_factory=dict)
     capped: bool = False
     problems: list[str] = field(default_factory=list)
+    #: Completions not observed through the collective's ``Work``: event id -> source
+    #: (``moedoctor.trace.fr_completion``: "flight-recorder", "flight-recorder-dump").
+    completed_by: dict[int, str] = field(default_factory=dict)
+    #: Collectives Flight Recorder showed issued and not completed, and ones it could not tell
+    #: (filled when the run directory holds Flight Recorder dumps: ``moedoctor.analysis.completion``).
+    fr_pending: set[int] = field(default_factory=set)
+    fr_unknown: set[int] = field(default_factory=set)
 
     @property
     def rank(self) -> int:
@@ -133,11 +141,13 @@ class TraceFile:
                 dtypes=tuple(rec["dt"]), reduce_op=rec.get("red"), async_op=bool(rec["async"]),
                 thread=rec["th"], call_site=None if site is None else self._sites[site],
                 phase=Phase(rec["ph"]), step=rec["step"], module=rec.get("mod"),
-                peer=rec.get("peer"), p2p_seq=rec.get("pseq"),
+                peer=rec.get("peer"), p2p_seq=rec.get("pseq"), root=rec.get("root"),
+                in_splits=None if "sp" not in rec else tuple(rec["sp"][0]),
+                out_splits=None if "sp" not in rec else tuple(rec["sp"][1]),
             )
         if kind == fmt.DONE:
             ids = rec["i"]
-            return Completion(tuple(ids) if isinstance(ids, list) else (ids,), rec["t"])
+            return Completion(tuple(ids) if isinstance(ids, list) else (ids,), rec["t"], rec.get("src"))
         if kind == fmt.ANNOTATE:
             return Annotation(rec["i"], rec.get("red"))
         if kind == fmt.GROUP:
@@ -166,8 +176,10 @@ def read_trace(path: Path | str) -> RankTrace:
         elif isinstance(item, Completion):
             for event_id in item.event_ids:
                 pos = index.get(event_id)
-                if pos is not None:
+                if pos is not None and trace.events[pos].completed is None:
                     trace.events[pos] = replace(trace.events[pos], completed=item.time)
+                    if item.source is not None:
+                        trace.completed_by[event_id] = completion_source(item.source)
         elif isinstance(item, Annotation):
             pos = index.get(item.event_id)
             if pos is not None:
@@ -180,6 +192,11 @@ def read_trace(path: Path | str) -> RankTrace:
     trace.capped = tf.capped
     trace.problems = tf.problems
     return trace
+
+
+def completion_source(src) -> str:
+    """The analysis's name for a ``d`` record's ``src`` (``"fr"``: the recorder read Flight Recorder)."""
+    return "flight-recorder" if src == "fr" else f"other ({str(src)[:20]})"
 
 
 def trace_paths(folder: Path | str) -> list[Path]:

@@ -198,7 +198,8 @@ class NativeKernels:
             return -1 if value is None else value
 
         entries = [(s.namespace, s.raw_name, s.op, index(s.inputs), index(s.outputs), s.group,
-                    index(s.reduce_op), index(s.async_op), index(s.peer), len(s.arg_names)) for s in specs]
+                    index(s.reduce_op), index(s.async_op), index(s.peer), len(s.arg_names), index(s.root),
+                    index(s.in_splits), index(s.out_splits)) for s in specs]
         self._import_state()
         self.set_fd(self._recorder._fd)
         self._m.register_kernels(entries)

@@ -55,6 +55,7 @@ struct Spec {
   std::string op, qualified;
   bool c10d = false;
   int inputs = -1, outputs = -1, group = -1, reduce_op = -1, async_op = -1, peer = -1;
+  int root = -1, in_splits = -1, out_splits = -1;
   size_t nargs = 0;
 };
 
@@ -324,6 +325,34 @@ static void describe_tensors(const c10::IValue& value, TensorSide& side) {
   dtypes += ']';
 }
 
+// An int[] / SymInt[] argument as a JSON list ("[]" for anything else, or a symbolic size).
+static void append_int_list(std::string& out, const c10::IValue& value) {
+  out += '[';
+  if (value.isList()) {
+    bool first = true;
+    for (const c10::IValue& item : value.toListRef()) {
+      if (!first) out += ',';
+      first = false;
+      if (item.isInt()) {
+        append_int(out, item.toInt());
+      } else if (item.isSymInt()) {
+        auto concrete = item.toSymInt().maybe_as_int();
+        append_int(out, concrete ? *concrete : -1);
+      } else {
+        append_int(out, -1);
+      }
+    }
+  } else if (value.isIntList()) {
+    bool first = true;
+    for (int64_t v : value.toIntList()) {
+      if (!first) out += ',';
+      first = false;
+      append_int(out, v);
+    }
+  }
+  out += ']';
+}
+
 static std::string group_name_of(const c10::IValue& value) {
   if (value.isString()) return value.toStringRef();
   return value.toCustomClass<c10d::ProcessGroup>()->getGroupName();
@@ -537,11 +566,42 @@ static void report_error(const Spec& spec, const std::string& message) {
   Py_DECREF(args);
 }
 
+// A tensor that only stands for one while torch.compile traces a graph (fake and functional tensors,
+// meta tensors): a collective on it sends nothing and advances no backend counter (as
+// recorder/core.py's _traced).
+static bool traced_tensor(const c10::IValue& value) {
+  const c10::IValue* first = nullptr;
+  if (value.isTensor()) {
+    first = &value;
+  } else if (value.isList()) {
+    for (const c10::IValue& item : value.toListRef()) {
+      if (item.isTensor()) {
+        first = &item;
+        break;
+      }
+      if (item.isList()) {
+        for (const c10::IValue& inner : item.toListRef()) {
+          if (inner.isTensor()) {
+            first = &inner;
+            break;
+          }
+        }
+        if (first) break;
+      }
+    }
+  }
+  if (first == nullptr) return false;
+  const at::Tensor& t = first->toTensor();
+  const auto keys = t.key_set();
+  return t.is_meta() || keys.has(c10::DispatchKey::Python) || keys.has(c10::DispatchKey::Functionalize);
+}
+
 // Writes the record; returns its event id (-1 when capped or not recorded) and sets group_id.
 static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id) {
   if (stack->size() < spec.nargs) throw std::runtime_error("short stack");
   const size_t base = stack->size() - spec.nargs;
   auto arg = [&](int index) -> const c10::IValue& { return (*stack)[base + static_cast<size_t>(index)]; };
+  if (spec.inputs >= 0 && traced_tensor(arg(spec.inputs))) return -1;
 
   // What the IValues say, without the GIL.
   std::string group_name = group_name_of(arg(spec.group));
@@ -567,6 +627,18 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
     append_int(extra, static_cast<int64_t>(outputs.count));
     extra += ']';
   }
+  if (spec.out_splits >= 0) {  // as the Python recorder: "sp":[[input splits],[output splits]]
+    extra += ",\"sp\":[";
+    if (spec.in_splits >= 0) {
+      append_int_list(extra, arg(spec.in_splits));
+    } else {
+      extra += "[]";
+    }
+    extra += ',';
+    append_int_list(extra, arg(spec.out_splits));
+    extra += ']';
+  }
+  const int64_t root_rank = spec.root >= 0 && arg(spec.root).isInt() ? arg(spec.root).toInt() : INT64_MIN;
   const bool is_async = !spec.c10d || spec.async_op < 0 || arg(spec.async_op).toBool();
   const int64_t group_rank = spec.peer >= 0 ? arg(spec.peer).toInt() : 0;
   const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -585,6 +657,15 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
   if (target < 0) return -1;
   GroupState& group = intern_group(group_name, target);
   group_id = group.id;
+  if (spec.root >= 0) {  // the root's global rank, as the Python recorder's _global_rank
+    extra += ",\"root\":";
+    if (root_rank == INT64_MIN) {
+      extra += "null";
+    } else {
+      append_int(extra, (root_rank >= 0 && root_rank < static_cast<int64_t>(group.ranks.size()))
+                            ? group.ranks[static_cast<size_t>(root_rank)] : root_rank);
+    }
+  }
   const int site = attribution.site.empty() ? -1 : intern_site(attribution.site, target);
   const int64_t event = S.next_event++;
   std::string line;
@@ -727,7 +808,8 @@ static void configure(py::object helper, py::dict constants, std::vector<std::st
   S.reduce_names = std::move(reductions);
 }
 
-// entries: (namespace, raw_name, op, inputs, outputs, group, reduce_op, async_op, peer, nargs), -1 = none.
+// entries: (namespace, raw_name, op, inputs, outputs, group, reduce_op, async_op, peer, nargs, root,
+// in_splits, out_splits), -1 = none.
 static void register_kernels(const std::vector<py::tuple>& entries) {
   if (!S.libraries.empty()) return;
   std::vector<Spec> specs;
@@ -745,6 +827,9 @@ static void register_kernels(const std::vector<py::tuple>& entries) {
     spec.async_op = e[7].cast<int>();
     spec.peer = e[8].cast<int>();
     spec.nargs = e[9].cast<size_t>();
+    spec.root = e[10].cast<int>();
+    spec.in_splits = e[11].cast<int>();
+    spec.out_splits = e[12].cast<int>();
     specs.push_back(std::move(spec));
   }
   if (S.specs.empty()) {
