@@ -180,15 +180,35 @@ def straggler():
     return run_of(a, b, hang=True, stacks=stacks)
 
 
-def not_a_desync():
+def not_a_desync(stacks: list | None = None, completions: bool = True):
+    """Both ranks inside the same all-reduce, none completing it. By default what ``not-a-desync``
+    needs: completions observed (earlier steps completed) and both stacks inside the collective."""
     a, b = ranks(2)
     for step in range(3):
         for r in (a, b):
-            r.coll("all_reduce", (1313793,), phase=S, step=step, line=42, done=step < 2)
+            r.coll("all_reduce", (1313793,), phase=S, step=step, line=42, done=completions and step < 2)
     a.coverage.append(Coverage(0, 2000.0, "snapshot", ()))
-    stacks = [in_collective(0, 42), stack(1, error="py-spy has no permission to attach to pid 101. more")]
+    stacks = [in_collective(0, 42), in_collective(1, 42)] if stacks is None else stacks
     gpus = [GpuSnapshot("host", False, "no NVML: NVML Shared Library Not Found")]
     return run_of(a, b, hang=True, stacks=stacks, gpus=gpus)
+
+
+def rank_stopped(state: str = "T", stack_error: str | None = None, n: int = 4):
+    """Rank 1 stopped itself in its own code before step 2's all-reduce (SIGSTOP: state T), or sits
+    in the kernel (``D``); the others wait in that all-reduce for it."""
+    builders = ranks(n)
+    for step in range(3):
+        for r in builders:
+            if step == 2 and r.rank == 1:
+                continue
+            r.coll("all_reduce", (577,), phase=S, step=step, line=53, done=step < 2)
+    stacks = [in_collective(r.rank, 53, state="S") for r in builders if r.rank != 1]
+    if stack_error:
+        stacks.append(stack(1, error=stack_error, state=state))
+    else:
+        stacks.append(stack(1, ("main", "/job/train.py", 48), state=state,
+                            wchan="do_signal_stop" if state == "T" else "nfs_wait_bit_killable"))
+    return run_of(*builders, hang=True, stacks=stacks)
 
 
 def unknown_desync():
@@ -220,5 +240,6 @@ SCENARIOS = {
     "shape-mismatch": (shape_mismatch, [1], "desync"),
     "straggler": (straggler, [1], "stuck"),
     "not-a-desync": (not_a_desync, [], "stuck"),
+    "rank-stopped": (rank_stopped, [1], "stuck"),
     "unknown-desync": (unknown_desync, None, "desync"),
 }

@@ -17,6 +17,7 @@ from pathlib import Path
 from moedoctor.analysis.load import GpuSnapshot, ManifestInfo, RunData, last_sequences
 from moedoctor.events import CallSite, CollectiveEvent, Coverage, Evidence, Group, Phase, TraceHeader
 from moedoctor.runner.manifest import HangRecord, RankExit
+from moedoctor.runner.procs import ProcessState
 from moedoctor.runner.stacks import Frame, StackDump
 from moedoctor.trace.reader import RankTrace
 
@@ -51,16 +52,22 @@ class TraceBuilder:
     def coll(self, op: str = "all_reduce", shape: tuple = (4,), *, dtype: str = "float32", group: Group | None = None,
              phase: Phase = Phase.OTHER, step: int = 0, line: int = 10, file: str = "/job/train.py",
              function: str = "main", module: str | None = None, reduce_op: str | None = None, done: bool = True,
-             shapes: tuple | None = None, raw: str | None = None) -> TraceBuilder:
+             shapes: tuple | None = None, raw: str | None = None, out_shapes: tuple | None = None,
+             root: int | None = None, splits: tuple[tuple, tuple] | None = None) -> TraceBuilder:
+        """``shapes`` / ``out_shapes``: every input / output tensor's shape (default: ``shape`` both);
+        ``splits``: all_to_all_single's (input, output) split sizes."""
         group = group or world(self.world_size)
         self._seq[group.name] += 1
         t = self._tick()
         in_shapes = shapes if shapes is not None else (tuple(shape),)
         self.events.append(CollectiveEvent(
             rank=self.rank, event_id=len(self.events), time=t, group=group, seq=self._seq[group.name], op=op,
-            raw_op=raw or f"c10d::{op}_", in_shapes=in_shapes, out_shapes=in_shapes, dtypes=(dtype,),
+            raw_op=raw or f"c10d::{op}_", in_shapes=in_shapes,
+            out_shapes=in_shapes if out_shapes is None else out_shapes, dtypes=(dtype,),
             reduce_op=reduce_op, async_op=False, thread="MainThread", call_site=site(line, file, function),
-            phase=phase, step=step, module=module, completed=t + 0.0005 if done else None))
+            phase=phase, step=step, module=module, completed=t + 0.0005 if done else None, root=root,
+            in_splits=None if splits is None else tuple(splits[0]),
+            out_splits=None if splits is None else tuple(splits[1])))
         return self
 
     def p2p(self, op: str, peer: int, shape: tuple = (4,), *, group: Group | None = None, done: bool = True,
@@ -97,16 +104,21 @@ def both(builders, *args, **kw) -> None:
         b.coll(*args, **kw)
 
 
-def stack(rank: int, *frames: tuple[str, str, int], error: str | None = None) -> StackDump:
-    """``frames`` innermost first, as (function, file, line)."""
+def stack(rank: int, *frames: tuple[str, str, int], error: str | None = None, state: str | None = None,
+          wchan: str | None = None) -> StackDump:
+    """``frames`` innermost first, as (function, file, line); ``state``: the readings of the
+    process's /proc state (``"TTTT"``; one letter stands for four equal readings)."""
     main = tuple(Frame(fn, file, line) for fn, file, line in frames)
+    process = None
+    if state is not None:
+        process = ProcessState(state * 4 if len(state) == 1 else state, wchan, 0.2)
     return StackDump(rank=rank, pid=100 + rank, error=error, main_thread=main,
-                     threads={"MainThread": main} if main else {})
+                     threads={"MainThread": main} if main else {}, process=process)
 
 
-def in_collective(rank: int, user_line: int = 10) -> StackDump:
+def in_collective(rank: int, user_line: int = 10, state: str | None = None) -> StackDump:
     return stack(rank, ("all_reduce", "/usr/lib/python3/site-packages/torch/distributed/distributed_c10d.py", 3252),
-                 ("main", "/job/train.py", user_line))
+                 ("main", "/job/train.py", user_line), state=state)
 
 
 def manifest(exits: dict[int, int | None] | None = None, hang: bool = True, source: str = "torchrun") -> ManifestInfo:
@@ -162,6 +174,10 @@ def encode_trace(builder: TraceBuilder) -> bytes:
                "op": e.op, "raw": e.raw_op, "in": [list(s) for s in e.in_shapes],
                "out": [list(s) for s in e.out_shapes], "dt": list(e.dtypes), "async": e.async_op, "th": e.thread,
                "ph": e.phase.value, "step": e.step}
+        if e.out_splits is not None:
+            rec["sp"] = [list(e.in_splits or ()), list(e.out_splits)]
+        if e.root is not None:
+            rec["root"] = e.root
         if e.module:
             rec["mod"] = e.module
         if e.peer is not None:

@@ -78,7 +78,8 @@ def _missing(view: RunView, div: Divergence, edges: list[WaitEdge]) -> Culprits:
             continue
         n = view.last_seq(r, group)
         e = view.event(r, group, n)
-        state = "" if e is None else (", completed" if e.completed is not None else ", not completed")
+        state = "" if e is None else ((", completed" if e.completed is not None else ", not completed")
+                                      + view.completion_note(r, e))
         lasts.append(f"{_names([r])}'s last collective there is #{n}{state}" if n
                      else f"{_names([r])} issued none there")
     why = (f"{_names(div.missing)} never issued {op.op} #{div.seq} of group {div.group.label()} that "

@@ -15,15 +15,20 @@ from __future__ import annotations
 import linecache
 import signal
 
+from moedoctor.analysis.completion import completion_stats
 from moedoctor.analysis.culprits import Culprits, find_culprits
+from moedoctor.analysis.from_stacks import report_from_stacks
 from moedoctor.analysis.load import RunData, SourceKind
 from moedoctor.analysis.matching import all_divergences, stalled
 from moedoctor.analysis.model import (
     AlignedRow, Candidate, Divergence, DivergenceKind, OpView, RankSummary, Report, Suggestion, Verdict, WaitEdge,
 )
 from moedoctor.analysis.patterns import THRESHOLD, TIE, Context, Finding, Pattern, by_id, classify_all, names
+from moedoctor.analysis.patterns.not_a_desync import not_established
+from moedoctor.analysis.patterns.rank_stopped import stopped_line
 from moedoctor.analysis.view import RunView
 from moedoctor.analysis.waitfor import chain_roots, find_cycle, roots, wait_edges
+from moedoctor.process_state import FROZEN_STATES
 
 #: Rows shown before and after the divergence in the side-by-side table.
 ROWS_BEFORE, ROWS_AFTER = 4, 2
@@ -32,6 +37,11 @@ MAX_COLUMNS = 6
 
 
 def analyze(run: RunData) -> Report:
+    if not run.traces and any(d.error is None for d in run.stacks.values()):
+        # Nothing was recorded (the job hung before its first process group, or the recorder did not
+        # load): the stacks are the evidence, as for a job triaged from outside.
+        return report_from_stacks(run.stacks, source=str(run.path), world_size=run.world_size, gpus=run.gpus,
+                                  incomplete=run.incomplete)
     view = RunView(run)
     incomplete = list(dict.fromkeys(run.incomplete + view.conflicts))
     divs = all_divergences(view)
@@ -63,6 +73,12 @@ def analyze(run: RunData) -> Report:
         pattern = finding = None
         culprit_ranks, reasoning = [], "no divergence between ranks"
     evidence = list(finding.evidence) if finding else []
+    if pattern is None and verdict != Verdict.HEALTHY and candidates:
+        # Nothing named: what the best candidate saw and could not establish, then the others.
+        evidence.extend(candidates[0].evidence)
+        evidence.extend(f"candidate {c.pattern} ({c.score:.2f}): {'; '.join(c.evidence)}" for c in candidates[1:])
+    if verdict != Verdict.HEALTHY and (pattern is None or pattern.id != "rank-stopped"):
+        evidence.extend(stopped_line(view, r, state) for r, state in list(view.frozen_ranks.items())[:8])
     evidence.extend(_death_evidence(view, died))
     if pattern is not None and pattern.id == "unknown-desync" and len(candidates) > 1:
         evidence.extend(f"candidate {c.pattern} ({c.score:.2f}): {'; '.join(c.evidence)}"
@@ -72,13 +88,14 @@ def analyze(run: RunData) -> Report:
     suggestion = _suggestion(pattern, finding, primary, culprit_ranks) if pattern else None
     return Report(
         source=str(run.path), source_kind=run.kind, verdict=verdict,
-        summary=_summary(view, verdict, pattern, primary, culprit_ranks, cycle, died, finding),
+        summary=_summary(view, verdict, pattern, primary, culprit_ranks, cycle, died, finding, candidates),
         pattern=pattern.id if pattern else None, pattern_title=pattern.title if pattern else None,
         culprit_ranks=culprit_ranks, culprit_reasoning=reasoning, divergence=primary, wait_for=edges, cycle=cycle,
         evidence=evidence, candidates=candidates, fixes=fixes, verify_command=verify, suggestion=suggestion,
         groups=divs, ranks=_rank_summaries(view), alignment=_alignment(view, primary, culprit_ranks)[0],
         alignment_ranks=_alignment(view, primary, culprit_ranks)[1], incomplete=incomplete,
         world_size=run.world_size, traced_ranks=view.ranks, collectives=_collective_count(run),
+        completion=completion_stats(run.traces).to_dict(windowed=run.windowed),
     )
 
 
@@ -102,8 +119,8 @@ def _primary(view: RunView, divs: list[Divergence], edges: list[WaitEdge], cycle
         found = [d for d in divs if d.group.name in groups]
         if found:
             return min(found, key=lambda d: (groups.index(d.group.name), d.earliest))
-    mismatches = [d for d in divs
-                  if d.kind == DivergenceKind.MISMATCH or (d.kind == DivergenceKind.P2P and not d.missing)]
+    mismatches = [d for d in divs if d.kind in (DivergenceKind.MISMATCH, DivergenceKind.CONTRACT)
+                  or (d.kind == DivergenceKind.P2P and not d.missing)]
     if mismatches:
         return min(mismatches, key=lambda d: (d.earliest, d.group.name))
     missing = [d for d in divs if d.missing]
@@ -205,7 +222,8 @@ def _collective_count(run: RunData) -> int:
 # ---- how to say it ------------------------------------------------------------------------------
 
 def _summary(view: RunView, verdict: Verdict, pattern: Pattern | None, div: Divergence | None, culprits: list[int],
-             cycle: list[WaitEdge] | None, died: list[int], finding: Finding | None) -> str:
+             cycle: list[WaitEdge] | None, died: list[int], finding: Finding | None,
+             candidates: list[Candidate] = ()) -> str:
     if verdict == Verdict.HEALTHY:
         return (f"Healthy: {_collective_count(view.run)} collectives on {len(view.groups)} group(s) agree across "
                 f"{len(view.ranks)} rank(s) and nothing is stuck.")
@@ -215,6 +233,8 @@ def _summary(view: RunView, verdict: Verdict, pattern: Pattern | None, div: Dive
         how = ", ".join(f"{_signal_name(view.exit_code(r)) or f'exit {view.exit_code(r)}'}" for r in first)
         prefix = f"Crashed: {names(first)} died ({how}). "
     title = f"{pattern.title}: " if pattern else ""
+    if pattern is not None and pattern.id == "rank-stopped":
+        return prefix + title + _stopped_summary(view, div, culprits)
     if cycle:
         parts = "; ".join(f"rank {e.rank} waits on group {e.group} for {names(e.waits_for)}" for e in cycle)
         return f"{prefix}{title}{parts}: a wait-for cycle across groups that no single group shows."
@@ -227,9 +247,22 @@ def _summary(view: RunView, verdict: Verdict, pattern: Pattern | None, div: Dive
     where = f"#{div.seq} of group {div.group.label()}"
     if div.kind == DivergenceKind.STALLED:
         v = next(iter(div.per_rank.values()))
-        return (f"{prefix}{title}every rank of group {div.group.label()} is inside the same {v.op} #{div.seq} "
-                f"({v.short_site}) with matching shapes and none completed it: suspect the hardware or network, "
-                "not the code.")
+        if pattern is not None and pattern.id == "not-a-desync":
+            return (f"{prefix}{title}every rank of group {div.group.label()} is inside the same {v.op} #{div.seq} "
+                    f"({v.short_site}) with matching shapes and none completed it: suspect the hardware or "
+                    "network, not the code.")
+        if pattern is None:
+            found = next((Finding(c.score, c.evidence) for c in candidates if c.pattern == "not-a-desync"), None)
+            why = not_established(found) or "no pattern's evidence was sufficient"
+            return (f"{prefix}Stuck, cause not established: every rank of group {div.group.label()} issued the same "
+                    f"{v.op} #{div.seq} ({v.short_site}) last and none was seen completing it, but {why}; neither "
+                    "a hardware or network fault nor a desync can be named from this run (see Evidence).")
+    if div.kind == DivergenceKind.CONTRACT:
+        v = next(x for x in div.per_rank.values() if x is not None)
+        more = f" (and {len(div.breaches) - 1} more pair(s))" if len(div.breaches) > 1 else ""
+        blame = f"; culprit {names(culprits)}" if culprits else "; culprit undetermined"
+        return (f"{prefix}{title}every rank issued {v.op} {where} ({v.short_site}), but {div.breaches[0]}{more}"
+                f"{blame}.")
     if pattern is not None and pattern.id == "straggler":
         r = culprits[0] if culprits else div.missing[0]
         frame = view.stack_frame(r)
@@ -249,6 +282,25 @@ def _summary(view: RunView, verdict: Verdict, pattern: Pattern | None, div: Dive
         parts.append(f"{names(cls)} {did}")
     blame = f"; culprit {names(culprits)}" if culprits else "; culprit undetermined"
     return f"{prefix}{title}at {where}, " + " while ".join(parts) + blame + "."
+
+
+def _stopped_summary(view: RunView, div: Divergence | None, stopped: list[int]) -> str:
+    """``rank 1's process is stopped (state T: ...), while ranks 0,2,3 wait in all_reduce #4 ...``."""
+    by_state: dict[str | None, list[int]] = {}
+    for r in stopped:
+        state = view.process(r)
+        by_state.setdefault(state.frozen if state is not None else None, []).append(r)
+    text = "; ".join(f"{names(ranks)}'s process{'' if len(ranks) == 1 else 'es'} "
+                     f"{'is' if len(ranks) == 1 else 'are'} {FROZEN_STATES[frozen] if frozen else 'not running'}"
+                     for frozen, ranks in by_state.items())
+    if div is not None:
+        waiting = sorted(r for r, v in div.per_rank.items() if v is not None and r not in stopped)
+        if waiting:
+            v = div.per_rank[waiting[0]]
+            site = f" ({v.short_site})" if v.short_site else ""
+            text += (f", while {names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {v.op} #{div.seq} of "
+                     f"group {div.group.label()}{site}")
+    return text + ". Not a code desync: no change to the collectives applies."
 
 
 def _suggestion(pattern: Pattern, finding: Finding | None, div: Divergence | None, culprits: list[int]) -> Suggestion:
@@ -279,7 +331,8 @@ def _rank_summaries(view: RunView) -> list[RankSummary]:
         out.append(RankSummary(
             rank=r, last=OpView.of(last) if last else None, group=last.group.name if last else None,
             waiting=last is not None and last.completed is None, stack=stack, in_collective=view.in_distributed(r),
-            exit_code=exit_.exit_code if exit_ else None, exit_source=exit_.source if exit_ else None))
+            exit_code=exit_.exit_code if exit_ else None, exit_source=exit_.source if exit_ else None,
+            process_state=None if dump is None or dump.process is None else dump.process.summary))
     return out
 
 

@@ -15,9 +15,14 @@ What the stacks prove, and what they do not:
 - ranks inside **different** collectives (or the same one from different call sites): a **code
   desync**; which known pattern it is needs the sequence of collectives (traces or Flight Recorder);
 - every rank inside the same collective from the same line: stuck in one collective; shapes are not
-  in a stack, so a hardware or network fault, a frozen rank (process state ``T``: then it is named
-  ``not-a-desync``) or a peer on another node cannot be told apart from here;
+  in a stack, so a hardware or network fault or a peer on another node cannot be told apart from
+  here, and no pattern is named;
 - no rank inside a collective: not a collective hang (the job computes, or is stuck in its own code).
+
+Before any of these: a rank whose process does not run (state ``T``/``t``: stopped, ``D``:
+uninterruptible, in every reading of ``/proc`` around its dump) is named ``rank-stopped``, wherever
+its stack is: the others wait for it, and ranks in different collectives prove no desync when one of
+them cannot move (it may be inside a collective the others already left).
 
 One snapshot: a healthy job caught inside a collective looks stuck; run triage again to compare.
 Nothing here imports torch, prints or exits.
@@ -30,6 +35,8 @@ from dataclasses import dataclass
 from moedoctor.analysis.load import GpuSnapshot
 from moedoctor.analysis.model import RankSummary, Report, Suggestion, Verdict
 from moedoctor.analysis.patterns import by_id, names
+from moedoctor.analysis.patterns.rank_stopped import advice as stopped_advice
+from moedoctor.process_state import FROZEN_STATES, ProcessState
 from moedoctor.runner.stacks import Frame, StackDump, is_library_frame
 
 SOURCE_KIND = "stacks"
@@ -38,9 +45,6 @@ _DISTRIBUTED_MARKERS = ("/torch/distributed/", "c10d")
 _C10D = "/torch/distributed/distributed_c10d.py"
 #: Wrappers between the API the job called and the collective's implementation.
 _WRAPPERS = ("/torch/distributed/c10d_logger.py", "/torch/utils/_contextlib.py")
-#: Process states that mean the process does not run at all (``/proc/PID/stat``).
-_FROZEN = {"T": "stopped (state T: a SIGSTOP, or a debugger holds it)", "t": "stopped by a tracer (state t)",
-           "D": "in uninterruptible sleep (state D: stuck in a kernel or driver call)"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +120,8 @@ def report_from_stacks(stacks: dict[int, StackDump], *, source: str, world_size:
         absent = sorted(set(range(world_size)) - set(read))
         incomplete.append(f"no stack of {names(absent)} (of world size {world_size}): on another node, or "
                           "unreadable; run moedoctor triage on each node")
-    frozen = {r: _FROZEN[s] for r, s in sorted(states.items()) if s in _FROZEN}
+    letters = _frozen(stacks, states)
+    frozen = {r: FROZEN_STATES[letter] for r, letter in letters.items()}
     evidence = [c.describe() + (f" [{len(c.ranks)} of {len(read)} ranks]" if len(classes) > 1 else "")
                 for c in classes]
     evidence.extend(f"rank {r}'s process is {why}" for r, why in frozen.items())
@@ -128,7 +133,27 @@ def report_from_stacks(stacks: dict[int, StackDump], *, source: str, world_size:
     culprits: list[int] = []
     reasoning = "the stacks do not single out a rank"
     suggestion = None
-    if not classes:
+    if frozen:
+        pattern = by_id("rank-stopped")
+        verdict = Verdict.STUCK
+        culprits = sorted(frozen)
+        reasoning = f"{names(culprits)}: the process does not run"
+        others = [c for c in inside if not set(c.ranks) <= set(frozen)]
+        waiting = sorted(r for c in others for r in c.ranks if r not in frozen)
+        by_why: dict[str, list[int]] = {}
+        for r, why in frozen.items():
+            by_why.setdefault(why, []).append(r)
+        summary = (f"{pattern.title}: " + "; ".join(
+                       f"{names(rs)}'s process{'' if len(rs) == 1 else 'es'} {'is' if len(rs) == 1 else 'are'} {why}"
+                       for why, rs in by_why.items())
+                   + (f", while {names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {_ops(others)}"
+                      if waiting else "")
+                   + ". Not a code desync: no change to the collectives applies.")
+        first = culprits[0]
+        dump = stacks.get(first)
+        state = dump.process if dump is not None and dump.process is not None else ProcessState(letters[first])
+        suggestion = Suggestion(None, None, stopped_advice(state, first, dump))
+    elif not classes:
         verdict = Verdict.STUCK
         summary = "No rank's stack could be read: nothing to conclude (see Incomplete data)."
     elif not inside:
@@ -172,17 +197,11 @@ def report_from_stacks(stacks: dict[int, StackDump], *, source: str, world_size:
     else:
         verdict = Verdict.STUCK
         s = inside[0].stack
-        if frozen:
-            pattern = by_id("not-a-desync")
-            culprits = sorted(frozen)
-            reasoning = f"{names(culprits)}: the process does not run"
-            suggestion = Suggestion(None, None, pattern.advice)
         whom = names(read) if len(read) > 1 else f"the only rank seen ({names(read)})"
         summary = (f"Stuck in one collective: {whom} {'waits' if len(read) == 1 else 'wait'} in {s.waits_in} from "
-                   f"{s.where()}. Not a code desync between these ranks: suspect the hardware or network, a "
-                   "frozen rank, or a peer elsewhere" + (" (another node)" if world_size and len(read) < world_size
-                                                          else "")
-                   + ("." if not frozen else f"; {names(sorted(frozen))} does not run."))
+                   f"{s.where()}. Not a code desync between these ranks: suspect the hardware or network, or a "
+                   "peer elsewhere" + (" (another node)" if world_size and len(read) < world_size else "")
+                   + " (the stacks alone do not show shapes or completion: run the job under moedoctor run to tell).")
     return Report(
         source=source, source_kind=SOURCE_KIND, verdict=verdict, summary=summary,
         pattern=pattern.id if pattern else None, pattern_title=pattern.title if pattern else None,
@@ -191,6 +210,21 @@ def report_from_stacks(stacks: dict[int, StackDump], *, source: str, world_size:
         ranks=_summaries(stacks), alignment=[], alignment_ranks=[], incomplete=incomplete,
         world_size=world_size, traced_ranks=[], collectives=0,
     )
+
+
+def _frozen(stacks: dict[int, StackDump], states: dict[int, str]) -> dict[int, str]:
+    """Ranks whose process does not run, with their state letter: from the readings recorded with
+    each dump (several, around it), else from the one state letter the caller read."""
+    found = {}
+    for rank in sorted(set(stacks) | set(states)):
+        dump = stacks.get(rank)
+        if dump is not None and dump.process is not None:
+            letter = dump.process.frozen
+        else:
+            letter = states.get(rank) if states.get(rank) in FROZEN_STATES else None
+        if letter:
+            found[rank] = letter
+    return found
 
 
 # ---- reading a stack ----------------------------------------------------------------------------
@@ -250,14 +284,15 @@ def _summaries(stacks: dict[int, StackDump]) -> list[RankSummary]:
     out = []
     for rank, dump in sorted(stacks.items()):
         s = read_rank_stack(dump)
+        state = None if dump.process is None else dump.process.summary
         if s is None:
             stack = f"unavailable: {dump.error.split('. ')[0]}" if dump.error else None
-            out.append(RankSummary(rank, None, None, False, stack, None, None, None))
+            out.append(RankSummary(rank, None, None, False, stack, None, None, None, state))
             continue
         where = s.where() if s.user_frame else str(dump.main_thread[0])
         out.append(RankSummary(rank, None, None, s.collective is not None,
                                f"{s.waits_in} <- {where}" if s.collective else where,
-                               s.collective is not None, None, None))
+                               s.collective is not None, None, None, state))
     return out
 
 __all__ = ["RankStack", "StackClass", "classify_stacks", "read_rank_stack", "report_from_stacks", "SOURCE_KIND"]

@@ -19,11 +19,15 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moedoctor.analysis.completion import fuse_flight_recorder
 from moedoctor.errors import EXIT_USAGE, MoedoctorError
 from moedoctor.events import CallSite, CollectiveEvent, Coverage, Evidence
 from moedoctor.runner.manifest import HangRecord, RankExit, hang_of, load_manifest
 from moedoctor.runner.stacks import StackDump, read_stack_dump
-from moedoctor.trace.reader import Annotation, Completion, RankTrace, TraceError, TraceFile, trace_paths
+from moedoctor.trace.format import recorder_markers
+from moedoctor.trace.reader import (
+    Annotation, Completion, RankTrace, TraceError, TraceFile, completion_source, trace_paths,
+)
 
 #: Above this many bytes of trace files the streaming path is used (see ``moedoctor.analysis.scan``).
 STREAM_THRESHOLD = 64 << 20
@@ -118,9 +122,16 @@ def load_run(path: Path | str, *, stream_above: int = STREAM_THRESHOLD, workers:
         run.gpus = read_gpu_snapshots(path / "gpu", run.incomplete)
         paths = trace_paths(path / "traces")
         if not paths:
-            run.incomplete.append("no trace files in traces/ (no rank reached init_process_group, or the "
-                                  "recorder was not loaded)")
-        return _finish(run, paths, stream_above, workers)
+            loaded = recorder_markers(path / "control")
+            run.incomplete.append(
+                "no trace files in traces/: " + (
+                    f"the recorder was loaded in rank(s) {_ranges(sorted(loaded))}, but no rank created its default "
+                    "process group (init_process_group / init_device_mesh never returned)" if loaded else
+                    "the recorder was not loaded in any rank, or no rank started (is moedoctor's bootstrap on the "
+                    "job's Python path?)"))
+        run = _finish(run, paths, stream_above, workers)
+        fuse_flight_recorder(run)  # completion the recorder could not observe, from the hang's dumps
+        return run
     paths = trace_paths(path)
     if paths:
         return _finish(RunData(path=path, kind=SourceKind.TRACES, traces=[]), paths, stream_above, workers)
@@ -256,6 +267,8 @@ class TraceFolder:
                 pos = index.get(event_id)
                 if pos is not None and trace.events[pos].completed is None:
                     object.__setattr__(trace.events[pos], "completed", item.time)
+                    if item.source is not None:
+                        trace.completed_by[event_id] = completion_source(item.source)
         elif isinstance(item, Annotation):
             pos = index.get(item.event_id)
             if pos is not None:

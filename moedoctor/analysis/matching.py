@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from moedoctor.analysis.contracts import breaches, breakers
 from moedoctor.analysis.model import Divergence, DivergenceKind, OpView
 from moedoctor.analysis.view import RunView
 from moedoctor.events import CollectiveEvent
@@ -16,7 +17,8 @@ from moedoctor.events import CollectiveEvent
 
 def first_divergence(view: RunView, group: str) -> Divergence | None:
     """The first seq of ``group`` where the traced members' collectives differ (op, shapes,
-    dtypes, or reduce op where both sides know it), or some members never issued it."""
+    dtypes, or reduce op where both sides know it), some members never issued it, or every member
+    issued it but their sizes break the pairwise contract (``contracts``: all_to_all splits)."""
     members = view.traced_members(group)
     if len(members) < 2:
         return None
@@ -31,6 +33,13 @@ def first_divergence(view: RunView, group: str) -> Divergence | None:
             classes = classes + ([missing] if missing else [])
             return _divergence(view, group, seq, present, missing, classes,
                                DivergenceKind.MISMATCH if len(op_classes(present)) > 1 else DivergenceKind.MISSING)
+        found = breaches(present, view.groups[group].ranks)
+        if found:
+            bad = breakers(found)
+            classes = [tuple(r for r in members if r not in bad), bad]
+            div = _divergence(view, group, seq, present, (), [c for c in classes if c], DivergenceKind.CONTRACT)
+            div.breaches = tuple(b.line() for b in found)
+            return div
     return None
 
 
@@ -53,31 +62,44 @@ def stalled(view: RunView, group: str) -> Divergence | None:
 
 
 def p2p_divergences(view: RunView, group: str) -> list[Divergence]:
-    """Per peer pair of ``group``: the first p2p op without its complement on the peer (a send
-    without the matching recv, or different shapes), by p2p sequence number."""
+    """Per peer pair of ``group``: the first send without its recv on the peer (or with another
+    payload), matched per direction: a's k-th send to b meets b's k-th recv from a, whatever else
+    either rank posted in between (in a batch of isend/irecv both neighbours may send first, as
+    pipeline schedules do). A send whose recv is absent counts only when the peer's whole p2p history
+    with that rank is loaded and its trace is closed: it then certainly never posted it."""
     peers = view.p2p_peers(group)
     pairs = sorted({tuple(sorted((a, b))) for a, by_peer in peers.items() for b in by_peer if a != b})
     found = []
     for a, b in pairs:
-        ea, eb = peers.get(a, {}).get(b, {}), peers.get(b, {}).get(a, {})
-        for n in sorted(set(ea) | set(eb)):
-            x, y = ea.get(n), eb.get(n)
-            if x is None and y is None:
-                continue
-            if x is None or y is None:
-                lagging, there = (a, b) if x is None else (b, a)
-                count = view.last_p2p(lagging, group, there)
-                if lagging in view.traces and lagging not in view.run.open_ended and count < n:
-                    present = {there: x or y}
-                    found.append(_divergence(view, group, n, present, (lagging,), [(there,), (lagging,)],
-                                             DivergenceKind.P2P, peers=(a, b)))
-                    break
-                continue
-            if {x.op, y.op} != {"send", "recv"} or _payload(x) != _payload(y):
-                found.append(_divergence(view, group, n, {a: x, b: y}, (), [(a,), (b,)],
-                                         DivergenceKind.P2P, peers=(a, b)))
-                break
+        first = None
+        for src, dst in ((a, b), (b, a)):
+            div = _direction(view, group, peers, src, dst)
+            if div is not None and (first is None or div.earliest < first.earliest):
+                first = div
+        if first is not None:
+            found.append(first)
     return found
+
+
+def _direction(view: RunView, group: str, peers: dict, src: int, dst: int) -> Divergence | None:
+    mine, theirs = peers.get(src, {}).get(dst, {}), peers.get(dst, {}).get(src, {})
+    sends = [mine[n] for n in sorted(mine) if mine[n].op == "send"]
+    recvs = [theirs[n] for n in sorted(theirs) if theirs[n].op == "recv"]
+    pair = tuple(sorted((src, dst)))
+    for send, recv in zip(sends, recvs):
+        if _payload(send) != _payload(recv):
+            return _divergence(view, group, send.p2p_seq, {src: send, dst: recv}, (), [(src,), (dst,)],
+                               DivergenceKind.P2P, peers=pair)
+    if len(sends) == len(recvs):
+        return None
+    # One side posted more: the other never posted its match, if its whole history is here.
+    extra, there, lagging, posted = ((sends[len(recvs)], src, dst, theirs) if len(sends) > len(recvs)
+                                     else (recvs[len(sends)], dst, src, mine))
+    if lagging in view.traces and lagging not in view.run.open_ended \
+            and len(posted) == view.last_p2p(lagging, group, there):
+        return _divergence(view, group, extra.p2p_seq, {there: extra}, (lagging,), [(there,), (lagging,)],
+                           DivergenceKind.P2P, peers=pair)
+    return None
 
 
 def _payload(e: CollectiveEvent) -> tuple:

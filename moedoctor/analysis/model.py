@@ -31,6 +31,7 @@ class DivergenceKind(str, Enum):
     MISSING = "missing"    # some ranks issued it, the others never did (they stopped earlier)
     STALLED = "stalled"    # every rank is inside this same collective and none completed it
     P2P = "p2p"            # a send has no matching recv on its peer (or the shapes differ)
+    CONTRACT = "contract"  # same op, but what one rank sends another does not expect (all_to_all splits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,8 @@ class OpView:
     completed: bool
     time: float
     peer: int | None = None
+    root: int | None = None
+    splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None   # all_to_all_single: (input, output)
 
     @classmethod
     def of(cls, event: CollectiveEvent) -> OpView:
@@ -61,6 +64,8 @@ class OpView:
             reduce_op=event.reduce_op, call_site=None if site is None else f"{site.file}:{site.line}",
             function=None if site is None else site.function, phase=event.phase.value, step=event.step,
             module=event.module, completed=event.completed is not None, time=event.time, peer=event.peer,
+            root=event.root,
+            splits=None if event.out_splits is None else (event.in_splits or (), event.out_splits),
         )
 
     @property
@@ -110,6 +115,7 @@ class Divergence:
     classes: list[tuple[int, ...]] = field(default_factory=list)
     missing: tuple[int, ...] = ()
     peers: tuple[int, int] | None = None
+    breaches: tuple[str, ...] = ()   # CONTRACT: each pair that disagrees, as a sentence
 
     @property
     def earliest(self) -> float:
@@ -154,7 +160,7 @@ class Suggestion:
 @dataclass(frozen=True, slots=True)
 class RankSummary:
     """One rank at the end of the trace: its last collective, whether it waits in it, where its
-    main thread was (py-spy), and how its process ended (manifest)."""
+    main thread was (py-spy), its process state (/proc) and how its process ended (manifest)."""
 
     rank: int
     last: OpView | None
@@ -164,6 +170,7 @@ class RankSummary:
     in_collective: bool | None
     exit_code: int | None
     exit_source: str | None
+    process_state: str | None = None   # /proc state at the hang: T, t, D (does not run), R, S...; None: not read
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +209,8 @@ class Report:
     traced_ranks: list[int]
     collectives: int
     schema_version: int = SCHEMA_VERSION
+    #: Completion observed for how many collectives, by source (``moedoctor.analysis.completion``).
+    completion: dict | None = None
 
     @property
     def problem_found(self) -> bool:

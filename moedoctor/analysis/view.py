@@ -12,6 +12,7 @@ from functools import cached_property
 from moedoctor.analysis.load import RunData
 from moedoctor.analysis.model import GroupRef
 from moedoctor.events import CollectiveEvent, Evidence, Phase
+from moedoctor.process_state import ProcessState
 from moedoctor.runner.stacks import Frame, StackDump
 
 #: Frames of these files are where a rank waits in a collective (or initializes the process group).
@@ -126,6 +127,23 @@ class RunView:
             return None
         return any(any(m in f.file for m in _DISTRIBUTED_MARKERS) for f in dump.main_thread[:6])
 
+    def process(self, rank: int) -> ProcessState | None:
+        """The rank's process state read from /proc when the hang was diagnosed (None: not recorded)."""
+        dump = self.stack(rank)
+        return None if dump is None else dump.process
+
+    def frozen(self, rank: int) -> str | None:
+        """``T``/``t`` (stopped) or ``D`` (uninterruptible) when every reading of the rank's process
+        state said it does not run; None otherwise or when not recorded."""
+        state = self.process(rank)
+        return None if state is None else state.frozen
+
+    @cached_property
+    def frozen_ranks(self) -> dict[int, ProcessState]:
+        """Every rank whose process did not run when the hang was diagnosed, with its state."""
+        return {r: d.process for r, d in sorted(self.run.stacks.items())
+                if d.process is not None and d.process.frozen and not self.died(r)}
+
     def exit_code(self, rank: int) -> int | None:
         m = self.run.manifest
         if m is None or rank not in m.exits:
@@ -166,7 +184,51 @@ class RunView:
         """Whether this rank's trace records completions at all (Gloo Flight Recorder dumps do not)."""
         return any(e.completed is not None for e in self.rank_events(rank))
 
+    def completion_observed(self, rank: int, group: str, seq: int) -> bool:
+        """Whether an incomplete collective ``seq`` of ``group`` on this rank really did not
+        complete, as far as the trace can tell: the recorder observes completions there (the op is
+        not a functional collective, and an earlier collective of the group, or else of any group,
+        was seen completing on this rank). False: its completion was simply not observed (NCCL
+        works the recorder could not watch, Flight Recorder dumps without states). Where the run's
+        Flight Recorder dumps show the collective pending, that is known too."""
+        e = self.event(rank, group, seq)
+        trace = self.traces.get(rank)
+        if e is not None and trace is not None:
+            if e.event_id in getattr(trace, "fr_pending", ()):
+                return True    # Flight Recorder shows it scheduled or started, not completed
+            if e.event_id in getattr(trace, "fr_unknown", ()):
+                return False   # Flight Recorder could not tell
+        if e is not None and e.raw_op.startswith("_c10d_functional"):
+            return False
+        earlier = [x for s, x in self.seq_map(rank, group).items() if s < seq]
+        if earlier:
+            return any(x.completed is not None for x in earlier)
+        return self.completion_tracked(rank)
+
     def phase_of(self, rank: int, group: str, seq: int) -> Phase | None:
         e = self.event(rank, group, seq)
         return None if e is None else e.phase
+
+    def completion_source(self, rank: int, event: CollectiveEvent) -> str | None:
+        """Who proved ``event`` complete: ``work`` (the recorder watched its Work, or a later
+        collective of its group), ``flight-recorder`` (the recorder read PyTorch's Flight Recorder
+        while the job ran), ``flight-recorder-dump`` (this analysis, from the dumps written at the
+        hang); None when it was not seen completing."""
+        trace = self.traces.get(rank)
+        if trace is None or event.completed is None:
+            return None
+        return trace.completed_by.get(event.event_id, "work")
+
+    def completion_note(self, rank: int, event: CollectiveEvent | None) -> str:
+        """`` (completion from Flight Recorder)`` where that is where the evidence comes from;
+        `` (Flight Recorder shows it pending)`` where Flight Recorder shows it not completed."""
+        if event is None:
+            return ""
+        source = self.completion_source(rank, event)
+        if source is not None and source.startswith("flight-recorder"):
+            return " (completion from Flight Recorder)"
+        trace = self.traces.get(rank)
+        if source is None and trace is not None and event.event_id in trace.fr_pending:
+            return " (Flight Recorder shows it pending)"
+        return ""
 

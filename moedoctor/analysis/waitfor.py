@@ -18,10 +18,16 @@ def blocked_event(view: RunView, rank: int) -> CollectiveEvent | None:
     """The collective the rank cannot get past: its earliest issued collective that never completed.
 
     On a GPU the ops of one stream run in issue order, so a rank whose host went on issuing is still
-    stuck at the first incomplete one; on Gloo (blocking) it is the last one issued. Functional
-    collectives are left out: the recorder does not observe their completion."""
+    stuck at the first incomplete one; on Gloo (blocking) it is the last one issued. Where the run's
+    Flight Recorder dumps show collectives pending, the first of those is it. Otherwise functional
+    collectives are left out: their completion is observed only through Flight Recorder."""
     if not view.completion_tracked(rank) and not view.hang_declared:
         return None
+    trace = view.traces.get(rank)
+    if trace is not None and trace.fr_pending:
+        for e in view.rank_events(rank):
+            if e.completed is None and e.event_id in trace.fr_pending:
+                return e
     for e in view.rank_events(rank):
         if e.completed is None and not e.raw_op.startswith("_c10d_functional"):
             return e

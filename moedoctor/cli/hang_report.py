@@ -33,7 +33,12 @@ def report_after_hang(run_dir: Path, console: Console) -> None:
         console.print(f"moedoctor: no hang recorded in {escape(str(layout.manifest))}", soft_wrap=True)
         return
     stopped = "stopping the job" if hang.stopped else "job left running (--keep-alive)"
-    if hang.trigger == "desync":
+    if hang.trigger == "no-trace":
+        console.print(f"\n[bold red]No trace after {hang.idle_seconds:.1f}s[/] (hang timeout {hang.hang_timeout:g}s): "
+                      f"{escape(hang.finding or '?')}. Diagnosed from the stacks; the job is left running until the "
+                      "startup timeout, since loading and rendezvous can legitimately take that long.",
+                      highlight=False, soft_wrap=True)
+    elif hang.trigger == "desync":
         after = f", {hang.detection_latency_s:.1f} s after it was issued" if hang.detection_latency_s is not None else ""
         console.print(f"\n[bold red]Desync detected while the job ran[/]: {escape(hang.finding or '?')}{after}; "
                       f"{stopped}.", highlight=False, soft_wrap=True)
@@ -128,4 +133,14 @@ def _print_coverage(coverage: dict, console: Console) -> None:
     gaps = coverage.get("gaps", [])
     console.print(f"[yellow]Coverage: {len(gaps)} gap(s)[/]", highlight=False, soft_wrap=True)
     for gap in gaps[:10]:
-        console.print(f"  {escape(str(gap))}", highlight=False, soft_wrap=True)
+        console.print(f"  {escape(_gap_line(gap))}", highlight=False, soft_wrap=True)
+
+
+def _gap_line(gap: dict) -> str:
+    """``rank 1, group 0: 41 recorded, the backend counted 43`` / ``rank 0: no trace``."""
+    where = f"rank {gap.get('rank')}" + (f", group {gap['group']}" if "group" in gap else "")
+    if "problem" in gap:
+        return f"{where}: {gap['problem']}"
+    if "recorded" in gap:
+        return f"{where}: {gap['recorded']} recorded, the backend counted {gap.get('backend')}"
+    return f"{where}: " + ", ".join(f"{k} {v}" for k, v in gap.items() if k not in ("rank", "group"))

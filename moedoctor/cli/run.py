@@ -60,7 +60,8 @@ def run(
         "like a hang (stacks, GPU state, report; the job stopped unless --keep-alive; exit 124), without "
         "waiting for --hang-timeout. A rank a step behind its waiting group is reported, not acted on.")] = True,
     no_stacks: Annotated[bool, typer.Option(
-        "--no-stacks", help="On a hang, do not dump the ranks' stacks with py-spy.")] = False,
+        "--no-stacks", help="On a hang, do not dump the ranks' stacks with py-spy (their process states "
+        "are still read from /proc).")] = False,
     native: Annotated[bool, typer.Option(
         "--native", help="Include native (C/C++) frames in the stacks (py-spy dump --native).")] = False,
     recorder: Annotated[str, typer.Option(

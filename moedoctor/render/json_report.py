@@ -39,8 +39,10 @@ def report_to_dict(report: Report) -> dict:
         "ranks": {str(r.rank): {
             "last": op_to_dict(r.last), "group": r.group, "waiting": r.waiting, "stack": r.stack,
             "in_collective": r.in_collective, "exit_code": r.exit_code, "exit_source": r.exit_source,
+            "process_state": r.process_state,
         } for r in report.ranks},
         "incomplete": report.incomplete,
+        "completion": report.completion,
     }
 
 
@@ -66,6 +68,7 @@ def divergence_to_dict(div: Divergence | None) -> dict | None:
         "per_rank": {str(r): op_to_dict(v) for r, v in div.per_rank.items()},
         "classes": [list(c) for c in div.classes],
         "missing": list(div.missing),
+        "breaches": list(div.breaches),
     }
 
 

@@ -33,6 +33,7 @@ from moedoctor.runner.online import Desync, DesyncDetector, Lag
 from moedoctor.runner.progress import ProgressTracker, RankProgress
 from moedoctor.runner.rundir import RunDir
 from moedoctor.runner.stacks import StackDump, StackTarget, dump_stacks
+from moedoctor.trace.format import recorder_markers
 
 #: Marks every process of one launch, so orphans of a dead launcher are still found and stopped.
 ENV_LAUNCH_ID = "MOEDOCTOR_LAUNCH_ID"
@@ -219,7 +220,7 @@ class _Run:
     def _watch(self) -> RunResult:
         hang: HangRecord | None = None
         armed, progress_at_hang = True, None
-        desync_reported = False
+        desync_reported = no_trace_reported = False
         next_scan = 0.0
         while True:
             code = self.proc.poll()
@@ -240,6 +241,13 @@ class _Run:
             last = self.tracker.last_progress()
             if not armed and last != progress_at_hang:
                 armed = True  # progress again after a kept-alive hang: watch for the next one
+            if last is None and not no_trace_reported and status.idle_seconds >= self.config.hang_timeout \
+                    and status.limit > self.config.hang_timeout and self._startup_quiet():
+                # No rank has a trace after --hang-timeout: say where the ranks are (stacks) and why
+                # nothing was recorded, now; but stop the job only at the startup allowance, since
+                # loading and rendezvous before the first process group can legitimately take that long.
+                no_trace_reported = True
+                self._diagnose(status, no_trace=True)
             if desync is not None or (armed and status.idle_seconds >= status.limit):
                 hang = self._diagnose(status, desync)
                 if not self.config.keep_alive:
@@ -309,10 +317,11 @@ class _Run:
         if lags:
             self._write_manifest()
 
-    def _diagnose(self, status: RunStatus, desync: Desync | None = None) -> HangRecord:
+    def _diagnose(self, status: RunStatus, desync: Desync | None = None, no_trace: bool = False) -> HangRecord:
         """Ask the ranks for coverage records, dump stacks and the GPUs in parallel, and return
         the hang as recorded in the manifest. ``desync``: declared by the online detector, not by
-        the hang timeout."""
+        the hang timeout. ``no_trace``: no rank has a trace after ``--hang-timeout``; diagnosed from
+        the stacks, the job left running until the startup timeout."""
         if desync is not None:
             self.observer.desync_detected(desync, status)
         else:
@@ -327,16 +336,18 @@ class _Run:
                 targets[rank] = t.pid
         with ThreadPoolExecutor(max_workers=2) as pool:
             gpu = pool.submit(write_gpu_snapshot, self.dir.gpu, self.config.host)
-            dumps: list[StackDump] = []
-            if self.config.stacks:
-                dumps = dump_stacks([StackTarget(r, p) for r, p in sorted(targets.items())],
-                                    self.dir.stacks, self.config.host, self.config.native)
+            # Each rank's process state (/proc) is recorded with or without its stack (--no-stacks):
+            # a stopped rank is a fact the analysis needs; py-spy never attaches to one.
+            dumps: list[StackDump] = dump_stacks([StackTarget(r, p) for r, p in sorted(targets.items())],
+                                                 self.dir.stacks, self.config.host, self.config.native,
+                                                 py_spy=self.config.stacks)
             gpu_file = gpu.result()
         # A desync is already proven by the traces: the coverage records are wanted, not worth a second.
-        self._await_coverage(requested, self.config.coverage_wait / 2 if desync is not None else None)
+        if not no_trace:  # no recorder has a trace to answer with
+            self._await_coverage(requested, self.config.coverage_wait / 2 if desync is not None else None)
         hang = HangRecord(detected_at=requested, host=self.config.host,
                           hang_timeout=self.config.hang_timeout, idle_seconds=round(status.idle_seconds, 1),
-                          stopped=not self.config.keep_alive, gpu_file=str(gpu_file),
+                          stopped=not (self.config.keep_alive or no_trace), gpu_file=str(gpu_file),
                           lags=list(self.node.lags))
         found = desync or (self.detector.desync if self.detector is not None else None)
         if found is not None:
@@ -344,16 +355,43 @@ class _Run:
             hang.detection_latency_s = round(found.latency, 3)
         if desync is not None:
             hang.trigger = "desync"
+        elif no_trace:
+            hang.trigger = "no-trace"
+            hang.finding = self._why_no_trace(sorted(targets))
         by_rank = {d.rank: d for d in dumps}
         now = time.monotonic()
         for rank in sorted(set(self.tracker.ranks) | set(targets)):
             hang.ranks.append(self._rank_at_hang(rank, self.tracker.ranks.get(rank), targets.get(rank),
                                                  by_rank.get(rank), now))
-        self.node.status = Status.HANG
+        if not no_trace:
+            self.node.status = Status.HANG
         self.node.hang = hang
         self._write_manifest(coverage=self._coverage())
         self.observer.diagnosed(hang)
         return hang
+
+    def _startup_quiet(self) -> bool:
+        """--hang-timeout has passed since the last rank's recorder loaded. Before any has, the ranks
+        may still be importing torch (slow on a busy node): only the startup timeout applies then."""
+        loaded = recorder_markers(self.dir.control)
+        return bool(loaded) and time.time() - max(loaded.values()) >= self.config.hang_timeout
+
+    def _why_no_trace(self, ranks: list[int]) -> str:
+        """Why no rank has a trace: the recorder's install markers say whether it loaded."""
+        loaded = recorder_markers(self.dir.control)
+        if not ranks:
+            return ("no rank process was found under the launcher: the job has not started its workers "
+                    "(rendezvous, or the launcher itself is stuck)")
+        if not loaded:
+            return (f"the recorder has not loaded in any of the {len(ranks)} rank process(es): they have not imported "
+                    "torch yet, or moedoctor's bootstrap is not on their Python path (did the job replace PYTHONPATH, "
+                    "or start another interpreter?)")
+        missing = [r for r in ranks if r not in loaded]
+        text = (f"the recorder is loaded in rank(s) {','.join(map(str, sorted(loaded)))}, but no rank has created "
+                "its default process group yet (init_process_group / init_device_mesh not returned)")
+        if missing:
+            text += f"; not loaded in rank(s) {','.join(map(str, missing))}"
+        return text
 
     def _last_coverage(self) -> None:
         """Before stopping an interrupted job: its ranks' coverage records, if they come quickly."""

@@ -85,9 +85,10 @@ class RankAtHang:
 @dataclass
 class HangRecord:
     """The diagnosis of a stuck job. ``trigger`` says what declared it: ``hang`` (no progress for
-    ``hang_timeout``) or ``desync`` (the online detector saw two ranks of a group issue different
+    ``hang_timeout``), ``desync`` (the online detector saw two ranks of a group issue different
     collectives at one seq: ``finding`` in one line, ``detection_latency_s`` from the later of the two
-    issue times to the detection). ``lags``: ranks seen falling behind their group by a step."""
+    issue times to the detection) or ``no-trace`` (no rank had a trace after ``hang_timeout``:
+    diagnosed from stacks, ``finding`` says why nothing was recorded; the job is not stopped). ``lags``: ranks seen falling behind their group by a step."""
 
     detected_at: float
     host: str

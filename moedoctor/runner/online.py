@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from moedoctor.events import P2P_OPS, CollectiveEvent
+from moedoctor.events import CONTRACT_OPS, P2P_OPS, CollectiveEvent
 
 #: Members waiting this long without progress, at a seq a member has not reached, make a lag.
 LAG_IDLE = 1.0
@@ -55,6 +55,7 @@ class Desync:
     ranks: tuple[int, int]                  # the two ranks the line names
     issued_at: float                        # the later of those two issue times (ranks' wall clock)
     detected_at: float                      # when the detector saw it (this host's wall clock)
+    reason: str | None = None               # a size contract broken (all_to_all splits): which pair
 
     @property
     def latency(self) -> float:
@@ -63,6 +64,8 @@ class Desync:
     def line(self) -> str:
         a, b = self.ranks
         where = f"group {self.group}" + (f" ({self.group_desc})" if self.group_desc and self.group_desc != self.group else "")
+        if self.reason:
+            return f"{where} #{self.seq}, {self.ops[a].split('[')[0]}: {self.reason}"
         return f"{where} #{self.seq}, rank {a} {self.ops[a]} vs rank {b} {self.ops[b]}"
 
 
@@ -158,6 +161,8 @@ class DesyncDetector:
                 self.desync = self._finding(e, entry, classes)
         if len(entry.events) >= members:
             del by_seq[e.seq]
+            if self.desync is None and e.op in CONTRACT_OPS:
+                self._check_contract(e, entry)
 
     def _finding(self, e: CollectiveEvent, entry: _Entry, classes: list[tuple[int, ...]]) -> Desync:
         other_class = next(c for c in classes if e.rank not in c)
@@ -168,6 +173,23 @@ class DesyncDetector:
                       ops={r: describe(x, detail) for r, x in sorted(entry.events.items())},
                       classes=classes, ranks=(a.rank, b.rank), issued_at=max(a.time, b.time),
                       detected_at=self.clock())
+
+    def _check_contract(self, e: CollectiveEvent, entry: _Entry) -> None:
+        """Every member issued this variable-size collective: do their sizes pair up?"""
+        from moedoctor.analysis.contracts import breakers, breaches
+
+        found = breaches(entry.events, e.group.ranks)
+        if not found:
+            return
+        bad = breakers(found)
+        first = found[0]
+        a, b = sorted((first.sender, first.receiver))
+        self.desync = Desync(
+            group=e.group.name, group_desc=e.group.desc, group_ranks=e.group.ranks, seq=e.seq,
+            ops={r: describe(x, True) for r, x in sorted(entry.events.items())},
+            classes=[c for c in (tuple(r for r in e.group.ranks if r not in bad), bad) if c],
+            ranks=(a, b), issued_at=max(x.time for x in entry.events.values()), detected_at=self.clock(),
+            reason=first.line())
 
     def reset_rank(self, rank: int) -> None:
         """A rank restarted: its sequence numbers start again, and so does every group it is in

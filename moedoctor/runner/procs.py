@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from moedoctor.process_state import FROZEN_STATES, ProcessState  # noqa: F401 - re-exported for the runner
+
 PROC = Path("/proc")
 
 
@@ -34,6 +36,37 @@ def stat(pid: int) -> tuple[int, str] | None:
     except (OSError, IndexError):
         return None
     return int(fields[1]), fields[0]
+
+
+def wchan(pid: int) -> str | None:
+    """The kernel function the process sleeps in (``/proc/PID/wchan``), or None (running,
+    unreadable, or hidden by the kernel)."""
+    try:
+        value = (PROC / str(pid) / "wchan").read_text().strip()
+    except OSError:
+        return None
+    return value if value and value != "0" else None
+
+
+def process_state(pid: int, readings: int = 3, interval: float = 0.05) -> ProcessState:
+    """Read the process's state ``readings`` times, ``interval`` seconds apart (never signals or
+    attaches: reading ``/proc`` changes nothing)."""
+    samples = []
+    start = time.monotonic()
+    for i in range(max(1, readings)):
+        if i:
+            time.sleep(interval)
+        st = stat(pid)
+        samples.append(st[1] if st else "?")
+    return ProcessState("".join(samples), wchan(pid), round(time.monotonic() - start, 3))
+
+
+def more_readings(before: ProcessState, pid: int, started: float) -> ProcessState:
+    """``before`` with one more reading now (after a stack dump: a process stopped before it must
+    still be stopped after it); ``started``: the ``time.monotonic()`` of the first reading."""
+    st = stat(pid)
+    return ProcessState(before.samples + (st[1] if st else "?"), before.wchan or wchan(pid),
+                        round(time.monotonic() - started, 3))
 
 
 def environ(pid: int) -> dict[str, str] | None:
@@ -139,14 +172,29 @@ def stop_processes(find: Callable[[], list[JobProcess]], grace: float = 5.0,
             except (ProcessLookupError, PermissionError):
                 pass
 
-    send(signal.SIGTERM, [p.pid for p in find()])
+    def wake_stopped(pids: list[int]) -> None:
+        # A stopped process (state T) keeps a SIGTERM pending until it runs again: continue it so
+        # that it ends now (the shell's ``kill`` does the same), not at the SIGKILL after ``grace``.
+        for pid in pids:
+            st = stat(pid)
+            if st is not None and st[1] == "T":
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    first = [p.pid for p in find()]
+    send(signal.SIGTERM, first)
+    wake_stopped(first)
     deadline = time.monotonic() + grace
     try:
         while time.monotonic() < deadline:
             left = find()
             if not left:
                 return sorted(signalled)
-            send(signal.SIGTERM, [p.pid for p in left if p.pid not in signalled])
+            fresh = [p.pid for p in left if p.pid not in signalled]
+            send(signal.SIGTERM, fresh)
+            wake_stopped(fresh)
             time.sleep(poll)
     except KeyboardInterrupt:
         pass  # a second Ctrl-C: go straight to SIGKILL

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from moedoctor.cli.main import app
@@ -75,20 +77,29 @@ def test_help_explains():
 
 
 def test_no_permission_to_read_stacks_says_how_to_fix(tmp_path):
-    """py-spy refused (as without SYS_PTRACE in a container): a py-spy on PATH that fails like the real one."""
+    """py-spy refused (as without SYS_PTRACE in a container): a py-spy on PATH that fails like the real one.
+    As root, moedoctor runs without CAP_SYS_PTRACE (setpriv), so that the message is true: it must
+    name the capability, and never tell root to run as root."""
     fake = tmp_path / "bin" / "py-spy"
     fake.parent.mkdir()
     fake.write_text("#!/bin/sh\necho 'Error: Failed to attach: Operation not permitted (os error 1)' >&2\nexit 1\n")
     fake.chmod(0o755)
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root, and no setpriv to drop CAP_SYS_PTRACE")
+        prefix = ["setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-sys_ptrace", "--"]
     rank = subprocess.Popen(["sleep", "30"], env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"})
     try:
-        done = subprocess.run([sys.executable, "-m", "moedoctor", "triage", "--pid", str(rank.pid)],
+        done = subprocess.run([*prefix, sys.executable, "-m", "moedoctor", "triage", "--pid", str(rank.pid)],
                               capture_output=True, text=True, timeout=60, cwd=tmp_path,
                               env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "300",
                                    "PATH": f"{fake.parent}:{os.environ['PATH']}"})
         assert done.returncode == 2, done.stdout + done.stderr
         assert "could not read any rank's stack" in done.stderr
         assert "SYS_PTRACE" in done.stderr and "root" in done.stderr
+        if os.geteuid() == 0:
+            assert "run moedoctor as root" not in done.stderr and "runs as root, but without" in done.stderr
         assert rank.poll() is None
     finally:
         rank.kill()

@@ -141,12 +141,14 @@ def test_triage_job_under_moedoctor_run_gives_the_full_pattern(tmp_path):
         job.stop()
 
 
-def test_triage_hardware_like_is_not_a_desync_and_leaves_the_stopped_rank_stopped(tmp_path):
+def test_triage_hardware_like_names_the_stopped_rank_and_leaves_it_stopped(tmp_path):
     job = plain_job("hardware_like", tmp_path)  # rank 1 SIGSTOPs itself inside the all_reduce
     try:
-        code, doc = triage_when(job, tmp_path, lambda d: d["pattern"] == "not-a-desync")
+        code, doc = triage_when(job, tmp_path, lambda d: d["pattern"] == "rank-stopped")
         ranks = job.ranks()
         assert code == 1 and doc["verdict"] == "stuck", doc["summary"]
+        assert doc["culprit_ranks"] == [1] and "rank 1's process is stopped (state T" in doc["summary"]
+        assert doc["suggestion"]["call_site"] is None and "permission" not in json.dumps(doc).lower()
         assert both_in_collectives(doc), doc["ranks"]
         states = {r: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] for r, pid in ranks.items()}
         assert states[1] in ("T", "t"), states  # read without attaching: not woken up

@@ -65,6 +65,20 @@ def test_p2p_matched_per_peer_pair():
     assert div.kind == DivergenceKind.P2P and not div.missing
 
 
+def test_p2p_matched_per_direction_when_both_neighbours_send_first():
+    """A 1F1B batch_isend_irecv: each rank posts its send before its recv; a's sends meet b's recvs."""
+    a, b = ranks(2)
+    for _ in range(3):
+        a.p2p("send", 1, (3, 16))
+        b.p2p("send", 0, (3, 16))
+        a.p2p("recv", 1, (3, 16))
+        b.p2p("recv", 0, (3, 16))
+    assert all_divergences(RunView(run_of(a, b))) == []
+    a.p2p("recv", 1, (3, 16), done=False)        # a recv rank 1 never sends
+    (div,) = all_divergences(RunView(run_of(a, b, hang=True)))
+    assert div.kind == DivergenceKind.P2P and div.missing == (1,) and div.seq == 7
+
+
 def test_groups_matched_separately_and_interleaving_may_differ():
     g1, g2 = Group("1", "tp", (0, 1)), Group("2", "dp", (0, 1))
     a, b = ranks(2)

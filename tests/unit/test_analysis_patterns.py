@@ -42,7 +42,9 @@ def test_not_a_desync_points_at_hardware_not_code():
     report = analyze(SCENARIOS["not-a-desync"][0]())
     assert report.divergence.kind == DivergenceKind.STALLED and report.fixes == [] and report.verify_command is None
     text = " ".join(report.evidence)
-    assert "NVML" in text and "snapshot request" in text and "rank 1's stack could not be read" in text
+    assert "NVML" in text and "snapshot request" in text
+    assert "completion is observed on every member" in text and "every rank's stack is inside all_reduce" in text
+    assert report.candidates[0].score == 0.9
 
 
 def test_straggler_names_the_function_it_is_stuck_in():

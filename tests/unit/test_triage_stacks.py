@@ -84,11 +84,32 @@ def test_no_rank_in_a_collective_is_not_a_collective_hang():
     assert report.verdict == Verdict.HEALTHY and not report.problem_found
 
 
-def test_a_stopped_rank_in_the_same_collective_is_not_a_desync():
+def test_a_stopped_rank_in_the_same_collective_is_rank_stopped():
     stacks = {r: dump(r, in_collective("all_reduce", 42)) for r in (0, 1)}
     report = report_from_stacks(stacks, source="x", states={0: "S", 1: "T"})
-    assert report.pattern == "not-a-desync" and report.culprit_ranks == [1]
+    assert report.pattern == "rank-stopped" and report.culprit_ranks == [1]
     assert any("state T" in e for e in report.evidence)
+    assert report.suggestion.call_site is None and "kill -CONT 1001" in report.suggestion.text
+
+
+def test_a_stopped_rank_outside_any_collective_is_rank_stopped_not_a_straggler():
+    """SIGSTOP in the job's own code: its stack is outside any collective, like a straggler's, but
+    it does not run at all; the readings recorded with the dump say so."""
+    from moedoctor.runner.procs import ProcessState
+
+    stacks = {0: dump(0, in_collective("all_reduce", 53)), 1: dump(1, (Frame("main", TRAIN, 48),))}
+    stacks[1].process = ProcessState("TTTT", "do_signal_stop", 0.2)
+    stacks[0].process = ProcessState("SSSS", None, 0.2)
+    report = report_from_stacks(stacks, source="x")
+    assert report.pattern == "rank-stopped" and report.verdict == Verdict.STUCK and report.culprit_ranks == [1]
+    assert "rank 0 waits in all_reduce" in report.summary and "Not a code desync" in report.summary
+
+
+def test_ranks_in_different_collectives_with_one_stopped_are_not_called_a_desync():
+    stacks = {0: dump(0, in_collective("all_reduce", 45)), 1: dump(1, in_collective("all_gather", 69))}
+    report = report_from_stacks(stacks, source="x", states={0: "S", 1: "D"})
+    assert report.pattern == "rank-stopped" and report.verdict == Verdict.STUCK
+    assert "uninterruptible sleep" in report.summary and "dmesg" in report.suggestion.text
 
 
 def test_unreadable_and_absent_ranks_are_listed_as_incomplete():

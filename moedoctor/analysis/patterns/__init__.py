@@ -27,9 +27,9 @@ THRESHOLD = 0.4
 TIE = 0.01
 
 MODULES = (
-    "skipped_optimizer_step", "inflight_metric_allreduce", "uneven_dtensor_allgather", "inactive_experts",
+    "all_to_all_split_mismatch", "skipped_optimizer_step", "inflight_metric_allreduce", "uneven_dtensor_allgather", "inactive_experts",
     "rank_conditional_collective", "microbatch_count_mismatch", "collective_order_inversion", "shape_mismatch",
-    "straggler", "not_a_desync", "unknown_desync",
+    "rank_stopped", "straggler", "not_a_desync", "unknown_desync",
 )
 
 
@@ -69,7 +69,7 @@ class Context:
 
     def desync_kind(self) -> bool:
         return self.div is not None and self.div.kind in (DivergenceKind.MISMATCH, DivergenceKind.MISSING,
-                                                         DivergenceKind.P2P)
+                                                         DivergenceKind.P2P, DivergenceKind.CONTRACT)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ def classify(ctx: Context) -> Finding | None:
                                       f"{div.per_rank[r].op} {[list(s) for s in div.per_rank[r].shapes]}"
                                       + (f" of FSDP unit {div.per_rank[r].module}" if div.per_rank[r].module else ""))
                      for r in other[:4])
+    if not any(t.module is not None or t.numel > SMALL for t in theirs):
+        return None  # nothing large or FSDP-issued to be matched against: no sign of collectives in flight
     score = 0.3
     evidence = [f"at #{div.seq} of group {div.group.label()} {names(small)} issued a {v.numel}-element all_reduce "
                 f"from user code ({v.short_site}) where the others issued {desc}"]

@@ -10,7 +10,9 @@ they are stuck in. Without traces (stuck before ``init_process_group``) the stac
 ranks inside torch.distributed (waiting at rendezvous), others elsewhere.
 
 Risk: a rank that skipped a collective and then blocked in user code looks the same; the stack
-names the function, which tells them apart. Without a stack the score stays low.
+names the function, which tells them apart. Without a stack the score stays low. A rank whose
+process does not run at all (state ``T`` or ``D`` when the hang was diagnosed) is not stuck in its
+own code: that is ``rank-stopped``, and this pattern does not claim it.
 
 Fix: none in the collectives; find why that function does not return.
 """
@@ -30,7 +32,7 @@ def classify(ctx: Context) -> Finding | None:
         ranks = sorted(view.run.stacks)
         outside = [r for r in ranks if view.in_distributed(r) is False]
         inside = [r for r in ranks if view.in_distributed(r)]
-        if not outside or not inside or any(view.died(r) for r in outside):
+        if not outside or not inside or any(view.died(r) or view.frozen(r) for r in outside):
             return None
         evidence = [_where(view, r) for r in outside]
         evidence.append(f"{names(inside)} {'waits' if len(inside) == 1 else 'wait'} inside torch.distributed "
@@ -39,7 +41,7 @@ def classify(ctx: Context) -> Finding | None:
     if not (div.kind == DivergenceKind.MISSING or (div.kind == DivergenceKind.P2P and div.missing)):
         return None
     roots = sorted(ctx.culprits.ranks) or sorted(div.missing)
-    if not roots or any(view.died(r) for r in roots):
+    if not roots or any(view.died(r) or view.frozen(r) for r in roots):
         return None
     waiting = sorted(r for r, v in div.per_rank.items() if v is not None)
     v = div.per_rank[waiting[0]]
@@ -54,7 +56,7 @@ def classify(ctx: Context) -> Finding | None:
             done.append(True)
             continue
         done.append(last.completed is not None)
-        state = "completed" if last.completed is not None else "did not complete"
+        state = ("completed" if last.completed is not None else "did not complete") + view.completion_note(r, last)
         evidence.append(f"rank {r}'s last collective, {last.op} #{last.seq} of group {last.group.name}, {state}")
     if all(i is False for i in inside) and all(done):
         evidence.extend(_where(view, r) for r in roots)

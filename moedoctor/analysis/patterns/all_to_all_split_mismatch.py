@@ -1,0 +1,57 @@
+"""``all-to-all-split-mismatch``: the ranks disagree on how many rows travel between them.
+
+Mechanism: expert-parallel token dispatch sends each expert's tokens with ``all_to_all_single``
+and uneven, data-dependent splits. The receive counts must come from the senders (an all_to_all of
+the counts first); a rank that computes its ``output_split_sizes`` locally (from its own routing, a
+stale step, a capacity formula) expects a different number of rows than its peers send. Gloo aborts
+with a size error, NCCL hangs or silently mixes tokens. The same holds for ``gather`` / ``scatter``
+lists against the peers' tensors.
+
+Evidence: every member issued the same op at one sequence number (so the signature agrees), and
+the pairwise contract breaks: rank i's output split for j differs from rank j's input split for i
+(``analysis.contracts``). The culprit is the rank every breach names as the receiver (or sender).
+Uneven splits that respect the contract are healthy and never reach this pattern.
+
+Risk: low; the breach is arithmetic on recorded sizes. Which side is wrong is inferred (the one
+rank all breaches share); when several ranks' receive counts are off, all of them are named.
+
+Fix: exchange the counts first (``all_to_all_single`` of the per-expert counts) and use what was
+received as ``output_split_sizes``; never derive receive counts locally.
+
+Variants covered: ``tests/jobs/a2a_split_mismatch.py`` (counts computed locally), the held-out EP jobs.
+"""
+
+from __future__ import annotations
+
+from moedoctor.analysis.model import DivergenceKind, Suggestion
+from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+
+
+def classify(ctx: Context) -> Finding | None:
+    div = ctx.div
+    if div is None or div.kind != DivergenceKind.CONTRACT:
+        return None
+    bad = div.classes[-1] if len(div.classes) > 1 else ()
+    v = next((div.per_rank[r] for r in bad if div.per_rank.get(r) is not None), None)
+    v = v or next(x for x in div.per_rank.values() if x is not None)
+    evidence = [f"every rank of group {div.group.label()} issued {v.op} #{div.seq} ({v.short_site}), but the sizes "
+                f"they exchange do not pair up: " + "; ".join(div.breaches[:6])
+                + (f" (and {len(div.breaches) - 6} more)" if len(div.breaches) > 6 else "")]
+    if v.splits is not None:
+        evidence.append("splits (input / output rows per member): " + "; ".join(
+            f"rank {r}: {list(x.splits[0]) or 'equal'} / {list(x.splits[1]) or 'equal'}"
+            for r, x in div.per_rank.items() if x is not None and x.splits is not None))
+    if bad:
+        evidence.append(f"{names(bad)} disagree{'s' if len(bad) == 1 else ''} with every peer it exchanges with: "
+                        "its receive counts were not taken from what the senders announced")
+    return Finding(0.95, tuple(evidence), culprits=tuple(bad) or None,
+                   suggestion=Suggestion(v.call_site, v.function, _ADVICE))
+
+
+_ADVICE = ("Exchange the per-destination counts first (dist.all_to_all_single on the counts tensor) and pass "
+           "what was received as output_split_sizes; never compute the receive counts locally.")
+
+PATTERN = Pattern(
+    id="all-to-all-split-mismatch", title="all_to_all split mismatch", fixes=(), desync=True, classify=classify,
+    advice=_ADVICE,
+)
