@@ -1,25 +1,46 @@
-"""The one error type moedoctor's commands raise, and the exit statuses it documents.
+"""The one error type moedoctor's commands raise, and the exit statuses it documents (the one place
+they are defined; docs/guarantees.md lists them too).
 
-Exit statuses of ``moedoctor`` commands:
+Exit statuses of ``moedoctor analyze`` / ``triage`` (and of the library's errors):
 
-- ``0``..``255`` from the job: when the job run by ``moedoctor run`` ends by itself, its own exit
-  status passes through unchanged (a job killed by signal N gives ``128 + N``, as a shell would).
+- ``EXIT_OK`` (0): healthy, with evidence: a readable trace of every rank that ran.
+- ``EXIT_FINDING`` (1): a desync, a stuck job or a crashed rank was found (``moedoctor verify``:
+  the fix was not verified).
+- ``EXIT_BAD_INPUT`` (2, also ``EXIT_USAGE``): the command line, the run directory or the input was
+  refused or cannot back a verdict (unreadable, foreign, too large, a rank's trace missing); nothing
+  was run. The reason is one line on stderr.
+- ``EXIT_INTERNAL`` (3): an unexpected exception inside moedoctor itself; one line on stderr naming
+  the exception and, when known, the file being read. Never a traceback (``MOEDOCTOR_DEBUG=1``
+  re-raises it).
+
+``moedoctor run`` passes the job's own status through (``0``..``255``; a job killed by signal N gives
+``128 + N``, as a shell would), and adds:
+
 - ``EXIT_HANG`` (124, as ``timeout(1)`` uses): a hang, or a desync seen online, was detected and the
   job was stopped.
-- ``1`` from ``moedoctor analyze`` / ``triage`` (a problem was found) and ``moedoctor verify`` (the
-  fix was not verified).
-- ``EXIT_USAGE`` (2): the command line or the run directory was refused; nothing was run.
 - ``EXIT_INTERRUPTED`` (130): moedoctor was interrupted (Ctrl-C or SIGTERM); the job was stopped.
+- ``EXIT_USAGE`` (2): refused (e.g. the run directory belongs to another live run); nothing was run.
 
-``moedoctor.cli.main.main`` is the one place that turns a ``MoedoctorError`` into a message on
-stderr and its exit status.
+``moedoctor.cli.main.main`` is the one place that turns a ``MoedoctorError`` (or an unexpected
+exception) into a message on stderr and its exit status.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_FINDING = 1
+EXIT_BAD_INPUT = 2
+EXIT_USAGE = EXIT_BAD_INPUT
+EXIT_INTERNAL = 3
 EXIT_HANG = 124
-EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+
+#: Attribute set on an unexpected exception raised while a file was being read (``reading``).
+_FILE_ATTR = "_moedoctor_file"
 
 
 class MoedoctorError(Exception):
@@ -29,3 +50,39 @@ class MoedoctorError(Exception):
         super().__init__(message)
         self.message = message
         self.exit_code = exit_code
+
+
+@contextlib.contextmanager
+def reading(path: Path | str) -> Iterator[None]:
+    """Tag an unexpected exception raised inside with the file being read (the innermost wins), so
+    that the internal-error message can name it."""
+    try:
+        yield
+    except MoedoctorError:
+        raise
+    except Exception as e:
+        if getattr(e, _FILE_ATTR, None) is None:
+            try:
+                setattr(e, _FILE_ATTR, str(path))
+            except Exception:  # noqa: BLE001 - an exception type without a __dict__
+                pass
+        raise
+
+
+def file_of(e: BaseException) -> str | None:
+    """The file an unexpected exception was raised reading, if ``reading`` tagged it."""
+    value = getattr(e, _FILE_ATTR, None)
+    return value if isinstance(value, str) else None
+
+
+def internal_error_line(e: BaseException, limit: int = 300) -> str:
+    """One bounded line for an unexpected exception: never the repr of an unbounded value."""
+    try:
+        text = str(e)
+    except Exception:  # noqa: BLE001
+        text = "?"
+    text = " ".join(text[:limit].split()) + ("..." if len(text) > limit else "")
+    where = file_of(e)
+    where = f" while reading {where[:500]}" if where else ""
+    return (f"internal error{where}: {type(e).__name__}: {text} (a bug in moedoctor; "
+            "MOEDOCTOR_DEBUG=1 shows the traceback)")

@@ -20,13 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moedoctor.analysis.completion import fuse_flight_recorder
-from moedoctor.errors import EXIT_USAGE, MoedoctorError
+from moedoctor.errors import EXIT_USAGE, MoedoctorError, reading
 from moedoctor.events import CallSite, CollectiveEvent, Coverage, Evidence
 from moedoctor.runner.manifest import HangRecord, RankExit, hang_of, load_manifest
+from moedoctor.runner.rundir import supervisor_alive
 from moedoctor.runner.stacks import StackDump, read_stack_dump
 from moedoctor.trace.format import recorder_markers
 from moedoctor.trace.reader import (
-    Annotation, Completion, RankTrace, TraceError, TraceFile, completion_source, trace_paths,
+    MAX_DIM, MAX_DIMS, MAX_HEADER_BYTES, MAX_RECORD_BYTES, MAX_STRING, MAX_TENSORS, MAX_WORLD_SIZE,
+    Annotation, Completion, RankTrace, TraceError, TraceFile, bounded_int, completion_source, trace_paths,
 )
 
 #: Above this many bytes of trace files the streaming path is used (see ``moedoctor.analysis.scan``).
@@ -71,6 +73,7 @@ class ManifestInfo:
     exits: dict[int, RankExit]
     world_size: int | None
     coverage_gaps: list[str] = field(default_factory=list)
+    launcher_exits: list[int | None] = field(default_factory=list)  # one per node
 
 
 @dataclass
@@ -188,13 +191,48 @@ def _note_world(run: RunData, note_other_ranks: bool) -> None:
         run.incomplete.append(f"traces disagree on the world size ({sorted(sizes)}): traces of different runs?")
     run.world_size = max(sizes) if sizes else None
     if run.world_size:
-        absent = sorted(set(range(run.world_size)) - {t.rank for t in run.traces})
+        absent = absent_ranks(run)
         if absent and (run.traces or run.kind != SourceKind.RUN_DIR or note_other_ranks):
             run.incomplete.append(f"no trace of rank{'s' if len(absent) > 1 else ''} {_ranges(absent)}"
                                   f" (of world size {run.world_size})")
 
 
-def _ranges(ranks: list[int]) -> str:
+def absent_ranks(run: RunData) -> list[int]:
+    """Ranks below the world size without a trace. The world size is bounded at the boundary
+    (``MAX_WORLD_SIZE``), and only the ranks present are hashed: no set of the whole range."""
+    present = {t.rank for t in run.traces}
+    return [r for r in range(min(run.world_size or 0, MAX_WORLD_SIZE)) if r not in present]
+
+
+def evidence_problem(run: RunData) -> str | None:
+    """Why a verdict of healthy would have no evidence behind it, in one line; None when every
+    rank that ran has a readable trace (the world size from the headers or the manifest against the
+    ranks present). A healthy verdict with a reason here is bad input (exit 2), not healthy."""
+    first_problem = next((line for line in run.incomplete if "left out" in line or "unreadable" in line), None)
+    context = f" ({_clip(first_problem, 200)})" if first_problem else ""
+    if not run.traces:
+        m = run.manifest
+        if (m is not None and m.status in ("finished", "interrupted") and run.kind == SourceKind.RUN_DIR
+                and not recorder_markers(run.path / "control")):
+            codes = [c for c in m.launcher_exits if c not in (None, 0)]
+            how = f"the launcher exited with status {codes[0]}" if codes else "the launcher ended"
+            return (f"the job never started: no rank wrote a trace and moedoctor's recorder loaded in no rank "
+                    f"({how}; see its log, job.log)")
+        return f"{run.path}: no readable moedoctor trace, so no verdict{context}"
+    if not run.world_size:
+        return f"{run.path}: the world size is unknown, so a healthy verdict has no evidence{context}"
+    absent = absent_ranks(run)
+    if absent:
+        return (f"{run.path}: no readable trace of rank{'s' if len(absent) > 1 else ''} {_ranges(absent)} "
+                f"(world size {run.world_size}): healthy cannot be told{context}")
+    return None
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _ranges(ranks: list[int], limit: int = 20) -> str:
     out, start = [], None
     for i, r in enumerate(ranks):
         if start is None:
@@ -202,6 +240,8 @@ def _ranges(ranks: list[int]) -> str:
         if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
             out.append(str(start) if start == r else f"{start}-{r}")
             start = None
+    if len(out) > limit:
+        return ",".join(out[:limit]) + f" and {len(out) - limit} more ranges"
     return ",".join(out)
 
 
@@ -218,15 +258,31 @@ def read_rank_trace(path: Path, incomplete: list[str]) -> RankTrace | None:
         incomplete.append(f"{Path(path).name}: left out: {e}")
         return None
     folder = TraceFolder(tf)
-    with f:
-        offset = len(f.readline())
-        for line in f:
+    with f, reading(path):
+        offset = len(f.readline(MAX_HEADER_BYTES + 1))
+        for line in _bounded_lines(f):
             if not folder.feed(line, offset):
                 break
             offset += len(line)
-    trace = folder.finish()
+        trace = folder.finish()
     incomplete.extend(trace.problems)
     return trace
+
+
+def _bounded_lines(f, limit: int = MAX_RECORD_BYTES):
+    """The file's lines; one longer than ``limit`` is not held in memory: it comes back as its first
+    ``limit + 1`` bytes (which the parser refuses as over the cap) and the rest is skipped."""
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if len(line) > limit and not line.endswith(b"\n"):
+            rest = f.readline(1 << 20)
+            while rest and not rest.endswith(b"\n"):
+                rest = f.readline(1 << 20)
+            # keep the line ending (a whole record, refused for its size), not the bytes
+            line = line + b"\n" if rest else line
+        yield line
 
 
 class TraceFolder:
@@ -291,6 +347,14 @@ def _int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _str(x) -> bool:
+    return isinstance(x, str) and len(x) <= MAX_STRING
+
+
+def _opt_str(x) -> bool:
+    return x is None or _str(x)
+
+
 def _num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -305,7 +369,8 @@ def _shapes(x) -> bool:
             return True
     except TypeError:
         return False
-    ok = isinstance(x, tuple) and all(isinstance(s, tuple) and all(_int(d) for d in s) for s in x)
+    ok = isinstance(x, tuple) and len(x) <= MAX_TENSORS and all(
+        isinstance(s, tuple) and len(s) <= MAX_DIMS and all(_int(d) and 0 <= d <= MAX_DIM for d in s) for s in x)
     if ok and len(_GOOD_SHAPES) < 100_000:
         _GOOD_SHAPES.add(x)
     return ok
@@ -317,7 +382,7 @@ def _strs(x) -> bool:
             return True
     except TypeError:
         return False
-    ok = isinstance(x, tuple) and all(isinstance(d, str) for d in x)
+    ok = isinstance(x, tuple) and len(x) <= MAX_TENSORS and all(_str(d) for d in x)
     if ok and len(_GOOD_STRINGS) < 10_000:
         _GOOD_STRINGS.add(x)
     return ok
@@ -332,8 +397,8 @@ def _is_group(g) -> bool:
             return True
     except TypeError:
         return False
-    ok = (isinstance(g.name, str) and isinstance(g.desc, str) and isinstance(g.ranks, tuple)
-          and all(_int(r) for r in g.ranks))
+    ok = (_str(g.name) and _str(g.desc) and isinstance(g.ranks, tuple) and len(g.ranks) <= MAX_WORLD_SIZE
+          and all(_int(r) and 0 <= r < MAX_WORLD_SIZE for r in g.ranks))
     if ok and len(_GOOD_GROUPS) < 10_000:
         _GOOD_GROUPS.add(g)
     return ok
@@ -344,12 +409,12 @@ def _checked(item):
     if item is None:
         return None
     if isinstance(item, CollectiveEvent):
-        ok = (_int(item.event_id) and _num(item.time) and _int(item.seq) and isinstance(item.op, str)
-              and isinstance(item.raw_op, str) and _shapes(item.in_shapes) and _shapes(item.out_shapes)
-              and _strs(item.dtypes) and isinstance(item.reduce_op, (str, type(None)))
-              and _int(item.step) and isinstance(item.module, (str, type(None)))
+        ok = (_int(item.event_id) and _num(item.time) and _int(item.seq) and _str(item.op)
+              and _str(item.raw_op) and _shapes(item.in_shapes) and _shapes(item.out_shapes)
+              and _strs(item.dtypes) and _opt_str(item.reduce_op)
+              and _int(item.step) and _opt_str(item.module)
               and (item.peer is None or _int(item.peer)) and (item.p2p_seq is None or _int(item.p2p_seq))
-              and _is_group(item.group) and isinstance(item.thread, str)
+              and _is_group(item.group) and _str(item.thread)
               and (item.call_site is None or _site_ok(item.call_site)))
         if not ok:
             raise TypeError("collective record of the wrong types")
@@ -375,7 +440,8 @@ def _checked(item):
 
 
 def _site_ok(site: CallSite) -> bool:
-    return isinstance(site.file, str) and _int(site.line) and isinstance(site.function, str)
+    return (_str(site.file) and _int(site.line) and _str(site.function) and isinstance(site.stack, tuple)
+            and len(site.stack) <= 64 and all(_str(f) for f in site.stack))
 
 
 def last_sequences(traces: list[RankTrace]) -> tuple[dict[int, dict[str, int]], dict[int, dict[tuple[str, int], int]]]:
@@ -410,8 +476,18 @@ def _read_manifest(path: Path, incomplete: list[str]) -> ManifestInfo | None:
     except (OSError, ValueError) as e:
         incomplete.append(f"manifest.json unreadable ({e}): rank exit statuses and the hang record are unknown")
         return None
+    world = raw.get("world_size")
     info = ManifestInfo(status=raw.get("status") if isinstance(raw.get("status"), str) else None, hang=None,
-                        exits={}, world_size=raw.get("world_size") if _int(raw.get("world_size")) else None)
+                        exits={}, world_size=world if _int(world) and 0 < world <= MAX_WORLD_SIZE else None)
+    if _int(world) and world > MAX_WORLD_SIZE:
+        incomplete.append(f"manifest.json: world size {bounded_int(world)} is beyond {MAX_WORLD_SIZE}: ignored")
+    nodes = raw.get("nodes")
+    if isinstance(nodes, dict):
+        info.launcher_exits = [n.get("launcher_exit") if _int(n.get("launcher_exit")) else None
+                               for n in list(nodes.values())[:1000] if isinstance(n, dict)]
+    if info.status == "running" and supervisor_alive(path.parent) is False:
+        incomplete.append("manifest.json says 'running' but no moedoctor holds the run directory any more: its "
+                          "supervisor was killed (kill -9?) before it could record how the run ended")
     try:
         info.hang = hang_of(raw)
     except Exception as e:  # noqa: BLE001 - a damaged hang record leaves the rest usable

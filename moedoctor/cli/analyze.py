@@ -8,8 +8,10 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from moedoctor.analysis import Verdict, load_run
 from moedoctor.analysis import analyze as analyze_run
-from moedoctor.analysis import load_run
+from moedoctor.analysis.load import evidence_problem
+from moedoctor.errors import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_OK, MoedoctorError, reading
 from moedoctor.render.html import write_html
 from moedoctor.render.json_report import dumps
 from moedoctor.render.perfetto import write_perfetto
@@ -18,10 +20,10 @@ from moedoctor.render.terminal import render_report
 app = typer.Typer()
 
 #: ``moedoctor analyze`` exits with this when it finds a desync, a stuck job or a crashed rank.
-EXIT_PROBLEM = 1
+EXIT_PROBLEM = EXIT_FINDING
 
-EPILOG = ("Exit status: 0 healthy; 1 a desync, a stuck job or a crashed rank was found; 2 the input could "
-          "not be analyzed. Example: moedoctor analyze moedoctor-runs/20250101-120000 --html report.html")
+EPILOG = ("Exit status: 0 healthy (a readable trace of every rank); 1 a desync, a stuck job or a crashed rank "
+          "was found; 2 the input could not be analyzed or cannot back a verdict; 3 an internal error. Example: moedoctor analyze moedoctor-runs/20250101-120000 --html report.html")
 
 
 @app.command(epilog=EPILOG)
@@ -38,8 +40,13 @@ def analyze(
 ) -> None:
     """Find where the ranks diverged, name the deadlock pattern, the culprit ranks and the call site,
     and print the fix with the command that verifies it."""
-    run = load_run(path)
-    report = analyze_run(run)
+    with reading(path):
+        run = load_run(path)
+        report = analyze_run(run)
+    if report.verdict == Verdict.HEALTHY:
+        problem = evidence_problem(run)
+        if problem is not None:  # healthy needs evidence: every rank's trace, readable
+            raise MoedoctorError(problem, EXIT_BAD_INPUT)
     if json_out:
         typer.echo(dumps(report))
     else:
@@ -49,4 +56,4 @@ def analyze(
         err.print(f"Perfetto trace: {write_perfetto(run, report, perfetto)}", highlight=False, soft_wrap=True)
     if html is not None:
         err.print(f"HTML report: {write_html(report, html)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(EXIT_PROBLEM if report.problem_found else 0)
+    raise typer.Exit(EXIT_PROBLEM if report.problem_found else EXIT_OK)

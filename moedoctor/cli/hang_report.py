@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from moedoctor.analysis import Verdict, analyze, load_run
+from moedoctor.analysis.load import evidence_problem
 from moedoctor.errors import MoedoctorError
 from moedoctor.render.json_report import write_json
 from moedoctor.render.terminal import render_report
@@ -66,6 +67,9 @@ def analysis_report(layout: RunDir, console: Console, quiet_if_healthy: bool = F
     try:
         run = load_run(layout.path)
         report = analyze(run)
+        problem = evidence_problem(run) if report.verdict == Verdict.HEALTHY else None
+        if problem is not None:  # never "Healthy: 0 collectives" for a job that never started
+            raise MoedoctorError(problem)
         path = write_json(report, layout.report)
     except MoedoctorError as e:
         console.print(f"[yellow]moedoctor: no analysis:[/] {escape(e.message)}", highlight=False, soft_wrap=True)
@@ -114,7 +118,7 @@ def report_after_run(result: RunResult, console: Console) -> None:
     if result.hang is not None:
         console.print(f"A hang was diagnosed at {time.strftime('%H:%M:%S', time.localtime(result.hang.detected_at))}"
                       " and the job left running (--keep-alive); see the manifest's hang record.", soft_wrap=True)
-    if result.coverage is not None:
+    if result.coverage is not None and any(layout.traces.glob("rank-*.jsonl")):  # nothing to cover otherwise
         _print_coverage({"complete": result.coverage.complete, "gaps": result.coverage.gaps}, console)
     if result.job_exit is not None:  # ended by itself: explain it (a crashed rank, or confirm it was healthy)
         written = analysis_report(layout, console, quiet_if_healthy=True)

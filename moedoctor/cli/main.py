@@ -1,8 +1,10 @@
 """The ``moedoctor`` application: subcommands are joined here, and ``main`` is the one place that
-turns a ``MoedoctorError`` into a message on stderr and its exit status."""
+turns a ``MoedoctorError`` into a message on stderr and its exit status, and any other exception
+(moedoctor's own bug) into one line and ``EXIT_INTERNAL`` (3)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -11,7 +13,7 @@ from rich.markup import escape
 
 import moedoctor
 from moedoctor.cli import analyze, fixes, run, triage, verify
-from moedoctor.errors import MoedoctorError
+from moedoctor.errors import EXIT_INTERNAL, MoedoctorError, internal_error_line
 
 app = typer.Typer(
     name="moedoctor",
@@ -47,3 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     except MoedoctorError as e:
         Console(stderr=True).print(f"[bold red]moedoctor:[/] {escape(e.message)}", highlight=False)
         sys.exit(e.exit_code)
+    except Exception as e:  # noqa: BLE001 - moedoctor's own bug: one line and exit 3, never a traceback
+        if os.environ.get("MOEDOCTOR_DEBUG"):
+            raise
+        Console(stderr=True).print(f"[bold red]moedoctor:[/] {escape(internal_error_line(e))}", highlight=False,
+                                   soft_wrap=True)
+        sys.exit(EXIT_INTERNAL)

@@ -24,7 +24,8 @@ app = typer.Typer()
 
 EPILOG = ("Example: moedoctor run --hang-timeout 120 -- torchrun --nproc_per_node=8 train.py "
           "--config big.yaml.  Exit status: the job's own; 124 when a hang or (online) a desync was "
-          "detected and the job stopped; 130 when interrupted; 2 when refused.")
+          "detected and the job stopped; 130 when interrupted; 2 when refused. If moedoctor is killed, the job "
+          "is stopped too (not with --keep-alive).")
 
 
 @app.command(
@@ -38,8 +39,10 @@ def run(
         show_default=False)] = None,
     run_dir: Annotated[Optional[Path], typer.Option(
         "--run-dir", help="Where to record the run (manifest, traces/, stacks/, gpu/, job.log). Default: a "
-        "new timestamped folder under ./moedoctor-runs/. A folder holding a running run of the same "
-        "command is joined: that is how every node of a multi-node job shares one run directory.",
+        "new timestamped folder under ./moedoctor-runs/. A folder belongs to one job: its live moedoctor holds "
+        "a lock there, and a second run of the same node is refused; another node of the same job (same "
+        "command up to --node_rank) joins it: that is how every node of a multi-node job shares one run "
+        "directory.",
         show_default=False)] = None,
     force: Annotated[bool, typer.Option(
         "--force", help="Reuse a non-empty --run-dir, replacing the run recorded there.")] = False,

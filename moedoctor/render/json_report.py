@@ -11,6 +11,14 @@ from pathlib import Path
 import moedoctor
 from moedoctor.analysis.model import Divergence, OpView, Report, WaitEdge
 
+#: Tensors per op shown in the report (a record may hold 4096): the rest are counted in ``shapes_total``.
+MAX_SHAPES = 32
+#: Above this size the report's long lists (groups, wait_for, ranks, incomplete, evidence) are cut
+#: to ``CUT_TO`` entries each and ``"truncated": true`` is set, so that the report stays bounded.
+MAX_REPORT_BYTES = 32 << 20
+CUT_TO = 100
+_CUT_KEYS = ("groups", "wait_for", "incomplete", "evidence", "candidates")
+
 
 def report_to_dict(report: Report) -> dict:
     return {
@@ -49,12 +57,16 @@ def report_to_dict(report: Report) -> dict:
 def op_to_dict(op: OpView | None) -> dict | None:
     if op is None:
         return None
-    return {
-        "seq": op.seq, "op": op.op, "shapes": [list(s) for s in op.shapes],
-        "out_shapes": [list(s) for s in op.out_shapes], "dtypes": list(op.dtypes), "reduce_op": op.reduce_op,
+    doc = {
+        "seq": op.seq, "op": op.op, "shapes": [list(s) for s in op.shapes[:MAX_SHAPES]],
+        "out_shapes": [list(s) for s in op.out_shapes[:MAX_SHAPES]], "dtypes": list(op.dtypes[:MAX_SHAPES]),
+        "reduce_op": op.reduce_op,
         "call_site": op.call_site, "function": op.function, "phase": op.phase, "step": op.step, "module": op.module,
         "peer": op.peer, "completed": op.completed, "time": op.time,
     }
+    if max(len(op.shapes), len(op.out_shapes), len(op.dtypes)) > MAX_SHAPES:
+        doc["shapes_total"] = [len(op.shapes), len(op.out_shapes)]
+    return doc
 
 
 def divergence_to_dict(div: Divergence | None) -> dict | None:
@@ -76,8 +88,21 @@ def _edge(e: WaitEdge) -> dict:
     return {"rank": e.rank, "group": e.group, "seq": e.seq, "op": e.op, "waits_for": list(e.waits_for)}
 
 
-def dumps(report: Report) -> str:
-    return json.dumps(report_to_dict(report), indent=1, allow_nan=False, default=str)
+def dumps(report: Report, limit: int | None = None) -> str:
+    """The report as JSON, at most about ``MAX_REPORT_BYTES``: beyond, its long lists are cut."""
+    limit = MAX_REPORT_BYTES if limit is None else limit
+    doc = report_to_dict(report)
+    text = json.dumps(doc, indent=1, allow_nan=False, default=str)
+    if len(text) <= limit:
+        return text
+    for key in _CUT_KEYS:
+        if isinstance(doc.get(key), list):
+            doc[key] = doc[key][:CUT_TO]
+    if isinstance(doc.get("ranks"), dict) and len(doc["ranks"]) > CUT_TO:
+        keep = set(map(str, report.culprit_ranks)) | set(list(doc["ranks"])[:CUT_TO])
+        doc["ranks"] = {r: v for r, v in doc["ranks"].items() if r in keep}
+    doc["truncated"] = True
+    return json.dumps(doc, indent=1, allow_nan=False, default=str)
 
 
 def write_json(report: Report, path: Path) -> Path:

@@ -43,6 +43,17 @@ def _module_of(args: list[str]) -> str | None:
     return None
 
 
+def node_rank(command: list[str]) -> str:
+    """The command's ``--node_rank`` (``--node-rank``) value as written; ``"0"`` when absent."""
+    for i, arg in enumerate(command):
+        if arg in _PER_NODE_OPTIONS and i + 1 < len(command):
+            return command[i + 1]
+        for option in _PER_NODE_OPTIONS:
+            if arg.startswith(option + "="):
+                return arg[len(option) + 1:]
+    return "0"
+
+
 def same_job(a: list[str], b: list[str]) -> bool:
     """Whether two nodes run the same job: equal commands except for the node rank option."""
     return _without_node_rank(a) == _without_node_rank(b)

@@ -4,8 +4,10 @@ around this; what the user sees is the ``RunObserver``'s business."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import signal
 import socket
 import subprocess
 import threading
@@ -138,6 +140,29 @@ def job_environment(config: RunConfig, run_dir: RunDir, launch_id: str) -> dict[
     return env
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM):
+    """A ``preexec_fn`` that makes the launcher get ``sig`` when moedoctor dies, however it dies
+    (``kill -9`` included): torchrun then stops its workers, so the job never runs on unsupervised.
+    Linux only (``prctl(PR_SET_PDEATHSIG)``); None elsewhere. The signal follows the death of the
+    *thread* that starts the job, so ``run_job`` must run in a thread that lives as long as the run.
+    With ``--keep-alive`` it is not set: the job is meant to outlive moedoctor's verdict."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork: nothing to load after
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # moedoctor died before the prctl took effect
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
 def run_job(config: RunConfig, observer: RunObserver | None = None) -> RunResult:
     """Run the job to its end, or until a hang is diagnosed (and the job stopped), or until
     interrupted (``KeyboardInterrupt``: the job is stopped, the manifest finalized)."""
@@ -183,7 +208,8 @@ class _Run:
             try:
                 self.proc = subprocess.Popen(self.config.command, env=env, stdin=subprocess.DEVNULL,
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                             start_new_session=True)
+                                             start_new_session=True,
+                                             preexec_fn=None if self.config.keep_alive else die_with_parent())
             except OSError as e:
                 self._finish(Status.FINISHED, EXIT_NOT_FOUND)
                 raise MoedoctorError(f"cannot start {self.config.command[0]!r}: {e.strerror}",

@@ -1,20 +1,33 @@
 """The run directory: the unit of capture (manifest, per-rank traces, stacks, GPU snapshots, the
-job's log), and the rules for choosing, reusing and joining one."""
+job's log), and the rules for choosing, reusing and joining one.
+
+A run directory belongs to one job. Each node's live supervisor holds an exclusive ``fcntl.flock``
+on ``supervisor-node<R>.lock`` (R: its ``--node_rank``) for as long as it lives; the kernel releases
+it when the process dies, however it dies. So a second ``moedoctor run`` of the same node on the
+same directory is refused (naming the pid that holds it), another node of the same job (same
+command up to ``--node_rank``, so the same rendezvous id) joins, and a manifest left ``running`` by a
+supervisor that was killed (no lock held) is stale: the directory is then a finished run, reused
+only with ``--force``, which is refused too while any supervisor holds a lock there."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from moedoctor.errors import EXIT_USAGE, MoedoctorError
-from moedoctor.runner.command import same_job
+from moedoctor.runner.command import node_rank, same_job
 
 MANIFEST_NAME = "manifest.json"
+LOCK_GLOB = "supervisor-node*.lock"
+#: Lock files this process holds (path -> descriptor), for its whole life: the kernel drops them at exit.
+_HELD: dict[str, int] = {}
 #: What ``--force`` clears from a reused run directory; other files of the user's are left alone.
 _OWN_ENTRIES = ("traces", "stacks", "gpu", "control", "fixes", "flight_recorder", MANIFEST_NAME,
                 MANIFEST_NAME + ".lock", "job.log", "report.json", "verification.json", "fix-config.json", "job-*.log")
@@ -86,37 +99,148 @@ def default_run_dir(base: Path, now: datetime | None = None) -> Path:
     return candidate
 
 
-def prepare_run_dir(path: Path, command: list[str], force: bool) -> bool:
-    """Make ``path`` ready for a run of ``command``; return True when joining a run in progress.
+def lock_path(path: Path, command: list[str]) -> Path:
+    """The lock file of the node that runs ``command`` in the run directory ``path``."""
+    rank = "".join(c if c.isalnum() or c in "-_" else "_" for c in node_rank(command))[:32]
+    return Path(path) / f"supervisor-node{rank}.lock"
 
-    A run directory whose manifest describes a still-running run of the same job is joined (each
-    node of a multi-node job runs the same command against one shared directory). Any other
-    non-empty directory is refused unless ``force``, which clears moedoctor's own entries in it.
+
+def _acquire(lock: Path) -> str | None:
+    """Take ``lock`` for the life of this process; None when taken (or already ours), else who holds it."""
+    if str(lock) in _HELD:
+        return None
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = _holder(fd)
+        os.close(fd)
+        return holder
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+    _HELD[str(lock)] = fd
+    return None
+
+
+def release(lock: Path) -> None:
+    """Give up a lock this process holds (the kernel does it anyway when the process exits)."""
+    fd = _HELD.pop(str(lock), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    try:
+        words = os.pread(fd, 200, 0).decode(errors="replace").split()
+    except OSError:
+        words = []
+    if len(words) >= 2:
+        return f"moedoctor pid {words[0]} on {words[1]}"
+    return "another moedoctor"
+
+
+def held_by_others(path: Path) -> list[str]:
+    """Who holds the supervisor locks in ``path`` other than this process (live supervisors)."""
+    holders = []
+    for lock in sorted(Path(path).glob(LOCK_GLOB)):
+        if str(lock) in _HELD:
+            continue
+        try:
+            fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            holders.append(_holder(fd))
+        finally:
+            os.close(fd)
+    return holders
+
+
+def supervisor_alive(path: Path) -> bool | None:
+    """Whether a supervisor of this host still holds a lock in ``path``: True, False (a manifest left
+    ``running`` is then stale), or None when the directory has no lock file (a run before locks)."""
+    if not any(Path(path).glob(LOCK_GLOB)):
+        return None
+    return bool(held_by_others(path)) or any(str(p) in _HELD for p in Path(path).glob(LOCK_GLOB))
+
+
+def prepare_run_dir(path: Path, command: list[str], force: bool) -> bool:
+    """Make ``path`` ready for a run of ``command`` and lock it for this process; return True when
+    joining a run in progress.
+
+    A run directory whose manifest describes a running run of the same job whose supervisor is
+    alive (it holds its lock; or it runs on another host, where this one cannot tell) is joined by
+    another node of that job (each node runs the same command, up to ``--node_rank``, against one
+    shared directory). A node already supervised there is refused, naming the pid. Any other
+    non-empty directory is refused unless ``force``, which clears moedoctor's own entries in it (and
+    is refused while another supervisor holds a lock there).
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise MoedoctorError(f"run directory {path} exists and is not a directory", EXIT_USAGE)
-    if path.is_dir() and any(path.iterdir()):
-        if _running_same_job(RunDir(path), command):
-            return True
-        if not force:
-            raise MoedoctorError(
-                f"run directory {path} is not empty: choose another --run-dir, or pass --force to "
-                "replace the run recorded there", EXIT_USAGE)
-        for pattern in _OWN_ENTRIES:
-            for entry in path.glob(pattern):
-                if entry.is_dir():
-                    shutil.rmtree(entry)
-                else:
-                    entry.unlink()
-    path.mkdir(parents=True, exist_ok=True)
+    lock = lock_path(path, command)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        holder = _acquire(lock)
+    except OSError as e:
+        raise MoedoctorError(f"cannot use run directory {path}: {e.strerror or e}", EXIT_USAGE) from None
+    if holder is not None:
+        raise MoedoctorError(f"run directory {path} belongs to a live run: {holder} holds {lock.name} "
+                             "(the same node of a job cannot run twice in one run directory); choose another "
+                             "--run-dir", EXIT_USAGE)
+    try:
+        return _prepare_locked(path, command, force)
+    except BaseException:
+        release(lock)
+        raise
+
+
+def _prepare_locked(path: Path, command: list[str], force: bool) -> bool:
+    if not any(p for p in path.iterdir() if not p.match(LOCK_GLOB)):
+        return False
+    others = held_by_others(path)
+    manifest = _manifest(RunDir(path))
+    running = _running_same_job(manifest, command)
+    if running and (others or _remote_nodes_running(manifest)):
+        return True
+    if others:
+        raise MoedoctorError(f"run directory {path} belongs to a live run ({others[0]}) of "
+                             f"{'another' if not running else 'this'} job; choose another --run-dir", EXIT_USAGE)
+    if not force:
+        stale = (" (its manifest says 'running' but no supervisor holds it any more: the run ended when "
+                 "its moedoctor was killed)" if manifest.get("status") == "running" else "")
+        raise MoedoctorError(
+            f"run directory {path} is not empty{stale}: choose another --run-dir, or pass --force to "
+            "replace the run recorded there", EXIT_USAGE)
+    for pattern in _OWN_ENTRIES:
+        for entry in path.glob(pattern):
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
     return False
 
 
-def _running_same_job(run_dir: RunDir, command: list[str]) -> bool:
+def _manifest(run_dir: RunDir) -> dict:
     try:
         manifest = json.loads(run_dir.manifest.read_text())
-    except (OSError, ValueError):
-        return False
-    return (isinstance(manifest, dict) and manifest.get("status") == "running"
-            and isinstance(manifest.get("command"), list) and same_job(manifest["command"], command))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def _running_same_job(manifest: dict, command: list[str]) -> bool:
+    return (manifest.get("status") == "running" and isinstance(manifest.get("command"), list)
+            and same_job(manifest["command"], command))
+
+
+def _remote_nodes_running(manifest: dict) -> bool:
+    """A node of the manifest still running on another host: its lock cannot be tested from here
+    (the file system may not share flock), so it is taken as alive."""
+    nodes = manifest.get("nodes")
+    here = socket.gethostname()
+    return isinstance(nodes, dict) and any(
+        isinstance(n, dict) and n.get("status") == "running" and n.get("host") not in (None, here)
+        for n in nodes.values())

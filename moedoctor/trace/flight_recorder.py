@@ -23,13 +23,19 @@ from pathlib import Path
 import moedoctor
 from moedoctor.events import CallSite, CollectiveEvent, Group, Phase, TraceHeader
 from moedoctor.trace import safe_pickle
-from moedoctor.trace.reader import RankTrace, TraceError
+from moedoctor.trace.reader import MAX_DIM, MAX_DIMS, MAX_STRING, MAX_TENSORS, RankTrace, TraceError, short
 
 FORMAT_NAME = "pytorch-flight-recorder"
 MAX_STACK = 8  # user frames kept per call site, as the recorder keeps
 MAX_PROBLEMS = 20  # per rank; the rest are counted
 SNIFF_BYTES = 4096
 MAX_RANKS = 1 << 20  # a rank number beyond this is damage, not a job
+#: Bounds on a loaded dump's structure, checked once before anything reads it (``_check_bounds``):
+#: nesting depth, items in one list or dict, items in all, and the length of one string.
+MAX_DEPTH = 32
+MAX_ITEMS = 1 << 20
+MAX_TOTAL_ITEMS = 1 << 24
+MAX_DUMP_STRING = 1 << 20
 
 #: Keys of a dump and of its entries; two of them in a file's first bytes mark it as a dump.
 _DUMP_TOKENS = (b"entries", b"pg_config", b"pg_status", b"comm_lib_version", b"nccl_comm_state",
@@ -190,6 +196,10 @@ def _candidates(folder: Path) -> list[tuple[Path, int | None]]:
 
 def _load_dump(path: Path, rank: int) -> _Dump:
     try:
+        size = path.stat().st_size
+        if size > safe_pickle.MAX_BYTES:
+            raise TraceError(f"{path}: {size} bytes is larger than a Flight Recorder dump can be "
+                             f"(at most {safe_pickle.MAX_BYTES})")
         data = path.read_bytes()
     except OSError as e:
         raise TraceError(f"{path}: cannot read ({e.strerror or e})") from None
@@ -205,7 +215,41 @@ def _load_dump(path: Path, rank: int) -> _Dump:
                              f"{str(e)[:120]})") from None
     if not isinstance(raw, dict) or not _TOP_KEYS.intersection(k for k in raw if isinstance(k, str)):
         raise TraceError(f"{path}: not a Flight Recorder dump (no entries, pg_config or pg_status)")
+    _check_bounds(raw, path)
     return _Dump(path, rank, encoding, raw, [])
+
+
+def _check_bounds(raw: object, path: Path) -> None:
+    """Refuse a dump whose structure is beyond what Flight Recorder writes: nested deeper than
+    ``MAX_DEPTH``, a list or dict of more than ``MAX_ITEMS``, ``MAX_TOTAL_ITEMS`` in all, a string of
+    more than ``MAX_DUMP_STRING``. Iterative, and each container is visited once, so a pickle whose
+    memo makes a cycle or an exponentially large DAG (a 2 KB file) costs its size, not its expansion."""
+    seen: set[int] = set()
+    stack: list[tuple[object, int]] = [(raw, 1)]
+    total = 0
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (str, bytes)):
+            if len(value) > MAX_DUMP_STRING:
+                raise TraceError(f"{path}: a string of {len(value)} characters (over {MAX_DUMP_STRING}): "
+                                 "not a Flight Recorder dump")
+            continue
+        if not isinstance(value, (list, tuple, dict)) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if depth > MAX_DEPTH:
+            raise TraceError(f"{path}: nested deeper than {MAX_DEPTH} levels: not a Flight Recorder dump")
+        if len(value) > MAX_ITEMS:
+            raise TraceError(f"{path}: a {type(value).__name__} of {len(value)} items (over {MAX_ITEMS}): "
+                             "not a Flight Recorder dump")
+        total += len(value)
+        if total > MAX_TOTAL_ITEMS:
+            raise TraceError(f"{path}: more than {MAX_TOTAL_ITEMS} values: not a Flight Recorder dump")
+        items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+        for k, v in items:
+            if isinstance(k, (str, bytes)) and len(k) > MAX_DUMP_STRING:
+                raise TraceError(f"{path}: a key of {len(k)} characters: not a Flight Recorder dump")
+            stack.append((v, depth + 1))
 
 
 def _one_per_rank(dumps: list[_Dump], incomplete: list[str]) -> list[_Dump]:
@@ -364,8 +408,8 @@ def _event(entry, rank: int, groups: dict[str, Group], memberships, world_size: 
         group = groups[name] = Group(name, desc, ranks)
 
     raw_op = entry["profiling_name"]
-    if not isinstance(raw_op, str):
-        raise TypeError("profiling_name is not a string")
+    if not isinstance(raw_op, str) or len(raw_op) > MAX_STRING:
+        raise TypeError("profiling_name is not a string of at most 4096 characters")
     op, peer = normalize_op(raw_op)
     is_p2p = entry.get("is_p2p")
     is_p2p = op in ("send", "recv") if not isinstance(is_p2p, bool) else is_p2p
@@ -404,21 +448,33 @@ def normalize_op(profiling_name: str) -> tuple[str, int | None]:
 
 
 def _count(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} is {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_DIM:
+        raise ValueError(f"{what} is {short(value)}")  # never the repr of a container: it may be huge
     return value
 
 
 def _shapes(value) -> tuple[tuple[int, ...], ...]:
     if value is None:
         return ()
-    return tuple(tuple(int(d) for d in shape) for shape in value)
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_TENSORS:
+        raise ValueError(f"sizes are {short(value)} of {len(value) if isinstance(value, (list, tuple)) else '?'} "
+                         f"items (at most {MAX_TENSORS})")
+    shapes = []
+    for shape in value:
+        if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS:
+            raise ValueError(f"a shape is {short(shape)} (at most {MAX_DIMS} dimensions)")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape):
+            raise ValueError(f"a shape holds a dimension that is not an int in 0..{MAX_DIM}")
+        shapes.append(tuple(shape))
+    return tuple(shapes)
 
 
 def _dtypes(value) -> tuple[str, ...]:
     if value is None:
         return ()
-    names = [_DTYPES.get(d, d.lower()) for d in value if isinstance(d, str)]
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_TENSORS:
+        raise TypeError(f"input_dtypes is {short(value)}")
+    names = [_DTYPES.get(d, d.lower()) for d in value if isinstance(d, str) and len(d) <= 64]
     if len(names) != len(value):
         raise TypeError("input_dtypes holds a non-string")
     return tuple(dict.fromkeys(names))
@@ -433,10 +489,10 @@ def _call_site(frames) -> CallSite | None:
         if not isinstance(frame, dict):
             continue
         file, line, fn = frame.get("filename"), frame.get("line"), frame.get("name")
-        if not isinstance(file, str) or _INTERNAL_FRAME.search(file):
+        if not isinstance(file, str) or len(file) > MAX_STRING or _INTERNAL_FRAME.search(file):
             continue
         line = line if isinstance(line, int) and not isinstance(line, bool) else 0
-        user.append((file, line, fn if isinstance(fn, str) else "?"))
+        user.append((file, line, fn[:MAX_STRING] if isinstance(fn, str) else "?"))
         if len(user) == MAX_STACK:
             break
     if not user:
@@ -494,7 +550,7 @@ def _version_text(value) -> str:
 
 
 def _text(value) -> str:
-    return value if isinstance(value, str) else ""
+    return value[:MAX_STRING] if isinstance(value, str) else ""
 
 
 def _int_or(value, default: int) -> int:

@@ -19,7 +19,36 @@ from moedoctor.trace import format as fmt
 
 
 #: What a corrupt record line raises in ``TraceFile.parse_line``.
-RECORD_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError)
+RECORD_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError)
+
+#: Bounds on what a trace may claim: beyond them it is damage (or hostile), not a job.
+MAX_WORLD_SIZE = 1 << 20
+MAX_HEADER_BYTES = 64 << 10
+#: A record line longer than this is skipped as corrupt without being parsed (a real one is < 10 KB).
+MAX_RECORD_BYTES = 1 << 20
+#: Longest string field kept in a record (op names, threads, files, group names).
+MAX_STRING = 4096
+#: Per collective record: tensors per list, dimensions per shape, and the size of one dimension.
+MAX_TENSORS = 4096
+MAX_DIMS = 64
+MAX_DIM = (1 << 63) - 1
+
+
+def short(value) -> str:
+    """A value for a message, bounded: the repr of a small scalar, else only its type (never the
+    repr of a container, which may be huge or, from a pickle's memo, exponentially large)."""
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return repr(value)
+    if isinstance(value, int):
+        return bounded_int(value)
+    if isinstance(value, (str, bytes)):
+        return repr(value[:40]) + ("..." if len(value) > 40 else "")
+    return f"a {type(value).__name__}"
+
+
+def bounded_int(n: int) -> str:
+    """An int for a message, bounded: never formats a number of thousands of digits."""
+    return str(n) if -(1 << 64) < n < (1 << 64) else f"a {n.bit_length()}-bit number"
 
 
 class TraceError(Exception):
@@ -70,26 +99,35 @@ class RankTrace:
 
 def read_header(path: Path) -> TraceHeader:
     with open(path, "rb") as f:
-        first = f.readline()
+        first = f.readline(MAX_HEADER_BYTES + 1)
+    if len(first) > MAX_HEADER_BYTES:
+        raise TraceError(f"{path}: not a moedoctor trace (a first line over {MAX_HEADER_BYTES} bytes)")
     try:
         raw = json.loads(first)
-    except ValueError as e:
-        raise TraceError(f"{path}: not a moedoctor trace (unreadable header: {e})") from None
+    except (ValueError, RecursionError) as e:
+        raise TraceError(f"{path}: not a moedoctor trace (unreadable header: {str(e)[:120]})") from None
     if not isinstance(raw, dict) or raw.get("format") != fmt.FORMAT_NAME:
-        raise TraceError(f"{path}: not a moedoctor trace (format {raw.get('format')!r})"
+        raise TraceError(f"{path}: not a moedoctor trace (format {short(raw.get('format'))})"
                          if isinstance(raw, dict) else f"{path}: not a moedoctor trace")
     if raw.get("version") != fmt.FORMAT_VERSION:
-        raise TraceError(f"{path}: trace format version {raw.get('version')!r} is not supported "
+        raise TraceError(f"{path}: trace format version {short(raw.get('version'))} is not supported "
                          f"(this moedoctor reads version {fmt.FORMAT_VERSION})")
     try:
-        return TraceHeader(
+        header = TraceHeader(
             format=raw["format"], version=raw["version"], rank=int(raw["rank"]),
             local_rank=int(raw["local_rank"]), world_size=int(raw["world_size"]), host=str(raw["host"]),
             pid=int(raw["pid"]), torch_version=str(raw["torch"]), moedoctor_version=str(raw["moedoctor"]),
             start_time=float(raw["start_time"]),
         )
-    except (KeyError, TypeError, ValueError) as e:
-        raise TraceError(f"{path}: malformed header ({e!r})") from None
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        raise TraceError(f"{path}: malformed header ({type(e).__name__}: {str(e)[:120]})") from None
+    if not 0 < header.world_size <= MAX_WORLD_SIZE:
+        raise TraceError(f"{path}: malformed header (world size {bounded_int(header.world_size)} outside "
+                         f"1..{MAX_WORLD_SIZE})")
+    if not 0 <= header.rank < header.world_size:
+        raise TraceError(f"{path}: malformed header (rank {bounded_int(header.rank)} outside the world size "
+                         f"{header.world_size})")
+    return header
 
 
 class TraceFile:
@@ -101,7 +139,7 @@ class TraceFile:
         self.header = read_header(self.path)
         self.problems: list[str] = []
         with open(self.path, "rb") as f:
-            if not f.readline().endswith(b"\n"):
+            if not f.readline(MAX_HEADER_BYTES + 1).endswith(b"\n"):
                 self.problems.append(f"{self.path.name}: truncated after its header (no record)")
         self.capped = False
         self.groups: dict[int, Group] = {}
@@ -127,6 +165,8 @@ class TraceFile:
         site, cap) that only updates this reader's state. Raises one of ``RECORD_ERRORS``.
 
         For readers that follow a growing file (the watchdog): lines must come in file order."""
+        if len(line) > MAX_RECORD_BYTES:
+            raise ValueError(f"a record of {len(line)} bytes (over {MAX_RECORD_BYTES})")
         return self._parse(json.loads(line), self.header.rank)
 
     def _parse(self, rec: dict, rank: int):

@@ -48,8 +48,9 @@ _REFUSED_WHY = {
     "EXT4": "imports a registered extension",
 }
 
-#: Dumps larger than this are refused rather than loaded (a full 2000-entry dump is a few MB).
-MAX_BYTES = 1 << 30
+#: Dumps larger than this are refused rather than loaded (a full 2000-entry dump is a few MB); the
+#: same cap applies to JSON dumps (``flight_recorder``).
+MAX_BYTES = 256 << 20
 
 
 class PickleRefused(TraceError):

@@ -92,5 +92,5 @@ def test_bad_input_exits_2(args, tmp_path, capsys):
 def test_help_documents_exit_statuses():
     result = runner.invoke(app, ["analyze", "--help"], terminal_width=200)
     assert result.exit_code == 0
-    for text in ("--json", "--perfetto", "--html", "Exit status: 0 healthy; 1"):
+    for text in ("--json", "--perfetto", "--html", "Exit status: 0 healthy", "3 an internal error"):
         assert text in result.output

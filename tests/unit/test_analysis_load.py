@@ -273,3 +273,23 @@ def test_mangled_flight_recorder_dumps_never_raise(tmp_path_factory, kind, ops):
         assert e.exit_code == 2
         return
     report_to_dict(analyze(run))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(sorted(_BASE)), ops=st.lists(st.tuples(st.integers(0, 7), mangle), min_size=1, max_size=4))
+def test_mangled_traces_exit_0_1_2_and_healthy_only_with_every_rank(tmp_path_factory, name, ops):
+    """Issue 12: every mangled input ends in 0, 1 or 2 (never 3, never a traceback), and 0 (healthy)
+    only when every rank's trace is there with a readable header."""
+    from moedoctor.cli.main import main
+
+    folder = tmp_path_factory.mktemp("exit")
+    files = _apply(_BASE[name], ops)
+    for rank, data in enumerate(files):
+        if data is not None:
+            (folder / f"rank-{rank:05d}.jsonl").write_bytes(data)
+    with pytest.raises(SystemExit) as e:
+        main(["analyze", str(folder), "--json"])
+    assert e.value.code in (0, 1, 2), ops
+    if e.value.code == 0:
+        assert all(data is not None for data in files), ops
+        assert not any(op[0] == "header" for _, op in ops), ops

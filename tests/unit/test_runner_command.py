@@ -60,11 +60,57 @@ def test_refuses_a_non_empty_run_dir_without_force(tmp_path):
     assert not (tmp_path / "traces").exists() and (tmp_path / "notes.txt").exists()
 
 
-def test_joins_a_running_run_of_the_same_job(tmp_path):
+NODE0 = ["torchrun", "--nnodes=2", "--node_rank=0", "--rdzv_id=7", "train.py"]
+NODE1 = ["torchrun", "--nnodes=2", "--node_rank=1", "--rdzv_id=7", "train.py"]
+
+
+def hold_lock(path, pid=4242, host="otherhost"):
+    """Hold a supervisor's lock as another live moedoctor would (another open file description)."""
+    import fcntl
+    import os
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, f"{pid} {host}\n".encode())
+    return fd
+
+
+def test_joins_a_running_run_of_the_same_job_from_another_node(tmp_path):
+    import os
+
+    from moedoctor.runner.rundir import lock_path
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"status": "running", "command": NODE0}))
+    fd = hold_lock(lock_path(tmp_path, NODE0))
+    try:
+        assert prepare_run_dir(tmp_path, NODE1, force=False) is True  # another node of the same job
+        with pytest.raises(MoedoctorError, match="pid 4242 on otherhost") as e:  # the same node again
+            prepare_run_dir(tmp_path, NODE0, force=False)
+        assert e.value.exit_code == EXIT_USAGE
+        with pytest.raises(MoedoctorError, match="pid 4242"):  # --force never replaces a live run
+            prepare_run_dir(tmp_path, NODE0, force=True)
+        with pytest.raises(MoedoctorError, match="live run"):  # another job
+            prepare_run_dir(tmp_path, ["torchrun", "--node_rank=3", "other.py"], force=False)
+    finally:
+        os.close(fd)  # the supervisor dies: the kernel drops its lock
+
+
+def test_a_running_manifest_without_a_live_supervisor_is_stale(tmp_path):
+    from moedoctor.runner.rundir import lock_path, release
+
     (tmp_path / "manifest.json").write_text(json.dumps({"status": "running", "command": TORCHRUN}))
-    assert prepare_run_dir(tmp_path, TORCHRUN, force=False) is True
-    with pytest.raises(MoedoctorError):
-        prepare_run_dir(tmp_path, ["torchrun", "other.py"], force=False)
+    (tmp_path / "traces").mkdir()
+    lock_path(tmp_path, TORCHRUN).write_text("999999 gone\n")  # left by a kill -9'd supervisor, not held
+    with pytest.raises(MoedoctorError, match="no supervisor holds it"):
+        prepare_run_dir(tmp_path, TORCHRUN, force=False)
+    with pytest.raises(MoedoctorError, match="not empty"):
+        prepare_run_dir(tmp_path, NODE1, force=False)  # not joined either
+    assert prepare_run_dir(tmp_path, TORCHRUN, force=True) is False
+    assert not (tmp_path / "traces").exists()
+    release(lock_path(tmp_path, TORCHRUN))
+
+
+def test_a_finished_run_is_not_joined(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"status": "finished", "command": TORCHRUN}))
     with pytest.raises(MoedoctorError):
         prepare_run_dir(tmp_path, TORCHRUN, force=False)
