@@ -1,9 +1,9 @@
 """Process groups created every way a job creates them, for the recorder's coverage tests.
 
 ``--setup``: ``mesh`` (``init_device_mesh`` alone, no ``init_process_group`` call), ``by-name``
-(``init_process_group`` imported by name), ``store`` (an explicit ``TCPStore``), ``subgroups``
-(``new_subgroups`` and ``new_group``), ``split`` (``split_group`` where the backend has it, else
-``new_group``). Each rank then runs a few collectives on every group; with ``--desync`` rank 1 skips
+(``init_process_group`` imported by name), ``store`` (an explicit ``TCPStore``, then ``new_subgroups``
+and ``new_group``), ``subgroups`` (the same without the store), ``split`` (``split_group`` where the
+backend has it, else ``new_group``). Each rank then runs a few collectives on every group; with ``--desync`` rank 1 skips
 one all_reduce on the last group at step 2, so the job hangs until the group timeout.
 """
 
@@ -31,9 +31,9 @@ def setup(kind: str, backend: str) -> list:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, world,
                               int(os.environ["RANK"]) == 0, timeout=TIMEOUT)
         init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world, timeout=TIMEOUT)
-        return [dist.group.WORLD]
-    init_process_group(backend, timeout=TIMEOUT)
-    if kind == "subgroups":
+    else:
+        init_process_group(backend, timeout=TIMEOUT)
+    if kind in ("store", "subgroups"):
         mine, _ = dist.new_subgroups(group_size=world)
         return [dist.group.WORLD, mine, dist.new_group(list(range(world)))]
     if kind == "split":
