@@ -97,6 +97,13 @@ def _traced(tensor: torch.Tensor) -> bool:
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
+
+def _is_nccl(pg) -> bool:
+    try:
+        return "nccl" in str(dist.get_backend(pg)).lower()
+    except Exception:
+        return False
+
 MAX_SHAPES = 64  # tensors described per side of one collective; the rest are counted, not listed
 MAX_PENDING = 4096  # collectives watched for completion; a backend whose works never report it
 #                    (e.g. the fake backend) must not make each poll slower than the last
@@ -477,22 +484,21 @@ class Recorder:
                 pass  # a value we could not read is evidence we do not have
 
     def write_coverage(self, reason: str) -> None:
-        """Compare each group's recorded count with the backend's own sequence counter."""
+        """Compare each group's recorded count with the backend's own sequence counter (NCCL's
+        counts collectives only; Gloo's counts p2p ops too)."""
         from torch.distributed.distributed_c10d import _world
 
+        counts, dropped = {}, self._dropped
+        if self._native is not None and self._native.registered:  # [native seam] counters live in C++
+            counts, dropped = self._native.counts()
         groups = []
         for pg, name in list(_world.pg_names.items()):
             try:
                 backend = int(pg._get_sequence_number_for_group())
             except Exception:
                 backend = None
-            recorded = self._seq.get(name, 0) + self._p2p_seq.get(("#p2p", name), 0)
-            groups.append([name, recorded, backend])
-        dropped = self._dropped
-        if self._native is not None and self._native.registered:  # [native seam] counters live in C++
-            counts, dropped = self._native.counts()
-            for group in groups:
-                group[1] = counts.get(group[0], 0)
+            collectives, p2p = counts.get(name) or (self._seq.get(name, 0), self._p2p_seq.get(("#p2p", name), 0))
+            groups.append([name, collectives + (0 if _is_nccl(pg) else p2p), backend])
         with self._lock:
             self._write(fmt.encode({"k": fmt.COVERAGE, "t": time.time(), "reason": reason,
                                     "groups": groups, "dropped": dropped}))

@@ -113,3 +113,22 @@ def test_registry_one_module_per_pattern_with_docstrings():
         "skipped-optimizer-step": ("skip-step-collectively",),
         "inflight-metric-allreduce": ("metrics-after-microbatches",),
         "uneven-dtensor-allgather": ("key-manifest-checkpoint",), "inactive-experts": ("expert-dense",)}
+
+
+def test_a_cycle_closed_by_a_collective_only_one_rank_issues_is_not_named_an_inversion():
+    """Rank 1 issues an extra all_reduce on a subgroup (a call site rank 0 never used) while rank 0
+    waits in the world's next all_reduce: the waits form a cycle, but nothing was reordered."""
+    from analysis_scenarios import DP, TP
+    from event_factory import ranks, run_of
+
+    a, b = ranks(2)
+    for step in range(2):
+        for r in (a, b):
+            r.coll("all_reduce", (8,), group=TP, step=step, line=30)
+    b.coll("all_reduce", (1,), group=DP, step=2, line=77, done=False)    # only rank 1, only now: it blocks
+    a.coll("all_reduce", (8,), group=TP, step=2, line=30, done=False)    # rank 0 waits in the next TP one
+    report = analyze(run_of(a, b, hang=True))
+    assert report.cycle
+    assert report.pattern != "collective-order-inversion", report.summary
+    assert any("never issued a collective from train.py:77" in e for e in report.evidence + [
+        x for c in report.candidates for x in c.evidence]), report.evidence

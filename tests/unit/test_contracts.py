@@ -150,3 +150,13 @@ def test_broadcast_roots_that_differ_are_a_mismatch():
     bs[1].coll("broadcast", (4,), root=1)
     report = analyze(run_of(*bs, hang=True))
     assert report.divergence.kind == DivergenceKind.MISMATCH
+
+
+def test_every_rank_computing_its_receive_counts_locally_names_them_all():
+    bs = ranks(2)
+    sends = [[3, 5], [2, 7]]
+    for i, b in enumerate(bs):  # each rank takes its own send counts as receive counts
+        b.coll("all_to_all", shapes=((sum(sends[i]), DIM),), out_shapes=((sum(sends[i]), DIM),),
+               splits=(sends[i], sends[i]))
+    report = analyze(run_of(*bs, hang=True))
+    assert report.pattern == "all-to-all-split-mismatch" and report.culprit_ranks == [0, 1]

@@ -31,7 +31,7 @@ def classify(ctx: Context) -> Finding | None:
     div = ctx.div
     if div is None or div.kind != DivergenceKind.CONTRACT:
         return None
-    bad = div.classes[-1] if len(div.classes) > 1 else ()
+    bad = div.classes[-1] if div.classes else ()  # the breakers' class (every rank when all disagree)
     v = next((div.per_rank[r] for r in bad if div.per_rank.get(r) is not None), None)
     v = v or next(x for x in div.per_rank.values() if x is not None)
     evidence = [f"every rank of group {div.group.label()} issued {v.op} #{div.seq} ({v.short_site}), but the sizes "
@@ -42,8 +42,9 @@ def classify(ctx: Context) -> Finding | None:
             f"rank {r}: {list(x.splits[0]) or 'equal'} / {list(x.splits[1]) or 'equal'}"
             for r, x in div.per_rank.items() if x is not None and x.splits is not None))
     if bad:
-        evidence.append(f"{names(bad)} disagree{'s' if len(bad) == 1 else ''} with every peer it exchanges with: "
-                        "its receive counts were not taken from what the senders announced")
+        evidence.append(f"{names(bad)} disagree{'s' if len(bad) == 1 else ''} with the peers "
+                        f"{'it exchanges' if len(bad) == 1 else 'they exchange'} with: receive counts not taken "
+                        "from what the senders announced")
     return Finding(0.95, tuple(evidence), culprits=tuple(bad) or None,
                    suggestion=Suggestion(v.call_site, v.function, _ADVICE))
 

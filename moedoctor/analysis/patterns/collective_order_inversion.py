@@ -10,7 +10,13 @@ which never issued it because it is blocked in group Y's collective waiting for 
 
 Risk: none of the per-group patterns can produce a cycle; a cycle built from stale completion
 state (a collective that did complete but whose completion was not recorded) would be wrong, which
-is why only each rank's last collective counts.
+is why only each rank's last collective counts. A collective that only some ranks issue (a
+rank-conditional all_reduce on a subgroup, a tensor-parallel all_reduce one rank skipped) closes a
+cycle too: the held-out jobs ``logging_subgroup_cond`` and ``mesh_tp_layerdrop`` were named
+inversions with 0.95. So the score is 0.95 only when every awaited rank has issued the call site it
+is awaited at, on that group, before (the history shows a reordering of collectives every rank
+runs); otherwise 0.35, with the ranks that never issued it in the evidence (an inversion at step
+0, with no history, is then not named either).
 
 Fix: issue the collectives of overlapping groups in one global order on every rank (or make one of
 them asynchronous and wait for both).
@@ -38,7 +44,34 @@ def classify(ctx: Context) -> Finding | None:
     groups = sorted({e.group for e in ctx.cycle})
     evidence.append(f"the waits form a cycle across groups {', '.join(groups)}: no single group shows a mismatch")
     site, fn = sites[0] if sites else (None, None)
+    # An inversion reorders collectives every rank issues. A collective only some ranks issue (a
+    # rank-conditional one, a skipped one) also makes the others wait elsewhere and closes a cycle:
+    # claim the inversion only where each awaited rank has issued that call site on that group before.
+    unknown = _never_issued(ctx)
+    if unknown:
+        evidence.extend(unknown)
+        evidence.append("score 0.35 instead of 0.95: the history does not show every rank issuing the collectives "
+                        "of the cycle, so a collective issued by some ranks only is as likely as a reordering")
+        return Finding(0.35, tuple(evidence), suggestion=Suggestion(site, fn, _ADVICE))
     return Finding(0.95, tuple(evidence), suggestion=Suggestion(site, fn, _ADVICE))
+
+
+def _never_issued(ctx: Context) -> list[str]:
+    """For each wait of the cycle, the awaited ranks that never issued a collective from the call
+    site the waiting rank is blocked at, on that group, before."""
+    view = ctx.view
+    found = []
+    for edge in ctx.cycle:
+        e = view.event(edge.rank, edge.group, edge.seq)
+        if e is None or e.call_site is None:
+            continue
+        where = (e.call_site.file, e.call_site.line)
+        for m in edge.waits_for:
+            if not any(x.call_site is not None and (x.call_site.file, x.call_site.line) == where
+                       for x in view.events(m, edge.group)):
+                found.append(f"rank {m} never issued a collective from {e.call_site.short} on group "
+                             f"{view.groups[edge.group].label()}, where rank {edge.rank} waits for it")
+    return found
 
 
 _ADVICE = ("Issue the collectives of these overlapping groups in one fixed order on every rank (for example "

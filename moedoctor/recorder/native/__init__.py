@@ -236,8 +236,8 @@ class NativeKernels:
         """Event ids seen complete since the last poll, sorted."""
         return self._m.poll()
 
-    def counts(self) -> tuple[dict[str, int], int]:
-        """({group name: collectives and p2p ops recorded}, dropped)."""
+    def counts(self) -> tuple[dict[str, tuple[int, int]], int]:
+        """({group name: (collectives, p2p ops) recorded}, dropped)."""
         return self._m.counts()
 
     def assume_completed(self, value: bool = True) -> None:

@@ -929,13 +929,13 @@ static std::vector<int64_t> poll_completed() {
   return done;  // converted to a list once pybind11 holds the GIL again
 }
 
-// ({group name: collectives + p2p ops recorded}, dropped), for the coverage record.
+// ({group name: (collectives, p2p ops) recorded}, dropped), for the coverage record.
 static py::tuple counts() {
   py::dict result;
   int64_t dropped;
   {
     StateLock lock;
-    for (auto& [name, group] : S.groups) result[py::str(name)] = group.seq + group.p2p_count;
+    for (auto& [name, group] : S.groups) result[py::str(name)] = py::make_tuple(group.seq, group.p2p_count);
     dropped = S.dropped;
   }
   return py::make_tuple(result, dropped);

@@ -1,0 +1,195 @@
+"""How often moedoctor names the right pattern and culprit on code it was not tuned on.
+
+Runs every fault variant of ``fixtures/variants/<pattern>/<variant>.py`` (its ``<variant>.yaml``
+says the true pattern, ranks, culprits, call site and fix) and every healthy job of
+``fixtures/healthy_*`` under ``moedoctor run`` (``--backend`` passed to the jobs), reads each
+``report.json``, then runs the ``moedoctor verify`` command the report printed where the variant
+has a fix. Prints a confusion matrix (true pattern x reported pattern), culprit accuracy, the
+confident wrong calls (a named pattern that is not the true one; ``unknown-desync`` and "no pattern"
+are not confident), the verify results, the false alarms on the healthy jobs, and last, one line:
+
+    accuracy: pattern N/M, culprit N/M, wrong-confident N, verify-passed N/K, false-alarms N/H
+
+    python benchmarks/diagnosis_accuracy.py [--backend gloo|nccl] [--only PATTERN[,PATTERN]] [--no-verify]
+        [--no-healthy] [--keep DIR] [--jobs N]
+
+A straggler variant's "pattern" is ``straggler``; the verdict it must get is ``stuck``. Expect about
+40 s per variant on 2 CPU cores (each one hangs until moedoctor detects it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANTS = REPO / "fixtures" / "variants"
+FIXTURES = REPO / "fixtures"
+#: What moedoctor prints when it raises an alarm on a job (online desync, hang watchdog).
+ALARMS = ("moedoctor: desync", "moedoctor: hang", "Desync detected while the job ran", "No trace after")
+#: Patterns that claim nothing specific: never a confident call.
+UNNAMED = (None, "unknown-desync")
+
+
+@dataclass
+class Case:
+    name: str                      # pattern/variant, or healthy_x
+    script: Path
+    expected: dict
+    healthy: bool = False
+    reported: str | None = None
+    verdict: str | None = None
+    culprits: list[int] = field(default_factory=list)
+    exit_code: int | None = None
+    seconds: float = 0.0
+    verify: str | None = None      # the command the report printed, if any
+    verified: bool | None = None
+    alarm: bool = False
+    error: str | None = None
+
+
+def discover(only: set[str] | None, healthy: bool) -> list[Case]:
+    cases = []
+    for spec in sorted(VARIANTS.glob("*/*.yaml")):
+        expected = yaml.safe_load(spec.read_text())
+        if only and expected["pattern"] not in only:
+            continue
+        cases.append(Case(f"{spec.parent.name}/{spec.stem}", spec.with_suffix(".py"), expected))
+    if healthy:
+        for spec in sorted(FIXTURES.glob("healthy_*/expected.yaml")):
+            cases.append(Case(spec.parent.name, spec.parent / "train.py", yaml.safe_load(spec.read_text()), True))
+    return cases
+
+
+def run(cmd: list[str], timeout: float, env: dict[str, str], log: Path) -> tuple[int, str, float]:
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        sys.path.insert(0, str(REPO / "tests"))
+        from torchrun_util import _kill_session  # the whole tree, torchrun's workers included
+
+        _kill_session(proc.pid)
+        out, _ = proc.communicate()
+        code = -9
+    log.write_text(out)
+    return code, out, time.monotonic() - start
+
+
+def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
+    slug = case.name.replace("/", "__")
+    run_dir = keep / slug
+    nproc = int(case.expected.get("nproc", 2))
+    job_args = ["--backend", args.backend]
+    if not case.healthy:
+        job_args += ["--pg-timeout", str(args.pg_timeout)]
+    else:
+        job_args += [str(a) for a in case.expected.get("args", [])]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               **{k: str(v) for k, v in (case.expected.get("env") or {}).items()})
+    cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--force",
+           "--hang-timeout", str(args.hang_timeout), "--", sys.executable, "-m", "torch.distributed.run",
+           "--standalone", f"--nproc_per_node={nproc}", str(case.script), *job_args]
+    case.exit_code, out, case.seconds = run(cmd, args.timeout, env, keep / f"{slug}.log")
+    case.alarm = any(a in line for line in out.splitlines() for a in ALARMS)
+    try:
+        report = json.loads((run_dir / "report.json").read_text())
+    except (OSError, ValueError) as e:
+        case.error = f"no report.json ({type(e).__name__})"
+        return case
+    case.reported, case.verdict = report.get("pattern"), report.get("verdict")
+    case.culprits = report.get("culprit_ranks") or []
+    case.verify = report.get("verify_command")
+    if case.verify and args.verify and not case.healthy and case.expected.get("fix"):
+        code, _, _ = run(shlex.split(case.verify.replace("moedoctor ", f"{sys.executable} -m moedoctor ", 1)),
+                         args.timeout, env, keep / f"{slug}.verify.log")
+        case.verified = code == 0
+    return case
+
+
+def report(cases: list[Case]) -> str:
+    faults = [c for c in cases if not c.healthy]
+    healthy = [c for c in cases if c.healthy]
+    lines = []
+    truths = sorted({c.expected["pattern"] for c in faults})
+    reported = sorted({str(c.reported) for c in faults}, key=lambda p: (p not in truths, p))
+    matrix = Counter((c.expected["pattern"], str(c.reported)) for c in faults)
+    width = max([len(t) for t in truths] + [8])
+    lines.append("confusion matrix (rows: true pattern, columns: reported)")
+    lines.append(" " * width + " | " + " | ".join(f"{i:>3}" for i in range(len(reported))))
+    for t in truths:
+        lines.append(f"{t:<{width}} | " + " | ".join(f"{matrix[(t, r)] or '':>3}" for r in reported))
+    lines.append("columns: " + ", ".join(f"{i}={r}" for i, r in enumerate(reported)))
+    lines.append("")
+    for c in faults:
+        ok = c.reported == c.expected["pattern"]
+        want = sorted(c.expected.get("culprit_ranks") or [])
+        lines.append(f"{'ok ' if ok else 'BAD'} {c.name:<60} {c.seconds:5.0f}s exit {c.exit_code} -> {c.reported} "
+                     f"culprit {c.culprits} (want {want})" + (f" verify {'passed' if c.verified else 'FAILED'}"
+                                                              if c.verified is not None else "")
+                     + (f" [{c.error}]" if c.error else ""))
+    for c in healthy:
+        lines.append(f"{'BAD' if c.alarm or c.verdict != 'healthy' else 'ok '} {c.name:<60} {c.seconds:5.0f}s "
+                     f"exit {c.exit_code} -> {c.verdict}" + (" ALARM" if c.alarm else ""))
+    pattern_ok = sum(c.reported == c.expected["pattern"] for c in faults)
+    with_culprit = [c for c in faults if c.expected.get("culprit_ranks")]
+    culprit_ok = sum(sorted(c.culprits) == sorted(c.expected["culprit_ranks"]) for c in with_culprit)
+    wrong_confident = sum(c.reported not in UNNAMED and c.reported != c.expected["pattern"] for c in faults)
+    fixable = [c for c in faults if c.expected.get("fix")]
+    verified = sum(bool(c.verified) for c in fixable)
+    false_alarms = sum(c.alarm or c.verdict != "healthy" for c in healthy)
+    by_pattern = defaultdict(list)
+    for c in faults:
+        by_pattern[c.expected["pattern"]].append(c.reported == c.expected["pattern"])
+    lines.append("")
+    lines.append("per pattern: " + ", ".join(f"{p} {sum(v)}/{len(v)}" for p, v in sorted(by_pattern.items())))
+    lines.append(f"accuracy: pattern {pattern_ok}/{len(faults)}, culprit {culprit_ok}/{len(with_culprit)}, "
+                 f"wrong-confident {wrong_confident}, verify-passed {verified}/{len(fixable)}, "
+                 f"false-alarms {false_alarms}/{len(healthy)}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    parser.add_argument("--only", default=None, help="comma-separated pattern ids")
+    parser.add_argument("--no-verify", dest="verify", action="store_false")
+    parser.add_argument("--no-healthy", dest="healthy", action="store_false")
+    parser.add_argument("--keep", default=None, help="keep run directories and logs here")
+    parser.add_argument("--hang-timeout", type=float, default=15)
+    parser.add_argument("--pg-timeout", type=float, default=60)
+    parser.add_argument("--timeout", type=float, default=240, help="per job, seconds")
+    parser.add_argument("--jobs", type=int, default=1, help="jobs run at once (1 on 2 CPU cores)")
+    args = parser.parse_args()
+    cases = discover(set(args.only.split(",")) if args.only else None, args.healthy)
+    keep = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="moedoctor-accuracy-"))
+    keep.mkdir(parents=True, exist_ok=True)
+    print(f"{len(cases)} jobs ({args.backend}); runs and logs in {keep}", file=sys.stderr, flush=True)
+    done = []
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for i, case in enumerate(pool.map(lambda c: diagnose(c, args, keep), cases), 1):
+            done.append(case)
+            print(f"[{i}/{len(cases)}] {case.name}: {case.reported or case.verdict} ({case.seconds:.0f}s)",
+                  file=sys.stderr, flush=True)
+    text = report(done)
+    (keep / "accuracy.txt").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
