@@ -144,7 +144,8 @@ def test_triage_job_under_moedoctor_run_gives_the_full_pattern(tmp_path):
 def test_triage_hardware_like_names_the_stopped_rank_and_leaves_it_stopped(tmp_path):
     job = plain_job("hardware_like", tmp_path)  # rank 1 SIGSTOPs itself inside the all_reduce
     try:
-        code, doc = triage_when(job, tmp_path, lambda d: d["pattern"] == "rank-stopped")
+        # Rank 0 joins the all_reduce 2 s after rank 1 froze in it: wait for both to be in it.
+        code, doc = triage_when(job, tmp_path, lambda d: d["pattern"] == "rank-stopped" and both_in_collectives(d))
         ranks = job.ranks()
         assert code == 1 and doc["verdict"] == "stuck", doc["summary"]
         assert doc["culprit_ranks"] == [1] and "rank 1's process is stopped (state T" in doc["summary"]
