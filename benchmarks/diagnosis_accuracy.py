@@ -23,16 +23,17 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from healthy_corpus import run as run_job  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = REPO / "fixtures" / "variants"
@@ -74,21 +75,10 @@ def discover(only: set[str] | None, healthy: bool) -> list[Case]:
 
 
 def run(cmd: list[str], timeout: float, env: dict[str, str], log: Path) -> tuple[int, str, float]:
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        sys.path.insert(0, str(REPO / "tests"))
-        from torchrun_util import _kill_session  # the whole tree, torchrun's workers included
-
-        _kill_session(proc.pid)
-        out, _ = proc.communicate()
-        code = -9
+    """``healthy_corpus.run`` (the whole process tree killed at ``timeout``), its output kept in ``log``."""
+    code, out, seconds = run_job(cmd, env, timeout)
     log.write_text(out)
-    return code, out, time.monotonic() - start
+    return code, out, seconds
 
 
 def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
