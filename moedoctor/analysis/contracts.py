@@ -72,7 +72,11 @@ def _all_to_all(events: dict[int, CollectiveEvent], ranks: tuple[int, ...]) -> l
     for r in ranks:
         e = events[r]
         sends[r] = _per_peer(e.in_shapes, e.in_splits, size)
-        recvs[r] = _per_peer(e.out_shapes, e.out_splits, size)
+        out_shapes = e.out_shapes
+        if not out_shapes and e.out_splits and len(e.in_shapes) == 1 and e.in_shapes[0]:
+            # A functional all_to_all_single allocates its output: rows received times the input's row.
+            out_shapes = ((sum(e.out_splits),) + tuple(e.in_shapes[0][1:]),)
+        recvs[r] = _per_peer(out_shapes, e.out_splits, size)
         if sends[r] is None or recvs[r] is None:
             return []
     found = []

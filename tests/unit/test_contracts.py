@@ -160,3 +160,20 @@ def test_every_rank_computing_its_receive_counts_locally_names_them_all():
                splits=(sends[i], sends[i]))
     report = analyze(run_of(*bs, hang=True))
     assert report.pattern == "all-to-all-split-mismatch" and report.culprit_ranks == [0, 1]
+
+
+def test_functional_all_to_all_single_has_no_output_tensor_but_its_splits_still_count():
+    """_c10d_functional::all_to_all_single allocates its output: the record has no output shape."""
+    bs = ranks(2)
+    sends = [[4, 4], [1, 7]]
+    recvs = {0: [4, 1], 1: [4, 3]}  # rank 1 expects 3 rows from itself; it sends itself 7
+    for i, b in enumerate(bs):
+        b.coll("all_to_all", shapes=((8, DIM),), out_shapes=(), splits=(sends[i], recvs[i]),
+               raw="_c10d_functional::all_to_all_single")
+    report = analyze(run_of(*bs, hang=True))
+    assert report.pattern == "all-to-all-split-mismatch" and report.culprit_ranks == [1], report.summary
+    ok = ranks(2)
+    for i, b in enumerate(ok):
+        b.coll("all_to_all", shapes=((8, DIM),), out_shapes=(), splits=(sends[i], [sends[0][i], sends[1][i]]),
+               raw="_c10d_functional::all_to_all_single")
+    assert analyze(run_of(*ok)).verdict == Verdict.HEALTHY
