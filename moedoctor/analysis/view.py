@@ -92,6 +92,12 @@ class RunView:
         events = self.seq_map(rank, group)
         return [events[s] for s in sorted(events) if before is None or s < before]
 
+    def issued_from(self, rank: int, group: str, site: str) -> bool:
+        """Whether the rank issued any collective on the group from call site ``site`` (``file:line``,
+        as ``OpView.call_site`` writes it)."""
+        return any(e.call_site is not None and f"{e.call_site.file}:{e.call_site.line}" == site
+                   for e in self.events(rank, group))
+
     def p2p_peers(self, group: str) -> dict[int, dict[int, dict[int, CollectiveEvent]]]:
         return self._p2p.get(group, {})
 
@@ -194,9 +200,9 @@ class RunView:
         e = self.event(rank, group, seq)
         trace = self.traces.get(rank)
         if e is not None and trace is not None:
-            if e.event_id in getattr(trace, "fr_pending", ()):
+            if e.event_id in trace.fr_pending:
                 return True    # Flight Recorder shows it scheduled or started, not completed
-            if e.event_id in getattr(trace, "fr_unknown", ()):
+            if e.event_id in trace.fr_unknown:
                 return False   # Flight Recorder could not tell
         if e is not None and e.raw_op.startswith("_c10d_functional"):
             return False

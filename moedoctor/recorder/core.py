@@ -142,6 +142,7 @@ class Recorder:
         self._inside = threading.local()
         self._thread: threading.Thread | None = None
         self._poll_lock = threading.Lock()  # the progress thread and close() both poll
+        self._fr_poller = None  # recorder/fr_poller.py's, once made; False where it is off or failed
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -526,7 +527,7 @@ class Recorder:
         """Completion from PyTorch's Flight Recorder for the collectives whose ``Work`` is not
         watched (NCCL collectives without ``async_op``, functional collectives): about once a
         second, off the training thread (``moedoctor/recorder/fr_poller.py``)."""
-        poller = getattr(self, "_fr_poller", None)
+        poller = self._fr_poller
         if poller is None:
             if self._fd is None:
                 return

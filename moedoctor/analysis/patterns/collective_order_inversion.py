@@ -65,10 +65,9 @@ def _never_issued(ctx: Context) -> list[str]:
         e = view.event(edge.rank, edge.group, edge.seq)
         if e is None or e.call_site is None:
             continue
-        where = (e.call_site.file, e.call_site.line)
+        where = f"{e.call_site.file}:{e.call_site.line}"
         for m in edge.waits_for:
-            if not any(x.call_site is not None and (x.call_site.file, x.call_site.line) == where
-                       for x in view.events(m, edge.group)):
+            if not view.issued_from(m, edge.group, where):
                 found.append(f"rank {m} never issued a collective from {e.call_site.short} on group "
                              f"{view.groups[edge.group].label()}, where rank {edge.rank} waits for it")
     return found

@@ -42,8 +42,7 @@ def classify(ctx: Context) -> Finding | None:
         return None
     v = present[small[0]]
     group = div.group.name
-    if not all(any(e.call_site is not None and f"{e.call_site.file}:{e.call_site.line}" == v.call_site
-                   for e in view.events(r, group)) for r in other):
+    if not all(view.issued_from(r, group, v.call_site) for r in other):
         return None  # a call site the other ranks never use: rank-conditional, not a misplaced metric
     theirs = [present[r] for r in other if r in present]
     if theirs and all(t.op == "all_reduce" and t.numel <= SMALL and t.module is None for t in theirs):
