@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, prog_name="moedoctor")
     except MoedoctorError as e:
-        Console(stderr=True).print(f"[bold red]moedoctor:[/] {escape(e.message)}", highlight=False)
+        Console(stderr=True).print(f"[bold red]moedoctor:[/] {escape(e.message)}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - moedoctor's own bug: one line and exit 3, never a traceback
         if os.environ.get("MOEDOCTOR_DEBUG"):
