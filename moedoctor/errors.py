@@ -28,6 +28,7 @@ exception) into a message on stderr and its exit status.
 from __future__ import annotations
 
 import contextlib
+import errno
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -86,3 +87,16 @@ def internal_error_line(e: BaseException, limit: int = 300) -> str:
     where = f" while reading {where[:500]}" if where else ""
     return (f"internal error{where}: {type(e).__name__}: {text} (a bug in moedoctor; "
             "MOEDOCTOR_DEBUG=1 shows the traceback)")
+
+
+def errno_text(number) -> str:
+    """``errno 28 ENOSPC``; ``an OSError`` without a number."""
+    if not isinstance(number, int) or isinstance(number, bool):
+        return "an OSError"
+    return f"errno {number} {errno.errorcode.get(number, '')}".strip()
+
+
+def cannot_write(path: Path | str, error: OSError, then: str = "the job goes on") -> str:
+    """One of moedoctor's own writes failed, in one line: ``cannot write manifest.json: No space
+    left on device (errno 28 ENOSPC); the job goes on``."""
+    return f"cannot write {Path(path).name}: {error.strerror or error} ({errno_text(error.errno)}); {then}"

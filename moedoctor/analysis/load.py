@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moedoctor.analysis.completion import fuse_flight_recorder
+from moedoctor.analysis.model import Verdict
 from moedoctor.errors import EXIT_USAGE, MoedoctorError, reading
 from moedoctor.events import CallSite, CollectiveEvent, Coverage, Evidence
 from moedoctor.runner.manifest import HangRecord, RankExit, hang_of, load_manifest
 from moedoctor.runner.rundir import supervisor_alive
 from moedoctor.runner.stacks import StackDump, read_stack_dump
-from moedoctor.trace.format import recorder_markers
+from moedoctor.trace.format import STOPPED, read_statuses, recorder_markers, stopped_line
 from moedoctor.trace.reader import (
     MAX_DIM, MAX_DIMS, MAX_HEADER_BYTES, MAX_RECORD_BYTES, MAX_STRING, MAX_TENSORS, MAX_WORLD_SIZE,
     Annotation, Completion, RankTrace, TraceError, TraceFile, bounded_int, completion_source, trace_paths,
@@ -98,6 +99,9 @@ class RunData:
     last_p2p: dict[int, dict[tuple[str, int], int]] = field(default_factory=dict)
     open_ended: set[int] = field(default_factory=set)
     windowed: bool = False
+    #: Ranks whose recorder stopped on a failed write of its own (disk full), with its status line:
+    #: open-ended too, and a verdict of healthy has no evidence behind it.
+    recording_stopped: dict[int, str] = field(default_factory=dict)
 
     @property
     def ranks(self) -> list[int]:
@@ -161,6 +165,12 @@ def _finish(run: RunData, paths: list[Path], stream_above: int, workers: int | N
             run.open_ended.add(t.rank)
             run.incomplete.append(f"rank {t.rank}: the trace stopped at the event cap (--max-events); later "
                                   "collectives are not recorded")
+    for folder in sorted({p.parent for p in paths}):
+        for rank, status in read_statuses(folder).items():
+            if status["state"] == STOPPED:  # a write of the recorder's failed (disk full): it stopped there
+                run.open_ended.add(rank)
+                run.recording_stopped[rank] = stopped_line(status, "later collectives are not recorded")
+                run.incomplete.append(run.recording_stopped[rank])
     _note_world(run, note_other_ranks)
     return run
 
@@ -225,6 +235,22 @@ def evidence_problem(run: RunData) -> str | None:
     if absent:
         return (f"{run.path}: no readable trace of rank{'s' if len(absent) > 1 else ''} {_ranges(absent)} "
                 f"(world size {run.world_size}): healthy cannot be told{context}")
+    if run.recording_stopped:
+        first = run.recording_stopped[min(run.recording_stopped)]
+        return (f"{run.path}: {_clip(first, 300)}: the trace ends before the rank did, so healthy cannot "
+                "be told")
+    return None
+
+
+def verdict_problem(run: RunData, verdict: Verdict) -> str | None:
+    """Why ``verdict`` has no evidence behind it, in one line (then bad input, exit 2), or None.
+    Healthy: ``evidence_problem``. Stuck, where a rank's recording stopped on a failed write and no
+    hang was declared while the job ran: its trace ends at the stop, not at a hang."""
+    if verdict == Verdict.HEALTHY:
+        return evidence_problem(run)
+    hang_declared = run.manifest is not None and run.manifest.hang is not None
+    if verdict == Verdict.STUCK and run.recording_stopped and not hang_declared:
+        return evidence_problem(run)
     return None
 
 

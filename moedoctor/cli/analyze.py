@@ -8,9 +8,9 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from moedoctor.analysis import Verdict, load_run
+from moedoctor.analysis import load_run
 from moedoctor.analysis import analyze as analyze_run
-from moedoctor.analysis.load import evidence_problem
+from moedoctor.analysis.load import verdict_problem
 from moedoctor.errors import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_OK, MoedoctorError, reading
 from moedoctor.render.html import write_html
 from moedoctor.render.json_report import dumps
@@ -43,10 +43,9 @@ def analyze(
     with reading(path):
         run = load_run(path)
         report = analyze_run(run)
-    if report.verdict == Verdict.HEALTHY:
-        problem = evidence_problem(run)
-        if problem is not None:  # healthy needs evidence: every rank's trace, readable
-            raise MoedoctorError(problem, EXIT_BAD_INPUT)
+    problem = verdict_problem(run, report.verdict)
+    if problem is not None:  # healthy needs evidence: every rank's trace, readable and whole
+        raise MoedoctorError(problem, EXIT_BAD_INPUT)
     if json_out:
         typer.echo(dumps(report))
     else:

@@ -15,13 +15,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from moedoctor.analysis import Verdict, analyze, load_run
-from moedoctor.analysis.load import evidence_problem
-from moedoctor.errors import MoedoctorError
+from moedoctor.analysis.load import verdict_problem
+from moedoctor.errors import MoedoctorError, cannot_write
 from moedoctor.render.json_report import write_json
 from moedoctor.render.terminal import render_report
 from moedoctor.runner import RunResult
 from moedoctor.runner.manifest import hang_of, load_manifest
 from moedoctor.runner.rundir import RunDir
+from moedoctor.trace.format import STOPPED, read_statuses
 
 
 def report_after_hang(run_dir: Path, console: Console) -> None:
@@ -67,10 +68,15 @@ def analysis_report(layout: RunDir, console: Console, quiet_if_healthy: bool = F
     try:
         run = load_run(layout.path)
         report = analyze(run)
-        problem = evidence_problem(run) if report.verdict == Verdict.HEALTHY else None
+        problem = verdict_problem(run, report.verdict)
         if problem is not None:  # never "Healthy: 0 collectives" for a job that never started
             raise MoedoctorError(problem)
-        path = write_json(report, layout.report)
+        try:
+            path = write_json(report, layout.report)
+        except OSError as e:  # disk full: the report is still shown
+            console.print(f"[yellow]moedoctor: {escape(cannot_write(layout.report, e, 'the report is shown only'))}[/]",
+                          highlight=False, soft_wrap=True)
+            path = None
     except MoedoctorError as e:
         console.print(f"[yellow]moedoctor: no analysis:[/] {escape(e.message)}", highlight=False, soft_wrap=True)
         return None
@@ -118,9 +124,15 @@ def report_after_run(result: RunResult, console: Console) -> None:
     if result.hang is not None:
         console.print(f"A hang was diagnosed at {time.strftime('%H:%M:%S', time.localtime(result.hang.detected_at))}"
                       " and the job left running (--keep-alive); see the manifest's hang record.", soft_wrap=True)
-    if result.coverage is not None and any(layout.traces.glob("rank-*.jsonl")):  # nothing to cover otherwise
+    stopped = sorted(r for r, status in read_statuses(layout.traces).items() if status["state"] == STOPPED)
+    if stopped:  # the traces end before the job did: no verdict from them (docs/guarantees.md)
+        console.print(f"[yellow]moedoctor: the recording stopped on rank{'s' if len(stopped) > 1 else ''} "
+                      f"{','.join(map(str, stopped[:20]))}{' ...' if len(stopped) > 20 else ''} (one of its writes "
+                      "failed, said above): the traces end before the job did, so the run is not analyzed[/]",
+                      highlight=False, soft_wrap=True)
+    elif result.coverage is not None and any(layout.traces.glob("rank-*.jsonl")):  # nothing to cover otherwise
         _print_coverage({"complete": result.coverage.complete, "gaps": result.coverage.gaps}, console)
-    if result.job_exit is not None:  # ended by itself: explain it (a crashed rank, or confirm it was healthy)
+    if result.job_exit is not None and not stopped:  # ended by itself: explain it (a crash, or confirm healthy)
         written = analysis_report(layout, console, quiet_if_healthy=True)
         if written is not None:
             console.print(f"Report: {escape(str(written))}", highlight=False, soft_wrap=True)

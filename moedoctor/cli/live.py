@@ -30,6 +30,9 @@ def status_table(status: RunStatus) -> Table:
                           ("idle s", "right")):
         table.add_column(name, justify=justify)
     for r in status.ranks:
+        if r.unrecorded:
+            table.add_row(str(r.rank), str(r.pid or ""), "", "", "", "not recorded", "", "", "")
+            continue
         if r.last is None:
             state = "starting" if r.idle_seconds is None else "initialized"
             table.add_row(str(r.rank), str(r.pid or ""), "", "", "", state, "", "", _idle(r))
@@ -43,7 +46,9 @@ def status_table(status: RunStatus) -> Table:
 def status_line(status: RunStatus) -> str:
     parts = []
     for r in status.ranks:
-        if r.last is None:
+        if r.unrecorded:
+            parts.append(f"rank {r.rank}: recording stopped")
+        elif r.last is None:
             parts.append(f"rank {r.rank}: {'starting' if r.idle_seconds is None else 'initialized'}")
         else:
             e = r.last
@@ -118,11 +123,18 @@ class ConsoleObserver(RunObserver):
                            "coverage...", highlight=False, soft_wrap=True)
 
     def lag_detected(self, lag: Lag) -> None:
-        message = f"[yellow]moedoctor: lag[/]: {escape(lag.line())} (a straggler or a desync; watching on)"
-        if self.live is not None:
-            self.live.console.print(message, highlight=False, soft_wrap=True)
-        else:
-            self.console.print(message, highlight=False, soft_wrap=True)
+        self._say(f"[yellow]moedoctor: lag[/]: {escape(lag.line())} (a straggler or a desync; watching on)")
+
+    def recording_stopped(self, line: str) -> None:
+        self._say(f"[yellow]moedoctor: {escape(line)}[/]")
+
+    def write_failed(self, line: str) -> None:
+        self._say(f"[yellow]moedoctor: {escape(line)}[/]")
+
+    def _say(self, message: str) -> None:
+        """One line between the job's output, above the live table if there is one."""
+        console = self.live.console if self.live is not None else self.console
+        console.print(message, highlight=False, soft_wrap=True)
 
     def diagnosed(self, hang: HangRecord) -> None:
         # Now, not after the job is stopped: stopping takes seconds the user should not wait for.

@@ -143,6 +143,10 @@ class Recorder:
         self._thread: threading.Thread | None = None
         self._poll_lock = threading.Lock()  # the progress thread and close() both poll
         self._fr_poller = None  # recorder/fr_poller.py's, once made; False where it is off or failed
+        self._trace_path: Path | None = None
+        self._status_fd: int | None = None  # traces/rank-N.status, reserved at open (trace/format.py)
+        self._stop_lock = threading.Lock()
+        self.stopped: str | None = None  # why recording stopped (a write of ours failed); None while it runs
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -225,15 +229,25 @@ class Recorder:
         self._libraries = []
 
     def open(self) -> None:
-        """Create this rank's trace file and write its header; start the progress thread."""
-        if self._fd is not None:
+        """Create this rank's status and trace files and write the header; start the progress
+        thread. Never raises: a file that cannot be created stops the recording (``stop_recording``)."""
+        if self._fd is not None or self.stopped is not None:
             return
         rank, world = dist.get_rank(), dist.get_world_size()
-        traces = self.run_dir / "traces"
-        traces.mkdir(parents=True, exist_ok=True)
-        path = traces / fmt.trace_file_name(rank)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         self._rank = rank
+        traces = self.run_dir / "traces"
+        path = self._trace_path = traces / fmt.trace_file_name(rank)
+        try:
+            traces.mkdir(parents=True, exist_ok=True)
+            try:
+                self._status_fd = fmt.reserve_status(traces, rank, os.getpid())
+            except OSError:
+                self._status_fd = None  # a failure is then said on stderr only
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            self.stop_recording(e)
+            return
+        self._fd = fd
         if self._native is not None:  # [native seam]
             self._native.set_fd(self._fd)
         header = {
@@ -243,6 +257,8 @@ class Recorder:
             "moedoctor": moedoctor.__version__, "start_time": time.time(),
         }
         self._write(fmt.encode(header))
+        if self._fd is None:  # the header could not be written: recording stopped already
+            return
         self._thread = threading.Thread(target=self._progress_loop, name="moedoctor-progress", daemon=True)
         self._thread.start()
 
@@ -253,6 +269,7 @@ class Recorder:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
+        self._check_native_writes()
         self._run_deferred(wait=True)
         self._poll_pending()
         self._poll_flight_recorder(final=True)
@@ -450,10 +467,54 @@ class Recorder:
     # -- output ----------------------------------------------------------------------------------
 
     def _write(self, data: bytes) -> None:
+        """Append to the trace; a failed write (disk full, read-only, quota) stops the recording."""
         fd = self._fd
-        while data:
-            written = os.write(fd, data)
-            data = data[written:]
+        if fd is None:
+            return
+        try:
+            while data:
+                written = os.write(fd, data)
+                data = data[written:]
+        except OSError as e:
+            self.stop_recording(e)
+
+    def stop_recording(self, error: OSError) -> None:
+        """A write of ours failed: write nothing more (the job goes on), and say so once, in this
+        rank's status file (rewritten in bytes reserved at open, so a full disk still takes it) or,
+        where even that fails, on stderr. The trace's descriptor stays open: a native kernel may be
+        writing to it right now, and a closed number could be reused by the job."""
+        with self._stop_lock:
+            if self.stopped is not None:
+                return
+            self._fd = None  # the kernels, the progress thread and the evidence hooks check it
+            if self._native is not None:  # [native seam]
+                self._native.set_fd(None)
+            self._fresh.clear()
+            self._pending.clear()
+            self._deferred.clear()
+            file = self._trace_path.name if self._trace_path is not None else "its trace"
+            events = self._events_recorded()
+            status = {"rank": self._rank, "errno": error.errno, "error": error.strerror or str(error),
+                      "file": file, "events": events}
+            self.stopped = fmt.stopped_line(status)
+            try:
+                if self._status_fd is None:
+                    raise OSError("no status file")
+                fmt.stop_status(self._status_fd, self._rank, os.getpid(), error, file, events)
+            except OSError:
+                try:
+                    print(f"moedoctor: {self.stopped}", file=sys.stderr, flush=True)
+                except Exception:  # noqa: BLE001 - a closed stderr: nothing left to tell it with
+                    pass
+
+    def _events_recorded(self) -> int:
+        """Collectives and p2p ops recorded so far (on either kernel)."""
+        if self._native is not None and self._native.registered:  # [native seam] counters live in C++
+            try:
+                return sum(c + p for c, p in self._native.counts()[0].values())
+            except Exception:  # noqa: BLE001 - only a number in a message
+                return self._next_event
+        return self._next_event
 
     def _drop(self) -> None:
         if self._dropped == 0:
@@ -514,14 +575,28 @@ class Recorder:
     def _progress_loop(self) -> None:
         snapshot_file = self.run_dir / "control" / "snapshot"
         next_control = 0.0
-        while not self._stop.wait(self.poll_interval):
-            self._poll_pending()
-            self._run_deferred()
-            self._poll_flight_recorder()
-            now = time.monotonic()
-            if now >= next_control:
-                next_control = now + 0.5
-                self._answer_snapshot(snapshot_file)
+        failures = 0
+        while not self._stop.wait(self.poll_interval) and self._fd is not None:
+            try:
+                self._check_native_writes()
+                self._poll_pending()
+                self._run_deferred()
+                self._poll_flight_recorder()
+                now = time.monotonic()
+                if now >= next_control:
+                    next_control = now + 0.5
+                    self._answer_snapshot(snapshot_file)
+            except Exception as e:  # noqa: BLE001 - this thread must outlive any trouble of ours
+                failures += 1
+                if failures <= 3:
+                    self.write_evidence("recorder_error", {"op": "progress thread", "error": repr(e)[:500]})
+
+    def _check_native_writes(self) -> None:
+        """[native seam] The C++ kernel stops writing on its first failed write and keeps the errno."""
+        if self._native is not None:
+            number = self._native.write_error()
+            if number:
+                self.stop_recording(OSError(number, os.strerror(number)))
 
     def _poll_flight_recorder(self, final: bool = False) -> None:
         """Completion from PyTorch's Flight Recorder for the collectives whose ``Work`` is not

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import moedoctor
+from moedoctor._files import write_atomically
 from moedoctor.analysis.model import Divergence, OpView, Report, WaitEdge
 
 #: Tensors per op shown in the report (a record may hold 4096): the rest are counted in ``shapes_total``.
@@ -108,7 +109,5 @@ def dumps(report: Report, limit: int | None = None) -> str:
 def write_json(report: Report, path: Path) -> Path:
     """Write atomically: a reader never sees half a report."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(dumps(report) + "\n")
-    tmp.replace(path)
+    write_atomically(path, dumps(report) + "\n")
     return path

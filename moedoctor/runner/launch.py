@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 
 import moedoctor
-from moedoctor.errors import EXIT_HANG, EXIT_INTERRUPTED, MoedoctorError
+from moedoctor.errors import EXIT_HANG, EXIT_INTERRUPTED, MoedoctorError, cannot_write
 from moedoctor.events import CollectiveEvent
 from moedoctor.fixes.runtime import ENV_FIX_CHECKS, ENV_FIX_CONFIG, ENV_FIXES
 from moedoctor.recorder.install import ENV_MAX_EVENTS, ENV_RUN_DIR
@@ -82,6 +82,7 @@ class RankStatus:
     last: CollectiveEvent | None
     last_completed: bool
     idle_seconds: float | None   # None: no trace yet
+    unrecorded: bool = False     # its recorder stopped (a failed write): what the trace says is old
 
 
 @dataclass
@@ -113,6 +114,9 @@ class RunObserver:
     def desync_detected(self, desync: Desync, status: RunStatus) -> None: ...  # diagnosis follows
     def lag_detected(self, lag: Lag) -> None: ...  # reported only; the run goes on
     def diagnosed(self, hang: HangRecord) -> None: ...  # stacks, GPU state, manifest written
+    # moedoctor's own trouble, one line each, said once; the job goes on:
+    def recording_stopped(self, line: str) -> None: ...  # a rank's recorder stopped (a failed write)
+    def write_failed(self, line: str) -> None: ...  # a write of the supervisor's failed (manifest, stacks, log)
     def stopping(self, outcome: Outcome) -> None: ...
 
 
@@ -193,6 +197,8 @@ class _Run:
         self.proc: subprocess.Popen | None = None
         self.log_lock = threading.Lock()
         self.started = time.monotonic()
+        self.silence: str | None = None  # why the traces' silence is no hang (a rank stopped recording...)
+        self._said: set[str] = set()     # the write failures already reported
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -204,7 +210,7 @@ class _Run:
         self._write_manifest()
         # The first node logs to job.log; nodes that join write their own file beside it.
         self.node.log = str(self.dir.node_log(self.node.node) if self.config.joined else self.dir.job_log)
-        with open(self.node.log, "ab") as log:
+        with _JobLog(Path(self.node.log), self._write_failed) as log:
             try:
                 self.proc = subprocess.Popen(self.config.command, env=env, stdin=subprocess.DEVNULL,
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -253,6 +259,7 @@ class _Run:
             if code is not None:
                 return self._ended(code, hang)
             self.tracker.poll()
+            self._check_recording()
             now = time.monotonic()
             desync = None
             if self.detector is not None:
@@ -267,14 +274,15 @@ class _Run:
             last = self.tracker.last_progress()
             if not armed and last != progress_at_hang:
                 armed = True  # progress again after a kept-alive hang: watch for the next one
-            if last is None and not no_trace_reported and status.idle_seconds >= self.config.hang_timeout \
+            silent = status.idle_seconds >= min(status.limit, self.config.hang_timeout) and self._silence_explained()
+            if last is None and not no_trace_reported and not silent and status.idle_seconds >= self.config.hang_timeout \
                     and status.limit > self.config.hang_timeout and self._startup_quiet():
                 # No rank has a trace after --hang-timeout: say where the ranks are (stacks) and why
                 # nothing was recorded, now; but stop the job only at the startup allowance, since
                 # loading and rendezvous before the first process group can legitimately take that long.
                 no_trace_reported = True
                 self._diagnose(status, no_trace=True)
-            if desync is not None or (armed and status.idle_seconds >= status.limit):
+            if desync is not None or (armed and not silent and status.idle_seconds >= status.limit):
                 hang = self._diagnose(status, desync)
                 if not self.config.keep_alive:
                     self.observer.stopping(Outcome.HANG)
@@ -304,12 +312,49 @@ class _Run:
                 break
             with self.log_lock:
                 log.write(data)
-                log.flush()
             try:
                 self.observer.output(data, stream)
             except Exception:
                 pass  # a closed terminal must not stop the job's log
         pipe.close()
+
+    # -- moedoctor's own trouble: never the job's ------------------------------------------------
+
+    def _check_recording(self) -> None:
+        """Say once per rank that its recorder stopped (its status file says so), and note it."""
+        for rank, line in sorted(self.tracker.stopped.items()):
+            if line in self.node.recording_stopped:
+                continue
+            self.node.recording_stopped.append(line)
+            if self.silence is None:
+                self.silence = (f"rank {rank} stopped recording: from then on, no hang is declared from the "
+                                "traces' silence")
+            self.observer.recording_stopped(line)
+            self._write_manifest()
+
+    def _silence_explained(self) -> bool:
+        """The traces are silent because the ranks cannot write them, not because the job hangs: a
+        rank's recorder stopped on a failed write, or the run directory's file system is read-only or
+        full (a rank that could not even write its status says so on its stderr only)."""
+        if self.silence is not None:
+            return True
+        full = _file_system_trouble(self.dir.traces)
+        if full is not None:
+            self.silence = full
+            self._write_failed(f"{full}: the ranks cannot record, so no hang is declared from the traces' silence")
+        return self.silence is not None
+
+    def _write_failed(self, line: str) -> None:
+        """One of moedoctor's own writes failed: say it once, note it, go on."""
+        if line in self._said:
+            return
+        self._said.add(line)
+        if len(self.node.write_errors) < 100:
+            self.node.write_errors.append(line)
+        try:
+            self.observer.write_failed(line)
+        except Exception:  # noqa: BLE001 - a closed terminal: the manifest still has it
+            pass
 
     # -- what the watchdog sees ------------------------------------------------------------------
 
@@ -322,20 +367,22 @@ class _Run:
         idle = now - (last if last is not None else self.started)
         limit = self.config.hang_timeout if last is not None else max(
             self.config.hang_timeout, self.config.startup_timeout)
-        traced = self.tracker.ranks
+        traced, stopped = self.tracker.ranks, self.tracker.stopped
         ranks = []
         for rank in sorted(set(traced) | set(self.seen)):
             t = traced.get(rank)
             if t is None:
-                ranks.append(RankStatus(rank, self.seen[rank].pid, None, False, None))
+                ranks.append(RankStatus(rank, self.seen[rank].pid, None, False, None, rank in stopped))
             else:
-                ranks.append(RankStatus(rank, t.pid, t.last, t.last_completed, now - t.last_progress))
+                ranks.append(RankStatus(rank, t.pid, t.last, t.last_completed, now - t.last_progress,
+                                        rank in stopped))
         return RunStatus(now - self.started, idle, limit, ranks)
 
     # -- a hang ----------------------------------------------------------------------------------
 
     def _report_lags(self, now: float) -> None:
-        lags = self.detector.check_lags(self.tracker.ranks, now)
+        stopped = self.tracker.stopped  # an unrecorded rank only looks behind
+        lags = self.detector.check_lags({r: p for r, p in self.tracker.ranks.items() if r not in stopped}, now)
         for lag in lags:
             if len(self.node.lags) < 100:
                 self.node.lags.append(lag.line())
@@ -352,7 +399,11 @@ class _Run:
             self.observer.desync_detected(desync, status)
         else:
             self.observer.hang_detected(status)
-        requested = self.dir.request_snapshot()
+        try:
+            requested = self.dir.request_snapshot()
+        except OSError as e:
+            self._write_failed(cannot_write(self.dir.snapshot_request, e, "the ranks' coverage records are not asked for"))
+            requested = time.time()
         local = procs.rank_processes(procs.job_processes(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id)))
         self.seen.update(local)
         targets = {rank: p.pid for rank, p in local.items()}
@@ -361,19 +412,23 @@ class _Run:
                     and (procs.environ(t.pid) or {}).get(ENV_LAUNCH_ID) == self.launch_id:
                 targets[rank] = t.pid
         with ThreadPoolExecutor(max_workers=2) as pool:
-            gpu = pool.submit(write_gpu_snapshot, self.dir.gpu, self.config.host)
+            gpu = pool.submit(self._gpu_snapshot)
             # Each rank's process state (/proc) is recorded with or without its stack (--no-stacks):
             # a stopped rank is a fact the analysis needs; py-spy never attaches to one.
             dumps: list[StackDump] = dump_stacks([StackTarget(r, p) for r, p in sorted(targets.items())],
                                                  self.dir.stacks, self.config.host, self.config.native,
                                                  py_spy=self.config.stacks)
             gpu_file = gpu.result()
+        for dump in dumps:
+            if dump.write_error:
+                self._write_failed(dump.write_error)
         # A desync is already proven by the traces: the coverage records are wanted, not worth a second.
         if not no_trace:  # no recorder has a trace to answer with
             self._await_coverage(requested, self.config.coverage_wait / 2 if desync is not None else None)
         hang = HangRecord(detected_at=requested, host=self.config.host,
                           hang_timeout=self.config.hang_timeout, idle_seconds=round(status.idle_seconds, 1),
-                          stopped=not (self.config.keep_alive or no_trace), gpu_file=str(gpu_file),
+                          stopped=not (self.config.keep_alive or no_trace),
+                          gpu_file=str(gpu_file) if gpu_file is not None else None,
                           lags=list(self.node.lags))
         found = desync or (self.detector.desync if self.detector is not None else None)
         if found is not None:
@@ -395,6 +450,13 @@ class _Run:
         self._write_manifest(coverage=self._coverage())
         self.observer.diagnosed(hang)
         return hang
+
+    def _gpu_snapshot(self) -> Path | None:
+        try:
+            return write_gpu_snapshot(self.dir.gpu, self.config.host)
+        except OSError as e:
+            self._write_failed(cannot_write(self.dir.gpu / f"{self.config.host}.json", e))
+            return None
 
     def _startup_quiet(self) -> bool:
         """--hang-timeout has passed since the last rank's recorder loaded. Before any has, the ranks
@@ -511,12 +573,61 @@ class _Run:
             return ""
 
     def _write_manifest(self, coverage: CoverageCheck | None = None) -> None:
+        """Merge this node's entry into the manifest; a failed write is reported, never fatal."""
         hosts = sorted({t.host for t in self.tracker.ranks.values()})
-        write_node(self.dir.manifest, self.node, command=list(self.config.command),
-                   versions=_versions() | {"recorder": self.config.recorder, "fixes": list(self.config.fixes)},
-                   world_size=self._world_size(), hosts=hosts, coverage=coverage,
-                   trace_problems=self.tracker.problems
-                   + [p for t in self.tracker.ranks.values() for p in t.problems])
+        try:
+            write_node(self.dir.manifest, self.node, command=list(self.config.command),
+                       versions=_versions() | {"recorder": self.config.recorder, "fixes": list(self.config.fixes)},
+                       world_size=self._world_size(), hosts=hosts, coverage=coverage,
+                       trace_problems=self.tracker.problems
+                       + [p for t in self.tracker.ranks.values() for p in t.problems])
+        except OSError as e:
+            self._write_failed(cannot_write(self.dir.manifest, e, "it is rewritten at the next change"))
+
+
+def _file_system_trouble(path: Path) -> str | None:
+    """``the run directory's file system is read-only`` / ``... is full (0 bytes free)``, or None."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    if st.f_flag & os.ST_RDONLY:
+        return f"the run directory's file system is read-only ({path})"
+    if st.f_blocks and st.f_bavail == 0:
+        return f"the run directory's file system is full (0 bytes free at {path})"
+    return None
+
+
+class _JobLog:
+    """The job's output copied to ``job.log``, unbuffered. A failed write (disk full) is reported
+    once and the copy stops; the output still reaches the screen, and the job's pipes are drained."""
+
+    def __init__(self, path: Path, failed):
+        self.path, self.failed = path, failed
+        try:
+            self.fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            self.fd = None
+            failed(cannot_write(path, e, "the job's output goes to the screen only"))
+
+    def write(self, data: bytes) -> None:
+        if self.fd is None:
+            return
+        try:
+            while data:
+                data = data[os.write(self.fd, data):]
+        except OSError as e:
+            self.failed(cannot_write(self.path, e, "the job's output goes to the screen only from here"))
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> "_JobLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from moedoctor._files import NO_SPACE, rewrite_in_place, write_atomically
 from moedoctor.runner.progress import RankProgress
 
 MANIFEST_FORMAT = "moedoctor-manifest"
@@ -126,6 +126,10 @@ class NodeRecord:
     ranks: list[RankExit] = field(default_factory=list)
     hang: HangRecord | None = None
     lags: list[str] = field(default_factory=list)   # online lag findings, one line each (at most 100)
+    #: Ranks whose recorder stopped on a failed write (``rank 1 stopped recording: ...``), and
+    #: moedoctor's own writes that failed (``cannot write stacks/rank-0.json: ...``), one line each.
+    recording_stopped: list[str] = field(default_factory=list)
+    write_errors: list[str] = field(default_factory=list)
 
 
 def coverage_check(ranks: Mapping[int, RankProgress], world_size: int | None) -> CoverageCheck:
@@ -185,9 +189,13 @@ def write_node(path: Path, node: NodeRecord, *, command: list[str], versions: di
         doc.setdefault("coverage", None)
         if trace_problems:
             doc["trace_problems"] = list(trace_problems)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        os.replace(tmp, path)
+        text = json.dumps(doc, indent=1)
+        try:
+            write_atomically(path, text)
+        except OSError as e:
+            # Disk full: the manifest's own blocks may still hold it (a run's last word, its exits).
+            if e.errno not in NO_SPACE or not path.exists() or not rewrite_in_place(path, text.encode()):
+                raise
         return doc
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moedoctor.events import CollectiveEvent, Coverage
+from moedoctor.trace.format import STOPPED, read_status, stopped_line
 from moedoctor.trace.reader import RECORD_ERRORS, Completion, TraceError, TraceFile, trace_paths
 
 
@@ -95,6 +96,10 @@ class ProgressTracker:
         self.listener = listener
         self.ranks: dict[int, RankProgress] = {}
         self.problems: list[str] = []
+        #: Ranks whose recorder stopped recording (a write of its own failed), with its line
+        #: (``rank 1 stopped recording: No space left on device (...)``), from their status files.
+        self.stopped: dict[int, str] = {}
+        self._status_stamps: dict[Path, tuple[int, int]] = {}
         self._followers: dict[Path, _Follower] = {}
         self._rejected: set[Path] = set()
 
@@ -112,7 +117,31 @@ class ProgressTracker:
                 continue
             if follower.trace is not None:
                 self._apply(follower.trace, items, now)
+        self._poll_statuses()
         return self.ranks
+
+    def _poll_statuses(self) -> None:
+        """Read the status files that changed since the last poll (``trace/format.py``)."""
+        try:
+            paths = list(self.traces_dir.glob("rank-*.status"))
+        except OSError:
+            return
+        for path in paths:
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            stamp = (st.st_mtime_ns, st.st_size)
+            if self._status_stamps.get(path) == stamp:
+                continue
+            status = read_status(path)
+            if status is None:
+                continue  # caught mid-rewrite, or not a status: read again at the next poll
+            self._status_stamps[path] = stamp
+            if status["state"] == STOPPED:
+                self.stopped.setdefault(status["rank"], stopped_line(status))
+            else:
+                self.stopped.pop(status["rank"], None)  # a restarted rank records again
 
     def _apply(self, trace: TraceFile, items: list, now: float) -> None:
         h = trace.header

@@ -19,6 +19,7 @@ the record back into a ``StackDump``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moedoctor.errors import cannot_write
 from moedoctor.runner.procs import FROZEN_STATES, ProcessState, more_readings, process_state
 
 PTRACE_HELP = ("py-spy needs ptrace permission to read another process's stack: run moedoctor as "
@@ -76,6 +78,7 @@ class StackDump:
     main_thread: tuple[Frame, ...] = ()
     threads: dict[str, tuple[Frame, ...]] = field(default_factory=dict)
     process: ProcessState | None = None   # its /proc state around the dump (None: not recorded)
+    write_error: str | None = None        # its file could not be written (disk full): kept in memory only
 
     @property
     def frozen(self) -> str | None:
@@ -117,7 +120,10 @@ def dump_stacks(targets: list[StackTarget], out_dir: Path, host: str, native: bo
     """Read every target's process state, then dump its stacks (unless ``py_spy`` is False), in
     parallel, into ``out_dir/rank-N.json``; never raises for a target that cannot be dumped (its
     file and its ``StackDump`` say why)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # each dump says it could not be written
     exe = find_py_spy() if py_spy else None
     with ThreadPoolExecutor(max_workers=max(1, min(32, len(targets)))) as pool:
         return list(pool.map(lambda t: _dump_one(t, out_dir, host, native, timeout, exe, py_spy), targets))
@@ -152,7 +158,14 @@ def _dump_one(target: StackTarget, out_dir: Path, host: str, native: bool, timeo
         state = more_readings(state, target.pid, started)
     record["process"] = state.to_dict()
     path = out_dir / f"rank-{target.rank}.json"
-    path.write_text(json.dumps(record, indent=1))
+    try:
+        path.write_text(json.dumps(record, indent=1))
+    except OSError as e:  # disk full, read-only: the dump is still used, from memory
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+        dump = _parse(record, None)
+        dump.write_error = cannot_write(path, e, "the stack is used from memory")
+        return dump
     return _parse(record, path)
 
 
@@ -222,7 +235,7 @@ def read_stack_dump(path: Path) -> StackDump:
     return _parse(json.loads(Path(path).read_text()), Path(path))
 
 
-def _parse(record: dict, path: Path) -> StackDump:
+def _parse(record: dict, path: Path | None) -> StackDump:
     raw = record.get("process")
     try:
         process = ProcessState.from_dict(raw) if isinstance(raw, dict) else None

@@ -7,8 +7,13 @@ once by a ``g`` / ``s`` record, then referred to by a small integer, so a collec
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import time
 from pathlib import Path
+
+from moedoctor.errors import errno_text
 
 FORMAT_NAME = "moedoctor-trace"
 FORMAT_VERSION = 1
@@ -61,3 +66,112 @@ def recorder_markers(control: Path) -> dict[int, float]:
             except OSError:
                 continue
     return found
+
+
+# Recorder status: ``traces/rank-NNNNN.status``, one per rank, beside its trace. The recorder writes
+# it when it opens the trace (state ``recording``) and rewrites it in place, at the same length, when
+# a write of its own fails and it stops recording (state ``stopped``): the bytes are reserved while
+# there is room, so the rewrite needs no new space on a full disk or over a quota. The supervisor
+# reads it to say so and to take the silence of that trace for what it is, not for a hang.
+STATUS_FORMAT = "moedoctor-recorder-status"
+STATUS_BYTES = 1024
+RECORDING = "recording"
+STOPPED = "stopped"
+_STATUS_SUFFIX = ".status"
+_MAX_ERROR = 400
+
+
+def status_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}{_STATUS_SUFFIX}"
+
+
+def encode_status(rank: int, pid: int, state: str, **fields) -> bytes:
+    """A status record as exactly ``STATUS_BYTES`` bytes: compact JSON padded with spaces, then
+    ``\\n`` (string fields are cut to fit)."""
+    record = {"format": STATUS_FORMAT, "version": FORMAT_VERSION, "rank": rank, "pid": pid, "state": state,
+              **{k: v[:_MAX_ERROR] if isinstance(v, str) else v for k, v in fields.items()}}
+    data = _dumps(record).encode()
+    if len(data) > STATUS_BYTES - 1:
+        record = {k: v for k, v in record.items() if not isinstance(v, str) or k in ("format", "state")}
+        data = _dumps(record).encode()[:STATUS_BYTES - 1]
+    return data.ljust(STATUS_BYTES - 1) + b"\n"
+
+
+def reserve_status(traces: Path, rank: int, pid: int) -> int:
+    """Create this rank's status file in state ``recording``; its descriptor, for ``stop_status``.
+    OSError when it cannot be written."""
+    path = traces / status_file_name(rank)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        _pwrite_all(fd, encode_status(rank, pid, RECORDING, t=time.time()))
+    except OSError:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            path.unlink()  # no half-written status: the failure goes to stderr instead
+        raise
+    return fd
+
+
+def stop_status(fd: int, rank: int, pid: int, error: OSError, file: str, events: int) -> None:
+    """Rewrite the status in place: recording stopped on ``error`` while writing ``file``, after
+    ``events`` collectives. OSError when even that fails."""
+    _pwrite_all(fd, encode_status(rank, pid, STOPPED, t=time.time(), errno=error.errno,
+                                  error=error.strerror or str(error), file=file, events=events))
+
+
+def _pwrite_all(fd: int, data: bytes) -> None:
+    offset = 0
+    while offset < len(data):
+        offset += os.pwrite(fd, data[offset:], offset)
+
+
+def stopped_line(status: dict, then: str = "the job goes on, unrecorded") -> str:
+    """``rank 1 stopped recording: No space left on device (errno 28 ENOSPC writing rank-00001.jsonl,
+    after 412 collectives; the job goes on, unrecorded)``, from a ``stopped`` status."""
+    detail = errno_text(status.get("errno"))
+    file = status.get("file")
+    if isinstance(file, str) and file:
+        detail += f" writing {file}"
+    events = status.get("events")
+    if isinstance(events, int) and not isinstance(events, bool):
+        detail += f", after {events} collective{'s' if events != 1 else ''}"
+    error = status.get("error")
+    error = error if isinstance(error, str) and error else "write failed"
+    return f"rank {status.get('rank')} stopped recording: {error} ({detail}; {then})"
+
+
+def read_statuses(traces: Path) -> dict[int, dict]:
+    """The ranks' status records in ``traces`` (rank -> record); a file that is not one (damaged,
+    foreign, caught mid-rewrite) is left out. Each read is bounded by ``STATUS_BYTES``."""
+    found: dict[int, dict] = {}
+    try:
+        paths = sorted(Path(traces).glob("rank-*" + _STATUS_SUFFIX))
+    except OSError:
+        return found
+    for path in paths:
+        status = read_status(path)
+        if status is not None:
+            found[status["rank"]] = status
+    return found
+
+
+def read_status(path: Path) -> dict | None:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(STATUS_BYTES + 1)
+    except OSError:
+        return None
+    if len(data) > STATUS_BYTES:
+        return None
+    try:
+        record = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(record, dict) or record.get("format") != STATUS_FORMAT:
+        return None
+    rank = record.get("rank")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < (1 << 20):
+        return None
+    if record.get("state") not in (RECORDING, STOPPED) or path.name != status_file_name(rank):
+        return None
+    return record

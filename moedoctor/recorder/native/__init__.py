@@ -213,6 +213,10 @@ class NativeKernels:
     def set_fd(self, fd: int | None) -> None:
         self._m.set_fd(-1 if fd is None else fd)
 
+    def write_error(self) -> int:
+        """The errno of the kernel's first failed write (0: none); it has stopped writing since."""
+        return self._m.write_error()
+
     # -- what the hot path reads ---------------------------------------------------------------
 
     def sync_phase(self) -> None:

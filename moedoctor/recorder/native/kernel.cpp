@@ -158,12 +158,20 @@ static inline void append_int(std::string& out, int64_t value) {
   out.append(buf, result.ptr - buf);
 }
 
+// The errno of the first failed write (0: none). A failed write (disk full, read-only, quota) stops
+// the recording at once (fd -1; the descriptor itself stays open: the Python side owns it), and the
+// recorder's progress thread reads the errno (write_error) to say so.
+static std::atomic<int> write_errno{0};
+
 static void write_all(int target, const char* data, size_t size) {
   while (size > 0) {
     ssize_t n = ::write(target, data, size);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return;  // nothing sensible to do: the trace is best effort
+      int expected = 0;
+      write_errno.compare_exchange_strong(expected, errno == 0 ? EIO : errno);
+      S.fd.store(-1);
+      return;
     }
     data += n;
     size -= static_cast<size_t>(n);
@@ -853,6 +861,7 @@ static void register_kernels(const std::vector<py::tuple>& entries) {
 static void unregister_kernels() { S.libraries.clear(); }
 
 static void set_fd(int value) { S.fd.store(value); }
+static int write_error() { return write_errno.load(); }
 static void set_step(int64_t value) { S.step = value; }
 static void set_optimizer_depth(int64_t value) { S.optimizer_depth = value; }
 static void set_checkpoint(py::object value) {
@@ -1018,6 +1027,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_kernels", &register_kernels);
   m.def("unregister_kernels", &unregister_kernels);
   m.def("set_fd", &set_fd);
+  m.def("write_error", &write_error);
   m.def("set_step", &set_step);
   m.def("set_optimizer_depth", &set_optimizer_depth);
   m.def("set_checkpoint", &set_checkpoint);
