@@ -11,7 +11,11 @@ are not confident), the verify results, the false alarms on the healthy jobs, an
     accuracy: pattern N/M, culprit N/M, wrong-confident N, verify-passed N/K, false-alarms N/H
 
     python benchmarks/diagnosis_accuracy.py [--backend gloo|nccl] [--only PATTERN[,PATTERN]] [--no-verify]
-        [--no-healthy] [--keep DIR] [--jobs N]
+        [--no-healthy] [--keep DIR] [--jobs N] [--variants DIR] [--reanalyze DIR]
+
+``--reanalyze DIR`` runs no job: it analyzes again the run directories a former ``--keep DIR`` left
+(what a classifier change does to the same recordings, in seconds). ``--variants DIR`` reads the
+variants from another folder laid out the same way (a held-out corpus).
 
 A straggler variant's "pattern" is ``straggler``; the verdict it must get is ``stuck``. Expect about
 40 s per variant on 2 CPU cores (each one hangs until moedoctor detects it).
@@ -61,9 +65,9 @@ class Case:
     error: str | None = None
 
 
-def discover(only: set[str] | None, healthy: bool) -> list[Case]:
+def discover(only: set[str] | None, healthy: bool, variants: Path = VARIANTS) -> list[Case]:
     cases = []
-    for spec in sorted(VARIANTS.glob("*/*.yaml")):
+    for spec in sorted(variants.glob("*/*.yaml")):
         expected = yaml.safe_load(spec.read_text())
         if only and expected["pattern"] not in only:
             continue
@@ -95,13 +99,20 @@ def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
     cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--force",
            "--hang-timeout", str(args.hang_timeout), "--", sys.executable, "-m", "torch.distributed.run",
            "--standalone", f"--nproc_per_node={nproc}", str(case.script), *job_args]
-    case.exit_code, out, case.seconds = run(cmd, args.timeout, env, keep / f"{slug}.log")
+    if args.reanalyze:
+        out = (keep / f"{slug}.log").read_text() if (keep / f"{slug}.log").exists() else ""
+        report = reanalyze(run_dir)
+        if report is None:
+            case.error = "no run directory to analyze again"
+            return case
+    else:
+        case.exit_code, out, case.seconds = run(cmd, args.timeout, env, keep / f"{slug}.log")
+        try:
+            report = json.loads((run_dir / "report.json").read_text())
+        except (OSError, ValueError) as e:
+            case.error = f"no report.json ({type(e).__name__})"
+            return case
     case.alarm = any(a in line for line in out.splitlines() for a in ALARMS)
-    try:
-        report = json.loads((run_dir / "report.json").read_text())
-    except (OSError, ValueError) as e:
-        case.error = f"no report.json ({type(e).__name__})"
-        return case
     case.reported, case.verdict = report.get("pattern"), report.get("verdict")
     case.culprits = report.get("culprit_ranks") or []
     case.verify = report.get("verify_command")
@@ -110,6 +121,15 @@ def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
                          args.timeout, env, keep / f"{slug}.verify.log")
         case.verified = code == 0
     return case
+
+
+def reanalyze(run_dir: Path) -> dict | None:
+    """The report ``moedoctor analyze`` gives on a kept run directory now, as ``report.json`` holds it."""
+    if not run_dir.is_dir():
+        return None
+    from moedoctor.analysis import analyze, load_run
+    from moedoctor.render.json_report import report_to_dict
+    return report_to_dict(analyze(load_run(run_dir)))
 
 
 def report(cases: list[Case]) -> str:
@@ -165,8 +185,13 @@ def main() -> None:
     parser.add_argument("--pg-timeout", type=float, default=60)
     parser.add_argument("--timeout", type=float, default=240, help="per job, seconds")
     parser.add_argument("--jobs", type=int, default=1, help="jobs run at once (1 on 2 CPU cores)")
+    parser.add_argument("--variants", type=Path, default=VARIANTS, help="variants folder (<pattern>/<variant>.py|yaml)")
+    parser.add_argument("--reanalyze", type=Path, default=None,
+                        help="run nothing: analyze again the run directories a former --keep DIR left")
     args = parser.parse_args()
-    cases = discover(set(args.only.split(",")) if args.only else None, args.healthy)
+    if args.reanalyze:
+        args.keep, args.verify = args.reanalyze, False
+    cases = discover(set(args.only.split(",")) if args.only else None, args.healthy, args.variants)
     keep = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="moedoctor-accuracy-"))
     keep.mkdir(parents=True, exist_ok=True)
     print(f"{len(cases)} jobs ({args.backend}); runs and logs in {keep}", file=sys.stderr, flush=True)

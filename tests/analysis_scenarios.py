@@ -235,7 +235,7 @@ SCENARIOS = {
     "uneven-dtensor-allgather": (uneven_dtensor_allgather, [1], "desync"),
     "inactive-experts": (inactive_experts, [1], "crashed"),
     "rank-conditional-collective": (rank_conditional_collective, [0], "desync"),
-    "microbatch-count-mismatch": (microbatch_count_mismatch, [0], "desync"),
+    "microbatch-count-mismatch": (microbatch_count_mismatch, [1], "desync"),  # the rank with fewer micro-batches
     "collective-order-inversion": (collective_order_inversion, [1], "desync"),
     "shape-mismatch": (shape_mismatch, [1], "desync"),
     "straggler": (straggler, [1], "stuck"),

@@ -61,9 +61,13 @@ def analyze(run: RunData) -> Report:
     pattern, finding, candidates = _choose(ctx, died)
     culprit_ranks = list(culprits.ranks)
     reasoning = culprits.reasoning
-    if not culprit_ranks and finding is not None and finding.culprits:
-        culprit_ranks = sorted(finding.culprits)
-        reasoning = f"{names(culprit_ranks)}: named by the {pattern.id} evidence"
+    named = pattern is not None and pattern.id != "unknown-desync"
+    if finding is not None and finding.culprits and (named or not culprit_ranks):
+        # A named pattern knows which side made the decision (the rank that skipped its step, ran fewer
+        # micro-batches, issued the extra collective); the generic rules only see who is waiting.
+        if sorted(finding.culprits) != culprit_ranks:
+            culprit_ranks = sorted(finding.culprits)
+            reasoning = f"{names(culprit_ranks)}: named by the {pattern.id} evidence"
     if not culprit_ranks and primary is None and died:
         culprit_ranks = _first_deaths(view, died)
         reasoning = f"{names(culprit_ranks)} died; no collective divergence was recorded before"

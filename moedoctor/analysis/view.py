@@ -116,6 +116,30 @@ class RunView:
             return []
         return [e for e in trace.evidence if (kind is None or e.kind == kind) and (step is None or e.step == step)]
 
+    def discarded_steps(self, rank: int) -> list[Evidence]:
+        """The ``zero_grad`` records that cleared gradients a backward pass had produced without an
+        ``optimizer.step`` in between: each one is a step whose gradients the rank threw away (the
+        recorder's optimizer and ``zero_grad`` hooks; a micro-batch loop never clears between its
+        backward passes, a stepping rank steps before it clears)."""
+        found, pending = [], False
+        for e in self.evidence(rank):
+            if e.kind == "backward_end":
+                pending = True
+            elif e.kind == "optimizer_step_begin":
+                pending = False
+            elif e.kind == "zero_grad" and pending:
+                found.append(e)
+                pending = False
+        return found
+
+    def stepped(self, rank: int, step: int) -> bool:
+        """Whether the rank began ``optimizer.step`` while its step counter was ``step``."""
+        return bool(self.evidence(rank, "optimizer_step_begin", step))
+
+    def nonfinite_loss(self, rank: int, step: int) -> list[Evidence]:
+        return [e for e in self.evidence(rank, "loss", step)
+                if str(e.data.get("value")).lower() in ("inf", "-inf", "nan")]
+
     def stack(self, rank: int) -> StackDump | None:
         return self.run.stacks.get(rank)
 

@@ -26,6 +26,7 @@ from moedoctor.recorder.core import Recorder
 
 def install(recorder: Recorder) -> None:
     _install_optimizer_hooks(recorder)
+    _install_zero_grad_hook(recorder)
     _install_norm_hooks(recorder)
     _install_backward_hook(recorder)
     when_imported("torch.distributed.checkpoint", lambda module: _install_checkpoint_hooks(recorder, module))
@@ -59,6 +60,24 @@ def _install_optimizer_hooks(recorder: Recorder) -> None:
 
     register_optimizer_step_pre_hook(pre_hook)
     register_optimizer_step_post_hook(post_hook)
+
+
+def _install_zero_grad_hook(recorder: Recorder) -> None:
+    """``zero_grad`` evidence: a rank that clears its gradients without having stepped since the
+    last clear threw a step's gradients away (a skipped optimizer step); a micro-batch loop never
+    clears between its micro-batches."""
+    for owner in (torch.optim.Optimizer, torch.nn.Module):
+        original = owner.zero_grad
+        if getattr(original, "__moedoctor__", False):
+            continue
+
+        def zero_grad(self, *args, __original=original, **kwargs):
+            recorder.write_evidence("zero_grad", {"of": type(self).__name__})
+            return __original(self, *args, **kwargs)
+
+        functools.update_wrapper(zero_grad, original)
+        zero_grad.__moedoctor__ = True
+        owner.zero_grad = zero_grad
 
 
 def _params_without_grad(optimizer) -> frozenset[str]:

@@ -23,11 +23,13 @@ from collections import Counter
 
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb
+from moedoctor.analysis.source import calls_in, rank_guard, shared_loop
 
 #: A metric all-reduce moves a handful of scalars.
 SMALL = 64
 #: Where a training loop issues metric all-reduces (not inside Optimizer.step or a checkpoint save).
-_USER_PHASES = {"other", "forward", "backward"}
+#: Not ``backward``: a collective issued while autograd runs comes from a gradient hook, the in-flight side.
+_USER_PHASES = {"other", "forward"}
 
 
 def classify(ctx: Context) -> Finding | None:
@@ -42,23 +44,44 @@ def classify(ctx: Context) -> Finding | None:
         return None
     v = present[small[0]]
     group = div.group.name
-    if not all(view.issued_from(r, group, v.call_site) for r in other):
-        return None  # a call site the other ranks never use: rank-conditional, not a misplaced metric
+    event = ctx.event(small[0])
+    stack = event.call_site.stack if event is not None and event.call_site is not None else ()
+    if rank_guard(stack) is not None:
+        return None  # issued under a branch on the rank: rank-conditional, not a misplaced metric
+    restarted = [r for r in other if any(e.step == v.step for e in view.discarded_steps(r))]
+    if restarted:
+        return None  # the others threw their step away and began the next one: a skipped step, not a metric
+    history = all(view.issued_from(r, group, v.call_site) for r in other)
+    loop = shared_loop(stack)
+    if loop is not None and calls_in(loop.file, loop.line, "step"):
+        loop = None  # the training-step loop, not a micro-batch loop: says nothing about micro-batches
+    if not history and loop is None:
+        return None  # a call site the other ranks never used, and nothing shows it runs on every rank
     theirs = [present[r] for r in other if r in present]
-    if theirs and all(t.op == "all_reduce" and t.numel <= SMALL and t.module is None for t in theirs):
+    if theirs and all(t.op == "all_reduce" and t.numel <= SMALL and t.module is None
+                      and t.phase not in ("forward", "backward") for t in theirs):
         return None  # two metric all-reduces: a different pattern (shape mismatch / rank-conditional)
     desc = ", ".join(f"rank {r}: " + ("nothing" if div.per_rank[r] is None else
                                       f"{div.per_rank[r].op} {[list(s) for s in div.per_rank[r].shapes]}"
                                       + (f" of FSDP unit {div.per_rank[r].module}" if div.per_rank[r].module else ""))
                      for r in other[:4])
-    if not any(t.module is not None or t.numel > SMALL for t in theirs):
-        return None  # nothing large or FSDP-issued to be matched against: no sign of collectives in flight
-    score = 0.3
+    if not any(t.module is not None or t.phase in ("forward", "backward") for t in theirs):
+        return None  # nothing FSDP-issued or from forward/backward to be matched against: nothing in flight
+    score = 0.3 if history else 0.2
     evidence = [f"at #{div.seq} of group {div.group.label()} {names(small)} issued a {v.numel}-element all_reduce "
                 f"from user code ({v.short_site}) where the others issued {desc}"]
+    if loop is not None:
+        score += 0.1
+        evidence.append(f"it is issued inside the loop at {loop.short} ({loop.text}), which runs the backward passes "
+                        "and no optimizer step (a micro-batch loop), under no branch on the rank: every rank issues "
+                        "it, once per micro-batch")
+    elif history:
+        evidence.append(f"{names(other)} issued collectives from {v.short_site} before: every rank issues it")
     fsdp = [t for t in theirs if t.module is not None]
     if fsdp:
         score += 0.3
+    elif any(t.phase == "backward" for t in theirs):
+        score += 0.2  # issued from autograd (a gradient hook): in flight while the loop goes on
     elif any(t.numel > SMALL for t in theirs):
         score += 0.15
     # Issued once per micro-batch: the same call site several times in one step.
@@ -77,7 +100,6 @@ def classify(ctx: Context) -> Finding | None:
             evidence.append(f"{names(small)} had not yet issued the {t.op} of FSDP unit {t.module} in step {t.step} "
                             f"that {names(other)} {verb(other, 'was', 'were')} in: the FSDP collectives before the "
                             "metric all_reduce differ across ranks")
-    event = ctx.event(small[0])
     caller = ""
     if event is not None and event.call_site is not None and len(event.call_site.stack) > 1:
         caller = f" (called from {event.call_site.stack[1].rsplit('/', 1)[-1]})"

@@ -23,6 +23,24 @@ from collections import Counter
 
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+from moedoctor.analysis.source import calls_in, shared_loop
+from moedoctor.analysis.steps import RESTART, CLOSING, position
+
+
+def _split(ctx: Context) -> tuple[list[int], list[int], str] | None:
+    """(in_loop, moved_on, how): the ranks still in the step's repeated part and those that left it."""
+    div, view = ctx.div, ctx.view
+    present = ctx.present()
+    where = {r: position(view, e) for r in present if (e := ctx.event(r)) is not None}
+    restart = sorted(r for r, p in where.items() if p == RESTART)
+    closing = sorted(r for r, p in where.items() if p == CLOSING)
+    if restart and closing and len(restart) + len(closing) == len(present):
+        return restart, closing + sorted(r for r in div.per_rank if r not in present), "structure"
+    in_loop = sorted(r for r, v in present.items() if v.phase in ("forward", "backward"))
+    moved_on = sorted(r for r in div.per_rank if r not in in_loop)
+    if in_loop and moved_on and not any(where.get(r) == RESTART for r in moved_on):
+        return in_loop, moved_on, "phase"
+    return None
 
 
 def classify(ctx: Context) -> Finding | None:
@@ -30,10 +48,10 @@ def classify(ctx: Context) -> Finding | None:
         return None
     div, view = ctx.div, ctx.view
     present = ctx.present()
-    in_loop = sorted(r for r, v in present.items() if v.phase in ("forward", "backward"))
-    moved_on = sorted(r for r in div.per_rank if r not in in_loop)
-    if not in_loop or not moved_on:
+    split = _split(ctx)
+    if split is None:
         return None
+    in_loop, moved_on, how = split
     step = present[in_loop[0]].step
     since = min(present[r].time for r in in_loop)
     backwards = {r: len(view.evidence(r, "backward_begin", step)) for r in div.per_rank}
@@ -42,20 +60,39 @@ def classify(ctx: Context) -> Finding | None:
     if closed:
         return Finding(0.1, (f"{names(closed)} already computed the step {step} gradient norm: the forward is the "
                              "next iteration's, not an extra micro-batch",))
+    discarded = [r for r in in_loop if any(e.step == step for e in view.discarded_steps(r))]
+    if discarded:
+        return Finding(0.1, (f"{names(discarded)} cleared {'its' if len(discarded) == 1 else 'their'} gradients "
+                             f"(zero_grad) after a step {step} backward pass without stepping: the next iteration, "
+                             "not another micro-batch",))
     done = max(backwards[r] for r in moved_on)
     if done == 0 or min(backwards[r] for r in in_loop) < done:
         return None
-    score = 0.55
-    evidence = [f"at step {step} {names(moved_on)} moved on after {done} backward pass(es) while {names(in_loop)} "
-                f"{'is' if len(in_loop) == 1 else 'are'} in another micro-batch "
-                f"({', '.join(f'rank {r}: {backwards[r]}' for r in in_loop)} backward passes so far)"]
+    score = 0.55 if how == "structure" else 0.45
+    if how == "structure":
+        evidence = [f"at #{div.seq} of group {div.group.label()} {names(in_loop)} issued again a collective "
+                    f"{'it' if len(in_loop) == 1 else 'they'} had issued earlier in step {step} (another pass over "
+                    f"the step's repeated part) while {names(moved_on)} issued one not issued yet in the step "
+                    f"(closing it); backward passes so far: "
+                    + ", ".join(f"rank {r}: {backwards[r]}" for r in sorted(div.per_rank))]
+    else:
+        evidence = [f"at step {step} {names(moved_on)} moved on after {done} backward pass(es) while {names(in_loop)} "
+                    f"{'is' if len(in_loop) == 1 else 'are'} in another micro-batch "
+                    f"({', '.join(f'rank {r}: {backwards[r]}' for r in in_loop)} backward passes so far)"]
     earlier = {r: Counter(e.step for e in view.evidence(r, "backward_begin") if e.step < step) for r in div.per_rank}
     common = set.intersection(*(set(c) for c in earlier.values())) if earlier else set()
     if common and all(len({earlier[r][s] for r in earlier}) == 1 for s in common):
-        score += 0.1
+        score += 0.05
         evidence.append(f"in steps {min(common)}-{max(common)} every rank ran the same number of micro-batches")
     v = present[in_loop[0]]
-    return Finding(round(score, 3), tuple(evidence), suggestion=Suggestion(v.call_site, v.function, _ADVICE))
+    event = ctx.event(in_loop[0])
+    loop = shared_loop(event.call_site.stack) if event is not None and event.call_site is not None else None
+    if loop is not None and not calls_in(loop.file, loop.line, "step"):
+        score += 0.1
+        evidence.append(f"{names(in_loop)}' collective is issued inside the loop at {loop.short} ({loop.text}), "
+                        "which runs the backward passes and no optimizer step: a micro-batch loop")
+    return Finding(round(score, 3), tuple(evidence), culprits=tuple(moved_on),
+                   suggestion=Suggestion(v.call_site, v.function, _ADVICE))
 
 
 _ADVICE = ("Make the number of micro-batches per step the same on every rank: all_reduce the local count with "

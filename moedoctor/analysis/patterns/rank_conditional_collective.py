@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+from moedoctor.analysis.source import rank_guard
 
 
 def _site(e) -> str | None:
@@ -63,6 +64,12 @@ def classify(ctx: Context) -> Finding | None:
                             f"collective {names(ranks)} also issue{'s' if len(ranks) == 1 else ''}: "
                             "the extra op shifted "
                             f"{'its' if len(ranks) == 1 else 'their'} sequence")
+        event = ctx.event(ranks[0])
+        guard = rank_guard(event.call_site.stack) if event is not None and event.call_site is not None else None
+        if guard is not None:
+            score += 0.3
+            evidence.append(f"the call is made under `{guard.kind} {guard.text}` ({guard.short}), a branch on the "
+                            "rank: only the ranks that take it issue the collective")
         recurring = sum(1 for e in view.events(ranks[0], group) if _site(e) == site)
         if recurring > 1:
             score += 0.1

@@ -5,10 +5,13 @@ NaN check, an unsharded grad scaler) makes some ranks skip ``optimizer.step()`` 
 it; the step is collective (sharded optimizers all-reduce the norm or gather the updated shards),
 so the stepping ranks wait in it while the skipping ranks are already in the next iteration.
 
-Evidence: at the divergence, ranks inside ``Optimizer.step`` (phase ``optimizer``) face ranks in
-another phase (forward / backward of the next iteration) or ranks that never issued it; the other
-ranks logged a non-finite ``grad_norm`` at that step while the stepping ranks' norms were finite;
-they never began that optimizer step (no ``optimizer_step_begin``).
+Evidence (the recorder's optimizer-step, ``zero_grad``, backward and norm hooks; no names): in the
+step where the ranks parted, some ranks began ``optimizer.step`` and the others did not although
+they finished the backward pass; the skipping ranks cleared their gradients (``zero_grad``) after
+that backward without stepping (a delayed rank or an extra micro-batch never clears); they computed
+a non-finite loss or local gradient norm there while the stepping ranks' were finite; the stepping
+ranks are inside ``Optimizer.step`` at the divergence. Both sides of a step are needed, and at
+least one sign of a skip (a discard or a non-finite value) to reach the naming threshold.
 
 Risk: a step that is skipped collectively on purpose never diverges, so it cannot be confused; a
 rank that is merely late into the optimizer shows no non-finite norm and scores lower.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb
+from moedoctor.analysis.steps import CLOSING, RESTART, position
 from moedoctor.events import Evidence
 
 
@@ -33,57 +37,71 @@ def classify(ctx: Context) -> Finding | None:
         return None
     div, view = ctx.div, ctx.view
     present = ctx.present()
-    stepping = sorted(r for r, v in present.items() if v.phase == "optimizer")
-    skipping = sorted(r for r in div.per_rank if r not in stepping)
-    if not skipping:
+    ranks = sorted(div.per_rank)
+    # The step the ranks were in when they parted: a stepping rank's counter moves on after its
+    # step, a skipping rank's does not, so the smallest counter at the divergence is that step.
+    step = min((v.step for v in present.values()), default=0)
+    stepped = sorted(r for r in ranks if view.stepped(r, step))
+    phase_stepping = sorted(r for r, v in present.items() if v.phase == "optimizer")
+    stepping = sorted(set(stepped) | set(phase_stepping))
+    discarded = {r: [e for e in view.discarded_steps(r) if e.step == step] for r in ranks}
+    cleared = sorted(r for r in ranks if discarded[r] and r not in stepping)
+    if not stepping and cleared and len(cleared) < len(ranks):
+        # Nobody has stepped yet (the others are in the step's closing collectives, before step()):
+        # the ranks that threw their gradients away are the skipping side.
+        stepping = sorted(r for r in ranks if r not in cleared)
+    skipping = sorted(r for r in ranks if r not in stepping)
+    if not skipping or not stepping:
         return None
-    steps = {present[r].step for r in stepping} or {v.step for v in present.values()}
     score, evidence = 0.0, []
-    if stepping:
-        v = present[stepping[0]]
+    backward = [r for r in skipping if view.evidence(r, "backward_begin", step)]
+    if stepped and len(backward) == len(skipping):
+        score += 0.25
+        evidence.append(f"in step {step} {names(stepped)} ran optimizer.step (optimizer step hooks) and "
+                        f"{names(skipping)} did not, after {'its' if len(skipping) == 1 else 'their'} backward pass")
+    where = {r: position(view, e) for r in ranks if (e := ctx.event(r)) is not None}
+    if all(where.get(r) == RESTART for r in skipping if r in where) and any(r in where for r in skipping) \
+            and all(where.get(r) == CLOSING for r in stepping if r in where):
+        score += 0.15
+        evidence.append(f"{names(skipping)} issued again a collective of the step's beginning while "
+                        f"{names(stepping)} issued one not issued yet in step {step} (closing it)")
+    cleared = [r for r in cleared if r in skipping]
+    if cleared and not any(discarded[r] for r in stepping):
+        score += 0.35
+        evidence.append(f"{names(cleared)} cleared {'its' if len(cleared) == 1 else 'their'} gradients "
+                        f"(zero_grad) after the step {step} backward pass without calling optimizer.step: "
+                        "the step was skipped, not delayed")
+    if phase_stepping:
+        v = present[phase_stepping[0]]
         elsewhere = "; ".join(
             f"rank {r} " + ("never issued it" if div.per_rank[r] is None else
                             f"issued {div.per_rank[r].op} ({div.per_rank[r].short_site}, {div.per_rank[r].phase})")
             for r in skipping[:4])
-        score += 0.3
-        evidence.append(f"at #{div.seq} of group {div.group.label()} {names(stepping)} "
-                        f"{verb(stepping, 'is', 'are')} inside Optimizer.step ({v.op} from {v.short_site}) "
+        score += 0.1
+        evidence.append(f"at #{div.seq} of group {div.group.label()} {names(phase_stepping)} "
+                        f"{verb(phase_stepping, 'is', 'are')} inside Optimizer.step ({v.op} from {v.short_site}) "
                         f"while {elsewhere}")
-        # The skipping ranks finished this step's gradients (they computed its norm) before moving on.
-        finished = [r for r in skipping if any(
-            e.step in steps and (div.per_rank[r] is None or e.time < div.per_rank[r].time)
-            for e in view.evidence(r, "grad_norm"))]
-        if finished and len(finished) == len(skipping):
-            score += 0.2
-            evidence.append(f"{names(finished)} had finished step {min(steps)}'s gradients (grad norm computed) "
-                            "and went on without the optimizer step")
-    nonfinite = {r: [e for e in view.evidence(r, "grad_norm") if e.step in steps and _nonfinite(e)]
-                 for r in div.per_rank}
+    nonfinite = {r: [e for e in view.evidence(r, "grad_norm", step) if _nonfinite(e)] + view.nonfinite_loss(r, step)
+                 for r in ranks}
     bad = sorted(r for r in skipping if nonfinite[r])
     if bad and not any(nonfinite[r] for r in stepping):
         e = nonfinite[bad[0]][0]
+        value = e.data.get("norm", e.data.get("value"))
         score += 0.35
         site = e.data.get("site")
-        evidence.append(f"{names(bad)} computed a non-finite local gradient norm ({e.data.get('norm')}) at step "
-                        f"{e.step}{f' ({site})' if site else ''}; "
-                        f"{names(stepping) if stepping else 'the other ranks'} had finite norms")
-    began = {r: any(e.step in steps for e in view.evidence(r, "optimizer_step_begin")) for r in div.per_rank}
-    if stepping and all(began[r] for r in stepping) and any(not began[r] for r in skipping):
-        never = sorted(r for r in skipping if not began[r])
-        score += 0.15
-        evidence.append(f"{names(never)} never began optimizer step {min(steps)} (no optimizer_step_begin); "
-                        f"{names(stepping)} did")
-    if score == 0:
-        return None
+        evidence.append(f"{names(bad)} computed a non-finite {'loss' if e.kind == 'loss' else 'local gradient norm'} "
+                        f"({value}) at step {e.step}{f' ({site})' if site else ''}; {names(stepping)} had finite ones")
+    if score < 0.3:
+        return None  # ranks that parted around a step, with nothing that says a step was skipped
     suggestion = None
-    if bad:
-        site = nonfinite[bad[0]][0].data.get("site")
-        if isinstance(site, str) and ":" in site:
-            suggestion = Suggestion(site, None, _ADVICE)
-    elif stepping:
-        v = present[stepping[0]]
+    site = nonfinite[bad[0]][0].data.get("site") if bad else None
+    if isinstance(site, str) and ":" in site:
+        suggestion = Suggestion(site, None, _ADVICE)
+    elif phase_stepping:
+        v = present[phase_stepping[0]]
         suggestion = Suggestion(v.call_site, v.function, _ADVICE)
-    return Finding(round(score, 3), tuple(evidence), culprits=tuple(bad or skipping), suggestion=suggestion)
+    return Finding(round(min(score, 1.0), 3), tuple(evidence), culprits=tuple(bad or cleared or skipping),
+                   suggestion=suggestion)
 
 
 _ADVICE = ("Decide to skip collectively: all_reduce the non-finite flag (a 0/1 tensor) with ReduceOp.MAX over "

@@ -1,0 +1,244 @@
+"""What the code around a call site says: the branches and loops a collective is issued under.
+
+A recorded call site carries a short stack of the job's own frames (``file:line function``,
+innermost first). Reading those files (when they are still where the job ran them) and walking the
+syntax tree down to each line gives the statements that enclose the call: ``if`` tests, loops,
+``with`` blocks. Two facts follow from structure, not from what anything is called:
+
+- a collective issued under an ``if`` whose test reads the process's rank (``dist.get_rank()``,
+  ``self.rank == 0``, ``is_main_process``, ``LOCAL_RANK``) is issued by a subset of the ranks;
+- a collective issued inside the same loop body as a ``backward()`` call runs once per iteration of
+  that loop (a micro-batch loop), not once per step.
+
+Source that cannot be read (another host, a deleted file, a syntax error, too large) gives no facts:
+callers treat "unknown" as no evidence either way. Nothing here imports torch or executes the code.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+#: Files larger than this are not parsed (bounded analysis).
+MAX_SOURCE_BYTES = 2 * 1024 * 1024
+#: How a branch test reads the process's own rank: the rank APIs of torch, Lightning, accelerate,
+#: DeepSpeed and the environment variables torchrun sets.
+_RANK_TEST = re.compile(
+    r"\b(get_rank|get_global_rank|get_local_rank|rank|local_rank|global_rank|node_rank|process_index|"
+    r"local_process_index|is_main_process|is_local_main_process|is_main|is_master|is_global_zero|"
+    r"is_rank_zero|rank_zero|is_first_rank|is_last_rank|is_first_stage|is_last_stage|RANK|LOCAL_RANK|"
+    r"get_coordinate|coordinate)\b")
+_RANK_DECORATOR = re.compile(r"\b(rank_zero_only|main_process_only|on_main_process|on_rank_0|rank0_only)\b")
+
+
+@dataclass(frozen=True)
+class Enclosing:
+    """A statement that encloses a call: ``if`` / ``elif`` (with its test), ``for`` / ``while``,
+    ``with``, ``def`` (with its decorators)."""
+
+    kind: str          # "if", "for", "while", "with", "def", "try"
+    file: str
+    line: int
+    text: str          # the test, the loop header, the decorators; one line, at most 160 characters
+
+    @property
+    def short(self) -> str:
+        return f"{self.file.rsplit('/', 1)[-1]}:{self.line}"
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    function: str
+
+
+def parse_frame(text: str) -> Frame | None:
+    """``"/path/train.py:60 main"`` (the recorder's stack entry) -> ``Frame``."""
+    where, _, function = text.partition(" ")
+    path, _, line = where.rpartition(":")
+    if not path or not line.isdigit():
+        return None
+    return Frame(path, int(line), function)
+
+
+@lru_cache(maxsize=64)
+def _tree(path: str) -> ast.Module | None:
+    try:
+        p = Path(path)
+        if not p.is_file() or p.stat().st_size > MAX_SOURCE_BYTES:
+            return None
+        return ast.parse(p.read_text(errors="replace"), filename=path)
+    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+
+
+def _segment(node: ast.AST) -> str:
+    try:
+        text = ast.unparse(node)
+    except Exception:  # noqa: BLE001 - unparse of odd trees; the text is only shown
+        text = type(node).__name__
+    text = " ".join(text.split())
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _header(node: ast.AST) -> tuple[str, str] | None:
+    if isinstance(node, ast.If):
+        return "if", _segment(node.test)
+    if isinstance(node, (ast.For, ast.AsyncFor)):
+        return "for", f"for {_segment(node.target)} in {_segment(node.iter)}"
+    if isinstance(node, ast.While):
+        return "while", f"while {_segment(node.test)}"
+    if isinstance(node, (ast.With, ast.AsyncWith)):
+        return "with", "with " + ", ".join(_segment(i.context_expr) for i in node.items)
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return "def", " ".join(f"@{_segment(d)}" for d in node.decorator_list) + f" def {node.name}"
+    if isinstance(node, ast.Try):
+        return "try", "try"
+    return None
+
+
+def _body_of(node: ast.AST, line: int) -> bool:
+    """Is ``line`` inside the part of ``node`` that is conditional on it (an ``if``'s branches,
+    not its test; a loop's body)?"""
+    if isinstance(node, ast.If):
+        return node.test.end_lineno < line <= (node.end_lineno or 0)
+    return node.lineno <= line <= (node.end_lineno or 0)
+
+
+@lru_cache(maxsize=512)
+def enclosing(path: str, line: int) -> tuple[Enclosing, ...]:
+    """The statements enclosing ``line`` in ``path``, outermost first (empty when unreadable)."""
+    tree = _tree(path)
+    if tree is None:
+        return ()
+    chain: list[Enclosing] = []
+    body: list[ast.AST] = list(tree.body)
+    while body:
+        inner = None
+        for node in body:
+            if isinstance(node, ast.stmt) and node.lineno <= line <= (node.end_lineno or node.lineno):
+                inner = node
+                break
+        if inner is None:
+            break
+        head = _header(inner)
+        if head is not None and _body_of(inner, line):
+            chain.append(Enclosing(head[0], path, inner.lineno, head[1]))
+        body = [n for n in ast.iter_child_nodes(inner) if isinstance(n, ast.stmt)]
+    return tuple(chain)
+
+
+def _assigned(path: str, name: str, before: int) -> str | None:
+    """The right-hand side of the last ``name = ...`` before line ``before`` in ``path``'s innermost
+    function around it (one step of data flow: ``should_log = rank == 0`` then ``if should_log:``)."""
+    tree = _tree(path)
+    if tree is None:
+        return None
+    scope: ast.AST = tree
+    for node in ast.walk(tree):
+        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= before <= (node.end_lineno or 0)
+                and node.lineno >= getattr(scope, "lineno", 0)):
+            scope = node
+    last = None
+    for node in ast.walk(scope):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.lineno < before and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                if last is None or node.lineno > last.lineno:
+                    last = node
+    return None if last is None else _segment(last.value)
+
+
+def _operand_names(node: ast.AST) -> set[str]:
+    """Names the test's truth is made of (``a``, ``not a``, ``a and b``, ``a == 0``), not the
+    arguments of a call inside it (a call decides by its own code)."""
+    if isinstance(node, ast.Name):
+        return {node.id}
+    if isinstance(node, ast.UnaryOp):
+        return _operand_names(node.operand)
+    if isinstance(node, ast.BoolOp):
+        return set().union(*(_operand_names(v) for v in node.values))
+    if isinstance(node, ast.Compare):
+        return set().union(_operand_names(node.left), *(_operand_names(c) for c in node.comparators))
+    return set()
+
+
+def _reads_rank(enc: Enclosing) -> bool:
+    if _RANK_TEST.search(enc.text):
+        return True
+    tree = _tree(enc.file)
+    if tree is None:
+        return False
+    try:
+        names = _operand_names(ast.parse(enc.text, mode="eval").body)
+    except SyntaxError:
+        return False
+    return any((rhs := _assigned(enc.file, name, enc.line)) is not None and _RANK_TEST.search(rhs)
+               for name in sorted(names))
+
+
+def frames(stack: tuple[str, ...]) -> list[Frame]:
+    return [f for f in map(parse_frame, stack) if f is not None]
+
+
+def rank_guard(stack: tuple[str, ...]) -> Enclosing | None:
+    """The innermost branch, in any frame of the call's stack, whose test reads the rank (or a
+    function decorated to run on one rank only)."""
+    for frame in frames(stack):
+        for enc in reversed(enclosing(frame.file, frame.line)):
+            if enc.kind == "if" and _reads_rank(enc):
+                return enc
+            if enc.kind == "def" and _RANK_DECORATOR.search(enc.text):
+                return enc
+    return None
+
+
+def readable(stack: tuple[str, ...]) -> bool:
+    """Could the source of at least the innermost frame be read?"""
+    fs = frames(stack)
+    return bool(fs) and _tree(fs[0].file) is not None
+
+
+def line_text(path: str, line: int) -> str | None:
+    tree = _tree(path)
+    if tree is None:
+        return None
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return lines[line - 1].strip() if 0 < line <= len(lines) else None
+
+
+def calls_in(path: str, node_line: int, attribute: str) -> list[int]:
+    """Lines inside the statement starting at ``node_line`` that call ``.attribute(...)`` or
+    ``attribute(...)``."""
+    tree = _tree(path)
+    if tree is None:
+        return []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt) and node.lineno == node_line:
+            found = []
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Call):
+                    f = sub.func
+                    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+                    if name == attribute:
+                        found.append(sub.lineno)
+            return sorted(found)
+    return []
+
+
+def shared_loop(stack: tuple[str, ...], attribute: str = "backward") -> Enclosing | None:
+    """The innermost loop, in any frame of the call's stack, whose body also calls ``attribute``
+    (``backward``): the collective runs once per iteration of the loop that runs the backward
+    passes (a micro-batch loop)."""
+    for frame in frames(stack):
+        for enc in reversed(enclosing(frame.file, frame.line)):
+            if enc.kind in ("for", "while") and calls_in(frame.file, enc.line, attribute):
+                return enc
+    return None
