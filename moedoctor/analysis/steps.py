@@ -19,6 +19,8 @@ passes its ``backward`` hook. No names are read.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from moedoctor.analysis.view import RunView
 from moedoctor.events import CollectiveEvent
 
@@ -41,3 +43,75 @@ def position(view: RunView, event: CollectiveEvent) -> str | None:
     if same:
         return RESTART if any(t > same[-1].time for t in backwards) else None
     return CLOSING
+
+
+@dataclass(frozen=True)
+class LoopExit:
+    """Ranks that loop over items with one collective call site, a different number of times: at the
+    divergence ``looping`` ranks issue the site again while ``left`` ranks already issued something
+    else (they ran out of items first)."""
+
+    site: tuple
+    short: str
+    looping: tuple[int, ...]
+    left: tuple[int, ...]
+    counts: dict          # rank -> collectives from the site in the current run, the divergence's included
+
+
+def _key(e: CollectiveEvent | None) -> tuple | None:
+    return None if e is None or e.call_site is None else (e.op, e.call_site.file, e.call_site.line)
+
+
+#: How far before the divergence a loop's end is looked for (same-size collectives of different
+#: sites pair silently, so a rank may have left the loop a few collectives before the divergence).
+LOOKBACK = 16
+
+
+def loop_exit(view: RunView, group: str, seq: int, ranks) -> LoopExit | None:
+    """Ranks looping over items with one collective (same op and call site) each: at ``seq`` some
+    ranks issue it again, the others left the loop after fewer iterations (at ``seq`` or a little
+    before, when the first collectives after the loop paired silently with loop iterations)."""
+    window = {r: [e for e in view.events(r, group, before=seq + 1) if e.seq > seq - LOOKBACK] for r in ranks}
+    keys = {_key(window[r][-1]) for r in ranks if window[r] and window[r][-1].seq == seq} - {None}
+    for key in sorted(keys, key=str):
+        found = _exit(window, key, seq)
+        if found is not None:
+            return found
+    return None
+
+
+def _exit(window: dict, key: tuple, seq: int) -> LoopExit | None:
+    counts, inside, left = {}, [], []
+    ranks = list(window)
+    for r in ranks:
+        evs = window[r]
+        last = max((i for i, e in enumerate(evs) if _key(e) == key), default=None)
+        if last is None:
+            return None
+        n = 0
+        for e in reversed(evs[:last + 1]):
+            if _key(e) != key or e.step != evs[last].step:
+                break  # a run within one step: a collective issued once per step is the step loop's
+            n += 1
+        counts[r] = n
+        if last == len(evs) - 1 and evs[-1].seq == seq:
+            inside.append(r)
+        elif all(_key(e) is not None and _key(e)[1:] != key[1:] for e in evs[last + 1:]):
+            left.append(r)  # went on to collectives of other call sites
+        else:
+            return None
+    if not inside or not left or min(counts.values()) < 2 or max(counts[r] for r in left) >= min(counts[r] for r in inside):
+        return None
+    return LoopExit(key[1:], f"{key[1].rsplit('/', 1)[-1]}:{key[2]}", tuple(sorted(inside)), tuple(sorted(left)),
+                    counts)
+
+
+def cycle_loop_exit(view: RunView, cycle) -> tuple[str, LoopExit] | None:
+    """A loop exit on one of the groups of a wait-for cycle (the waiting rank's group and seq): ranks
+    that ran a per-item loop fewer times went on to another group's collectives and closed the cycle."""
+    for edge in cycle or ():
+        ranks = (edge.rank, *edge.waits_for)
+        found = loop_exit(view, edge.group, edge.seq, ranks)
+        if found is not None:
+            return edge.group, found
+    return None

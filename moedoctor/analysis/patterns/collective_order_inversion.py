@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+from moedoctor.analysis.source import rank_guard
+from moedoctor.analysis.steps import cycle_loop_exit
 
 
 def classify(ctx: Context) -> Finding | None:
@@ -48,12 +50,49 @@ def classify(ctx: Context) -> Finding | None:
     # rank-conditional one, a skipped one) also makes the others wait elsewhere and closes a cycle:
     # claim the inversion only where each awaited rank has issued that call site on that group before.
     unknown = _never_issued(ctx)
+    looped = cycle_loop_exit(view, ctx.cycle) if unknown else None
+    if looped is not None:
+        group, ex = looped
+        evidence.append(f"score 0.2: on group {view.groups[group].label()} {names(ex.looping)} "
+                        f"{'is' if len(ex.looping) == 1 else 'are'} still in a loop of collectives from {ex.short} "
+                        f"that {names(ex.left)} left after fewer iterations: a loop run a different number of "
+                        "times closed the cycle, not a reordering")
+        return Finding(0.2, tuple(evidence), suggestion=Suggestion(site, fn, _ADVICE))
     if unknown:
         evidence.extend(unknown)
-        evidence.append("score 0.35 instead of 0.95: the history does not show every rank issuing the collectives "
-                        "of the cycle, so a collective issued by some ranks only is as likely as a reordering")
-        return Finding(0.35, tuple(evidence), suggestion=Suggestion(site, fn, _ADVICE))
+        guards = [g for edge in ctx.cycle if (e := view.event(edge.rank, edge.group, edge.seq)) is not None
+                  and e.call_site is not None and (g := rank_guard(e.call_site.stack)) is not None]
+        new = _first_time(ctx)
+        if new and len(new) < len(ctx.cycle):
+            evidence.append(f"score 0.2: {new[0]}, while the other collectives of the cycle were issued before by "
+                            "every rank: a collective that appeared on some ranks, not a reordering")
+            return Finding(0.2, tuple(evidence), suggestion=Suggestion(site, fn, _ADVICE))
+        if guards:
+            evidence.append(f"score 0.2: the collective at {guards[0].short} is issued under `{guards[0].kind} "
+                            f"{guards[0].text}`, a branch on the rank: some ranks never issue it")
+            return Finding(0.2, tuple(evidence), suggestion=Suggestion(site, fn, _ADVICE))
+        evidence.append("score 0.45 instead of 0.95: every rank of the cycle is blocked in a collective and none is "
+                        "under a branch on the rank, but the history does not show every rank issuing the "
+                        "collectives of the cycle (a collective that only some ranks issue cannot be ruled out)")
+        return Finding(0.45, tuple(evidence), suggestion=Suggestion(site, fn, _ADVICE))
     return Finding(0.95, tuple(evidence), suggestion=Suggestion(site, fn, _ADVICE))
+
+
+def _first_time(ctx: Context) -> list[str]:
+    """The waits of the cycle whose collective its waiting rank issues from that call site for the
+    first time on that group."""
+    view = ctx.view
+    found = []
+    for edge in ctx.cycle:
+        e = view.event(edge.rank, edge.group, edge.seq)
+        if e is None or e.call_site is None:
+            continue
+        where = f"{e.call_site.file}:{e.call_site.line}"
+        if not any(f"{x.call_site.file}:{x.call_site.line}" == where for x in view.events(edge.rank, edge.group, before=edge.seq)
+                   if x.call_site is not None):
+            found.append(f"rank {edge.rank} issues {e.op} from {e.call_site.short} on group "
+                         f"{view.groups[edge.group].label()} for the first time")
+    return found
 
 
 def _never_issued(ctx: Context) -> list[str]:

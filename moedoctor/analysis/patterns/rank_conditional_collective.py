@@ -22,6 +22,7 @@ from __future__ import annotations
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
 from moedoctor.analysis.source import rank_guard
+from moedoctor.analysis.steps import loop_exit
 
 
 def _site(e) -> str | None:
@@ -49,7 +50,12 @@ def classify(ctx: Context) -> Finding | None:
                     f"{present[ranks[0]].short_site}, a call site {names(others)} never issued a collective from"]
         next_ops = [view.event(r, group, div.seq + 1) for r in ranks]
         theirs = [ctx.event(r) for r in others]
-        if all(t is None for t in theirs):
+        in_cycle = bool(ctx.cycle) and any(edge.group == group for edge in ctx.cycle)
+        if all(t is None for t in theirs) and in_cycle:
+            evidence.append(f"{names(others)} never issued #{div.seq}, but {'it is' if len(others) == 1 else 'they are'} "
+                            "blocked in a collective of another group (a wait-for cycle): that does not show "
+                            f"{'it' if len(others) == 1 else 'they'} would never issue it")
+        elif all(t is None for t in theirs):
             score += 0.25
             evidence.append(f"{names(others)} never issued #{div.seq}: the extra collective has no partner")
         elif all(n is not None for n in next_ops) and all(
@@ -75,6 +81,12 @@ def classify(ctx: Context) -> Finding | None:
             score += 0.1
             evidence.append(f"{present[ranks[0]].short_site} issued {recurring} collectives on rank {ranks[0]}, "
                             f"none on {names(others)}")
+        exit_ = loop_exit(view, group, div.seq, list(div.per_rank))
+        if exit_ is not None and set(exit_.left) == set(ranks):
+            score -= 0.3
+            evidence.append(f"but {names(ranks)} had just left a loop of collectives from {exit_.short} that "
+                            f"{names(others)} {'is' if len(others) == 1 else 'are'} still in: a loop run a different "
+                            "number of times, not a collective inserted on some ranks")
         if best is None or score > best.score:
             v = present[ranks[0]]
             best = Finding(round(score, 3), tuple(evidence), culprits=tuple(ranks),

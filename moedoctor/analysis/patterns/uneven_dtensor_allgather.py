@@ -24,6 +24,7 @@ from collections import Counter
 
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+from moedoctor.analysis.steps import cycle_loop_exit, loop_exit
 from moedoctor.events import Phase
 
 _GATHERS = {"all_gather", "gather", "all_gather_coalesced", "broadcast"}
@@ -46,11 +47,24 @@ def classify(ctx: Context) -> Finding | None:
     div, view = ctx.div, ctx.view
     present = ctx.present()
     saving = sorted(r for r, v in present.items() if v.phase == "checkpoint_save")
-    if not saving:
+    exit_ = loop_exit(view, div.group.name, div.seq, list(div.per_rank))
+    if exit_ is None and (looped := cycle_loop_exit(view, ctx.cycle)) is not None:
+        exit_ = looped[1]
+    if not saving and exit_ is None:
         return None
-    score = 0.4
-    evidence = [f"the divergence at #{div.seq} of group {div.group.label()} is inside a checkpoint save "
-                f"(phase checkpoint_save on {names(saving)})"]
+    score, evidence = 0.0, []
+    if exit_ is not None:
+        score += 0.45
+        evidence.append(f"the ranks were looping over items with one collective each at {exit_.short}: "
+                        f"{names(exit_.left)} left the loop after "
+                        + ", ".join(f"{exit_.counts[r]}" for r in exit_.left)
+                        + f" while {names(exit_.looping)} issued "
+                        + ", ".join(f"{exit_.counts[r]}" for r in exit_.looping)
+                        + " so far: they walk different numbers of items (keys)")
+    if saving:
+        score += 0.2
+        evidence.append(f"the divergence at #{div.seq} of group {div.group.label()} is inside a checkpoint save "
+                        f"(phase checkpoint_save on {names(saving)})")
     ops = {v.op for v in present.values()}
     if ops & _GATHERS:
         score += 0.15
@@ -64,10 +78,12 @@ def classify(ctx: Context) -> Finding | None:
     for c in counts.values():
         total.update(c)
     loop_site = None
+    uneven_keys = False
     if total:
         loop_site = max(total, key=lambda s: (min(c.get(s, 0) for c in counts.values()), total[s], s))
         per_rank = {r: counts[r].get(loop_site, 0) for r in counts}
-        if len(set(per_rank.values())) > 1 and min(per_rank.values()) > 0:
+        if len(set(per_rank.values())) > 1 and min(per_rank.values()) > 0 and exit_ is None:
+            uneven_keys = True
             score += 0.3
             short = loop_site.rsplit("/", 1)[-1]
             detail = ", ".join(f"rank {r}: {n}" for r, n in sorted(per_rank.items()))
@@ -80,12 +96,17 @@ def classify(ctx: Context) -> Finding | None:
         entered = sorted(r for r, b in begun.items() if b)
         evidence.append(f"{names(entered)} entered the checkpoint writer (checkpoint_save_begin) while "
                         f"{names(sorted(r for r, b in begun.items() if not b))} had not")
+    if not uneven_keys and exit_ is None and score > 0.35:
+        evidence.append(f"score 0.35 instead of {score:.2f}: a desync inside a save, but no per-key call site whose "
+                        "collective count differs across ranks (the key sets are not shown to differ)")
+        score = 0.35
     suggestion = None
     if loop_site:
         fn = next((e.call_site.function for run in runs.values() for e in run
                    if e.call_site and f"{e.call_site.file}:{e.call_site.line}" == loop_site), None)
         suggestion = Suggestion(loop_site, fn, _ADVICE)
-    return Finding(round(score, 3), tuple(evidence), suggestion=suggestion)
+    return Finding(round(score, 3), tuple(evidence), suggestion=suggestion,
+                   culprits=exit_.left if exit_ is not None else None)
 
 
 _ADVICE = ("Agree on one rank-invariant key manifest before the per-key collectives (all_reduce MAX of its "
