@@ -70,7 +70,7 @@ def run(
     recorder: Annotated[str, typer.Option(
         "--recorder", metavar="auto|native|python",
         help="The recorder the ranks use: native (a C++ kernel at the dispatcher, about 3-5 us per "
-        "collective; built once per torch version, which needs a C++ compiler and ninja), python (no "
+        "collective; built once per environment, which needs a C++ compiler and ninja), python (no "
         "build, tens of us per collective), or auto: native where it builds, else python.")] = "auto",
     max_events: Annotated[Optional[int], typer.Option(
         "--max-events", min=1, metavar="N",

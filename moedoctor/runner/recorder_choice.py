@@ -1,6 +1,6 @@
 """Which recorder a run's ranks use: the native C++ kernel (about 3-5 us per collective) or the
-Python kernels (tens of us). The native kernel is built here, in the supervisor, once per torch
-version (about 30 s; cached in torch's extension folder), so that the ranks only load it."""
+Python kernels (tens of us). The native kernel is built here, in the supervisor, once per environment
+(about 40 s, said on the screen; cached in torch's extension folder), so that the ranks only load it."""
 
 from __future__ import annotations
 
@@ -26,9 +26,7 @@ def choose_recorder(requested: str, announce=lambda message: None) -> RecorderCh
         return RecorderChoice("python", "requested")
     from moedoctor.recorder import native
 
-    if not native.built():
-        announce("building the native recorder (once per torch version, about 30 s)...")
-    if native.available():
+    if native.available(announce):
         return RecorderChoice("native", "built" if requested == "auto" else "requested")
     if requested == "native":
         raise MoedoctorError(f"the native recorder cannot be built: {native.reason}", EXIT_USAGE)

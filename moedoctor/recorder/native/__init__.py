@@ -5,8 +5,13 @@ collective op at ``BackendSelect`` that writes the same ``c`` line with one ``wr
 op is issued, and keeps c10d ``Work`` objects for the progress thread's ``poll()``. It is built on
 first use with ``torch.utils.cpp_extension.load`` into torch's extension cache (``TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``; ranks building at once wait on torch's file lock) and needs a
-C++ compiler and ``ninja``. Nothing here raises into the user's job: ``available()`` says whether the
-kernel could be built and loaded, ``reason`` why not.
+C++ compiler and ``ninja``; ``python -m moedoctor.recorder.native`` builds it ahead (at install time).
+The build is per environment: its folder's name (``extension_name``) digests the source, this
+environment (``sys.prefix``), torch's and this source's install locations and the torch and Python
+versions, so two environments (or two checkouts) never share a folder and overwrite each other's
+build, which cost a silent 30-50 s rebuild at every switch. Whenever a build runs, stderr says so.
+Nothing here raises into the user's job: ``available()`` says whether the kernel could be built and
+loaded, ``reason`` why not.
 
 The counters (event ids, per-group and per-peer sequence numbers, written/dropped) live in C++ while
 the native kernels are registered; ``NativeKernels`` hands them over in both directions when the
@@ -39,19 +44,24 @@ def requested() -> bool:
     return os.environ.get(ENV_NATIVE, "") == "1"
 
 
-def available() -> bool:
-    """Build (first time) and load the extension; False, with ``reason`` set, where it cannot be."""
-    return load() is not None
+def available(announce=None) -> bool:
+    """Build (first time) and load the extension; False, with ``reason`` set, where it cannot be.
+    ``announce(message)`` is told when a build runs (default: a ``moedoctor:`` line on stderr)."""
+    return load(announce) is not None
 
 
-def load():
+def _say(message: str) -> None:
+    print(f"moedoctor: {message}", file=sys.stderr, flush=True)
+
+
+def load(announce=None):
     """The extension module, or None. Never raises."""
     global _module, _tried, reason
     with _load_lock:
         if not _tried:
             _tried = True
             try:
-                _module = _build()
+                _module = _build(announce or _say)
                 reason = ""
             except BaseException as e:  # noqa: BLE001 - a failed build must not end the job
                 if isinstance(e, KeyboardInterrupt):
@@ -61,7 +71,7 @@ def load():
 
 
 def built() -> bool:
-    """This source is already built for this torch and Python (loading it is then fast)."""
+    """This source is already built for this environment (loading it is then fast)."""
     try:
         return _built(extension_name())
     except Exception:
@@ -69,14 +79,25 @@ def built() -> bool:
 
 
 def extension_name() -> str:
-    """The module's name: a digest of the source, torch and Python versions (a new build per change)."""
+    """The module's name, which names its build folder: ``build_key`` of this source, environment,
+    install locations and versions (a new build per change, one per environment)."""
     import torch
 
-    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + sys.version.encode())
+    return build_key(_SOURCE.read_bytes(), prefix=sys.prefix, torch_dir=os.path.dirname(torch.__file__),
+                     source_path=str(_SOURCE), torch_version=torch.__version__, python_version=sys.version)
+
+
+def build_key(source: bytes, *, prefix: str, torch_dir: str, source_path: str, torch_version: str,
+              python_version: str) -> str:
+    """``moedoctor_native_<digest>``: what a build depends on, and the environment it belongs to.
+    Paths count resolved (a symlinked venv is one environment)."""
+    parts = [os.path.realpath(prefix), os.path.realpath(torch_dir), os.path.realpath(source_path), torch_version,
+             python_version]
+    digest = hashlib.sha256(source + b"\0" + "\0".join(parts).encode())
     return f"moedoctor_native_{digest.hexdigest()[:12]}"
 
 
-def _build():
+def _build(announce):
     import torch.distributed as dist
     from torch.utils import cpp_extension
 
@@ -86,21 +107,43 @@ def _build():
         raise RuntimeError("ninja is not installed (pip install ninja)")
     name = extension_name()
     compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None and not _built(name):
+    before = _library_mtime(name)
+    if shutil.which(compiler) is None and before is None:
         raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH")
-    return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"],
-                              verbose=os.environ.get("MOEDOCTOR_NATIVE_VERBOSE", "") == "1")
+    if before is None:
+        announce("building the native recorder for this environment (first run, ~40 s)...")
+    started = time.monotonic()
+    module = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"],
+                                verbose=os.environ.get("MOEDOCTOR_NATIVE_VERBOSE", "") == "1")
+    after = _library_mtime(name)
+    if after != before:  # built now (or rebuilt: torch decided the inputs changed)
+        announce(f"native recorder {'built' if before is None else 'rebuilt'} for this environment in "
+                 f"{time.monotonic() - started:.0f} s ({_folder(name)})")
+    return module
 
 
-def _built(name: str) -> bool:
-    """A build of this source is in torch's extension cache already."""
+def _folder(name: str) -> Path | None:
+    """The extension's build folder in torch's cache."""
     from torch.utils import cpp_extension
 
     try:
-        folder = Path(cpp_extension._get_build_directory(name, verbose=False))  # private; torch >= 1.x
+        return Path(cpp_extension._get_build_directory(name, verbose=False))  # private; torch >= 1.x
     except Exception:
-        return False
-    return (folder / f"{name}.so").exists()
+        return None
+
+
+def _library_mtime(name: str) -> int | None:
+    """The built library's mtime (ns), None when it is not built."""
+    folder = _folder(name)
+    try:
+        return None if folder is None else (folder / f"{name}.so").stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def _built(name: str) -> bool:
+    """A build of this source is in torch's extension cache already, for this environment."""
+    return _library_mtime(name) is not None
 
 
 # -- the Python side of the native kernel ---------------------------------------------------------

@@ -1,0 +1,100 @@
+"""The native recorder is built per environment (issue 12): its build folder in torch's extension
+cache is keyed by the environment (``sys.prefix``), torch's and the source's install locations and
+the versions, so two environments never share one and overwrite each other's build; whenever a
+build runs, stderr says so. The real two-environment builds (about 2 x 40 s) are ``heavy``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moedoctor.recorder import native
+
+REPO = Path(__file__).resolve().parents[2]
+BUILDING = "moedoctor: building the native recorder for this environment (first run, ~40 s)..."
+KEY = dict(prefix="/envs/a", torch_dir="/envs/a/lib/python3.11/site-packages/torch",
+           source_path="/src/moedoctor/recorder/native/kernel.cpp", torch_version="2.13.0", python_version="3.11.7")
+
+
+def test_the_build_key_names_the_environment_and_what_the_build_depends_on():
+    name = native.build_key(b"source", **KEY)
+    assert name.isidentifier() and name.startswith("moedoctor_native_")
+    assert native.build_key(b"source", **KEY) == name
+    for key, other in (("prefix", "/envs/b"), ("torch_dir", "/envs/b/lib/python3.11/site-packages/torch"),
+                       ("source_path", "/other-clone/moedoctor/recorder/native/kernel.cpp"),
+                       ("torch_version", "2.12.0"), ("python_version", "3.11.8")):
+        assert native.build_key(b"source", **{**KEY, key: other}) != name, key
+    assert native.build_key(b"source 2", **KEY) != name
+
+
+def make_venv(path: Path) -> Path:
+    """A ``--system-site-packages`` venv: the same torch and Python as this interpreter."""
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(path)],
+                   check=True, capture_output=True, timeout=120)
+    return path / "bin" / "python"
+
+
+def in_python(python: Path | str, code: str, **env: str) -> subprocess.CompletedProcess:
+    environment = dict(os.environ, PYTHONPATH=str(REPO), **env)
+    return subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=600, env=environment,
+                          cwd=REPO)
+
+
+def test_two_environments_with_the_same_torch_get_two_build_folders(tmp_path):
+    venv = make_venv(tmp_path / "venv")
+    code = "from moedoctor.recorder import native; import torch; print(native.extension_name(), torch.__file__)"
+    here, there = in_python(sys.executable, code), in_python(venv, code)
+    assert here.returncode == 0 and there.returncode == 0, here.stderr[-2000:] + there.stderr[-2000:]
+    (name_here, torch_here), (name_there, torch_there) = here.stdout.split(), there.stdout.split()
+    assert torch_here == torch_there  # the very same torch
+    assert name_here != name_there
+
+
+def test_a_build_is_announced_and_a_cached_one_is_not(tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    loads = []
+
+    def fake_load(name, **kwargs):  # ninja: build the library where it is missing, else load it
+        library = tmp_path / name / f"{name}.so"
+        if not library.exists():
+            loads.append(name)
+            library.write_bytes(b"")
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    said: list[str] = []
+    assert native._build(said.append) == "module"
+    assert [f"moedoctor: {m}" for m in said[:1]] == [BUILDING]
+    assert said[1].startswith("native recorder built for this environment in ")
+    said.clear()
+    assert native._build(said.append) == "module" and said == []  # cached: loaded, nothing said
+    assert len(loads) == 1
+
+
+@pytest.mark.heavy
+def test_two_environments_build_once_each_and_never_rebuild_each_other(tmp_path):
+    """Real builds into an empty extension cache: the venv builds (and says so), this interpreter
+    builds its own (and says so), and the venv then loads its build as it left it."""
+    venv = make_venv(tmp_path / "venv")
+    cache = tmp_path / "torch_extensions"
+    code = ("from moedoctor.recorder import native; ok = native.available(); "
+            "print(ok, native.extension_name(), native.reason[-300:])")
+    first = in_python(venv, code, TORCH_EXTENSIONS_DIR=str(cache))
+    assert first.stdout.startswith("True"), first.stdout + first.stderr[-2000:]
+    assert first.stderr.count(BUILDING) == 1
+    venv_name = first.stdout.split()[1]
+    library = cache / venv_name / f"{venv_name}.so"
+    built_at = library.stat().st_mtime_ns
+    second = in_python(sys.executable, code, TORCH_EXTENSIONS_DIR=str(cache))
+    assert second.stdout.startswith("True") and second.stderr.count(BUILDING) == 1, second.stderr[-2000:]
+    assert second.stdout.split()[1] != venv_name
+    third = in_python(venv, code, TORCH_EXTENSIONS_DIR=str(cache))
+    assert third.stdout.startswith("True") and "native recorder" not in third.stderr, third.stderr[-2000:]
+    assert library.stat().st_mtime_ns == built_at
