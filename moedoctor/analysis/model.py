@@ -211,6 +211,8 @@ class Report:
     schema_version: int = SCHEMA_VERSION
     #: Completion observed for how many collectives, by source (``moedoctor.analysis.completion``).
     completion: dict | None = None
+    #: Why no verify command is offered although a fix is named (the fix cannot reach this code).
+    fix_note: str | None = None
 
     @property
     def problem_found(self) -> bool:

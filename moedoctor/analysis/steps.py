@@ -115,3 +115,45 @@ def cycle_loop_exit(view: RunView, cycle) -> tuple[str, LoopExit] | None:
         if found is not None:
             return edge.group, found
     return None
+
+
+@dataclass(frozen=True)
+class Omission:
+    """``rank``'s collectives of this step are the previous step's sequence with ``missing`` items
+    left out before the divergence, while the other ranks follow it item by item."""
+
+    rank: int
+    step: int
+    missing: tuple[CollectiveEvent, ...]   # from the reference (previous step's) sequence
+
+
+def _shape_token(e: CollectiveEvent) -> tuple:
+    return (*token(e), e.in_shapes)
+
+
+def omission(view: RunView, group: str, seq: int, rank: int, others, context: int = 3) -> Omission | None:
+    """Did ``rank`` skip collectives that the ranks issue in a repeated sequence? The last ``context``
+    collectives before ``seq`` (which every rank agreed on) are looked up earlier in the first other
+    rank's stream; what followed them there is what the others issue now, and ``rank``'s collective
+    at ``seq`` appears a few items further: the items in between are the ones it left out."""
+    here = view.event(rank, group, seq)
+    if here is None or not others:
+        return None
+    ref = [e for e in view.events(sorted(others)[0], group, before=seq + 1)]
+    if len(ref) < context + 2 or ref[-1].seq != seq:
+        return None
+    tokens = [_shape_token(e) for e in ref]
+    wanted, mine = tokens[-context - 1:-1], _shape_token(here)
+    for j in range(len(tokens) - context - 2, -1, -1):
+        if tokens[j:j + context] != wanted:
+            continue
+        after = j + context
+        if tokens[after] != tokens[-1]:
+            return None  # the repeated sequence does not continue the same way: no template
+        for m in range(1, 33):
+            if after + m >= len(tokens) - 1:
+                return None
+            if tokens[after + m] == mine:
+                return Omission(rank, here.step, tuple(ref[after:after + m]))
+        return None
+    return None

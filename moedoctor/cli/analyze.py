@@ -10,6 +10,7 @@ from rich.console import Console
 
 from moedoctor.analysis import load_run
 from moedoctor.analysis import analyze as analyze_run
+from moedoctor.fixes.reach import command_of, with_fix_reach
 from moedoctor.analysis.load import verdict_problem
 from moedoctor.errors import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_OK, MoedoctorError, reading
 from moedoctor.render.html import write_html
@@ -42,7 +43,7 @@ def analyze(
     and print the fix with the command that verifies it."""
     with reading(path):
         run = load_run(path)
-        report = analyze_run(run)
+        report = with_fix_reach(analyze_run(run), run, command_of(path))
     problem = verdict_problem(run, report.verdict)
     if problem is not None:  # healthy needs evidence: every rank's trace, readable and whole
         raise MoedoctorError(problem, EXIT_BAD_INPUT)

@@ -37,6 +37,7 @@ def report_to_dict(report: Report) -> dict:
         "evidence": report.evidence,
         "fixes": report.fixes,
         "verify_command": report.verify_command,
+        "fix_note": report.fix_note,
         "suggestion": None if report.suggestion is None else {
             "call_site": report.suggestion.call_site, "function": report.suggestion.function,
             "source_line": report.suggestion.source_line, "text": report.suggestion.text},

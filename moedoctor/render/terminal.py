@@ -112,6 +112,8 @@ def _fix(report: Report, console: Console) -> None:
         console.print(line)
     if report.verify_command:
         console.print(Text("  prove it: ", style="bold").append(report.verify_command, style="bold"), soft_wrap=True)
+    elif report.fix_note:
+        console.print(Text("  ").append(report.fix_note, style="yellow"), soft_wrap=True)
     s = report.suggestion
     if s is None:
         return

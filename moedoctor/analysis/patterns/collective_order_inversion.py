@@ -20,6 +20,12 @@ runs); otherwise 0.35, with the ranks that never issued it in the evidence (an i
 
 Fix: issue the collectives of overlapping groups in one global order on every rank (or make one of
 them asynchronous and wait for both).
+
+Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 5 variants of `collective-order-inversion/`
+(side DCP group, functional buckets, 3 pair groups in a ring, telemetry group, 2x2 mesh): 5/5 named
+after the change. Confusions seen before it: cycles at step 0 named `rank-conditional-collective`
+(2: the partner's absence read as 'no partner', though it was blocked in another group) and a
+DCP-side-group cycle named `uneven-dtensor-allgather` (a checkpoint phase alone named it).
 """
 
 from __future__ import annotations

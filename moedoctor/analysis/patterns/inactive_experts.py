@@ -16,6 +16,12 @@ point at routing.
 
 Fix ``expert-dense``: run every expert every step (unrouted tokens weighted by zero) so the autograd
 graph, and with it every FSDP collective, is the same on every rank.
+
+Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 6 variants of `inactive-experts/` (FSDP2 per
+block, per expert, HSDP, checkpointed MoE, DDP static buckets, hand-written c10d grad sync): 4/6.
+Confusions seen: the hand-written per-parameter sync that skips None grads at its first iteration is
+named `shape-mismatch` (no earlier iteration to show the skipped items, no `params_without_grad`
+before the abort); the DDP job whose reducer raises is a crash with no pattern.
 """
 
 from __future__ import annotations

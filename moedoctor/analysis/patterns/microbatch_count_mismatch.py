@@ -15,6 +15,13 @@ a gradient norm or optimizer step already logged for this step on the in-loop ra
 
 Fix: agree on the number of micro-batches per step (all_reduce MAX of the local count, pad with
 empty micro-batches), or balance the batches so every rank has the same count.
+
+Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 5 variants of `microbatch-count-mismatch/`
+(DDP filtered split, FSDP2 epoch tail, token budget, functional packer, HSDP planner): 5/5 after the
+change. Confusions seen before it: four left `unknown-desync` (FSDP2 syncs only the last
+micro-batch: both sides are in backward/forward, which phases alone could not split); this pattern
+claimed four skipped optimizer steps (the next iteration looks like another micro-batch until
+`zero_grad` shows the step was thrown away).
 """
 
 from __future__ import annotations

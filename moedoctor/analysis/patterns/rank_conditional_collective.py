@@ -15,6 +15,12 @@ than the unique call site alone.
 
 Fix: hoist the collective out of the branch (every rank calls it, only one uses the result), or
 replace it with a non-collective operation on the one rank.
+
+Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 5 variants of `rank-conditional-collective/`
+(forward hook on rank 0, DCP save on main only, 2x2 mesh logging, progress-bar callback, STOP file):
+4/5. Confusions seen: the hook installed on rank 0 only is left `unknown-desync` (the rank branch is
+at the registration, not on the collective's stack); it claimed two step-0 inversions and three
+per-key loops that one rank left early, before the cycle and loop-exit checks.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ process does not run at all (state ``T`` or ``D`` when the hang was diagnosed) i
 own code: that is ``rank-stopped``, and this pattern does not claim it.
 
 Fix: none in the collectives; find why that function does not return.
+
+Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 5 variants of `straggler/`
+(rejection-sampling spin, dead prefetch thread, subprocess prompt, wedged socket, leaked flock):
+5/5.
 """
 
 from __future__ import annotations

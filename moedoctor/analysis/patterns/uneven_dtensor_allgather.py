@@ -16,6 +16,13 @@ are what single this pattern out. Model-only saves (same keys everywhere) pass.
 Fix ``key-manifest-checkpoint``: agree on one rank-invariant manifest of keys first (fixed-size
 collectives), walk it in the same order everywhere, and take part with an empty shard for keys a
 rank lacks.
+
+Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 6 variants of `uneven-dtensor-allgather/`
+(EMA Stateful + DCP, hybrid offload optimizer, HSDP staging budget, state_dict post-hook, SwiGLU
+split torch.save, TP export loop): 6/6 after the change. Confusions seen before it: per-key loops
+whose phase is not a save (an export, a pre-save check) named `rank-conditional-collective`; a loop
+exit on another group of a wait-for cycle named `collective-order-inversion`; and this pattern
+claimed a rank-conditional DCP save from its checkpoint phase alone.
 """
 
 from __future__ import annotations

@@ -1,0 +1,105 @@
+"""Can the named fix reach this job's code? Checked before ``moedoctor verify`` is offered.
+
+A fix patches named functions or classes (its targets, or those given with ``--config``). The
+recorder wrote the job's own frames for every collective (``file:line function``) and py-spy the
+stacks of a hang; a target whose module file and function appear there is code this job ran. When
+no target of the fix appears, a verify rerun would only say "did not apply": the report says so at
+once, names the targets, and points at the call site to change (or at ``--config``).
+
+Frames do not carry class names, so a ``Class.method`` target matches on its module file and method
+name; a module run as the script (``__main__``) matches the script of the job's command. A function
+that issues no collective itself is never on a recorded stack: a target counts as reached when any
+frame of its module (other than the script) was seen, so the note errs towards offering verify.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable
+
+from moedoctor.analysis.load import RunData
+from moedoctor.analysis.model import Report
+from moedoctor.fixes import FIXES
+
+
+def script_of(command: list[str] | None) -> str | None:
+    """The Python script a launch command runs (the first ``*.py`` argument)."""
+    for arg in command or ():
+        if arg.endswith(".py"):
+            return os.path.realpath(arg)
+    return None
+
+
+def run_frames(run: RunData) -> set[tuple[str, str]]:
+    """``(file, function)`` of every job frame the traces and stacks hold."""
+    frames: set[tuple[str, str]] = set()
+    for trace in run.traces:
+        for event in trace.events:
+            if event.call_site is None:
+                continue
+            frames.add((event.call_site.file, event.call_site.function))
+            for entry in event.call_site.stack:
+                where, _, function = entry.partition(" ")
+                frames.add((where.rpartition(":")[0], function))
+    for dump in run.stacks.values():
+        for thread in (dump.main_thread, *dump.threads.values()):
+            frames.update((frame.file, frame.function) for frame in thread)
+    return frames
+
+
+def command_of(run_dir) -> list[str] | None:
+    """The launch command a run directory's manifest records (None when there is none)."""
+    path = os.path.join(str(run_dir), "manifest.json")
+    try:
+        if os.path.getsize(path) > 16 * 1024 * 1024:
+            return None
+        with open(path) as f:
+            command = json.load(f).get("command")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return [str(c) for c in command] if isinstance(command, list) else None
+
+
+def _module_file_matches(module: str, file: str, script: str | None) -> bool:
+    if module == "__main__":
+        return script is not None and os.path.realpath(file) == script
+    stem = module.replace(".", os.sep)
+    return file.endswith(stem + ".py") or file.endswith(os.path.join(stem, "__init__.py"))
+
+
+def reached(paths: Iterable[str], frames: set[tuple[str, str]], script: str | None) -> list[str]:
+    """The target paths (``module:Qual.name``) this job may have run: the function seen in its module
+    file, or (a function that issues no collective itself, such as a decision helper, is never on a
+    collective's stack) any frame of that module, unless the module is the script itself."""
+    found = []
+    for path in paths:
+        module, _, qualname = path.partition(":")
+        function = qualname.rsplit(".", 1)[-1]
+        files = [(file, fn) for file, fn in frames if _module_file_matches(module, file, script)]
+        if any(fn == function for _, fn in files) or (files and module != "__main__"):
+            found.append(path)
+    return found
+
+
+def with_fix_reach(report: Report, run: RunData, command: list[str] | None) -> Report:
+    """``report`` with its verify command kept when the first fix reaches code this job ran, else
+    replaced by a note that says why not and what to do."""
+    if not report.fixes or report.verify_command is None:
+        return report
+    fix = FIXES.get(report.fixes[0])
+    if fix is None:
+        return report
+    paths = [t.path for t in fix.targets]
+    if not paths or reached(paths, run_frames(run), script_of(command)):
+        return report
+    site = report.suggestion.call_site.rsplit("/", 1)[-1] if report.suggestion and report.suggestion.call_site else None
+    shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    note = (f"No automatic fix for this code: {fix.name} patches {shown}, none of which this job ran (not in "
+            "the frames recorded with its collectives). "
+            + (f"Change the code at {site} as suggested below, or point the fix at your own functions with "
+               f"--config (docs/fixes.md) and run: {report.verify_command} --config FILE"
+               if site else f"Point the fix at your own functions with --config (docs/fixes.md) and run: "
+                            f"{report.verify_command} --config FILE"))
+    return dataclasses.replace(report, verify_command=None, fix_note=note)

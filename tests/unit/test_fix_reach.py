@@ -1,0 +1,43 @@
+"""``moedoctor.fixes.reach``: a verify command is offered only for a fix that can reach code the job ran."""
+
+from __future__ import annotations
+
+from analysis_scenarios import SCENARIOS
+
+from moedoctor.analysis import analyze
+from moedoctor.fixes.reach import reached, script_of, with_fix_reach
+from moedoctor.render.json_report import report_to_dict
+
+
+def test_a_fix_whose_targets_the_job_never_ran_gives_a_note_instead_of_a_verify_command():
+    build, _, _ = SCENARIOS["skipped-optimizer-step"]
+    run = build()  # frames of /job/train.py only: no _lib.sharded_optim
+    report = analyze(run)
+    assert report.fixes == ["skip-step-collectively"] and report.verify_command
+    reached_report = with_fix_reach(report, run, ["torchrun", "/job/train.py"])
+    assert reached_report.verify_command is None
+    assert "No automatic fix for this code: skip-step-collectively patches _lib.sharded_optim:" in reached_report.fix_note
+    assert "--config FILE" in reached_report.fix_note
+    assert report_to_dict(reached_report)["fix_note"] == reached_report.fix_note
+
+
+def test_targets_are_matched_on_module_file_and_function():
+    frames = {("/repo/fixtures/_lib/sharded_optim.py", "step"), ("/repo/train.py", "all_reduce_metrics")}
+    script = script_of(["python", "-m", "torch.distributed.run", "/repo/train.py", "--x"])
+    assert script == "/repo/train.py"
+    # a helper that issues no collective itself counts as reached when its module was seen
+    assert reached(["_lib.sharded_optim:grad_norm_is_nonfinite"], frames, script) == [
+        "_lib.sharded_optim:grad_norm_is_nonfinite"]
+    assert reached(["__main__:all_reduce_metrics", "__main__:train_step"], frames, script) == [
+        "__main__:all_reduce_metrics"]
+    assert reached(["transformers.models.mixtral.modeling_mixtral:MixtralSparseMoeBlock.forward"], frames, script) == []
+
+
+def test_a_reached_fix_keeps_its_verify_command(monkeypatch):
+    build, _, _ = SCENARIOS["skipped-optimizer-step"]
+    run = build()
+    report = analyze(run)
+    monkeypatch.setattr("moedoctor.fixes.reach.run_frames",
+                        lambda _run: {("/repo/fixtures/_lib/sharded_optim.py", "step")})
+    kept = with_fix_reach(report, run, None)
+    assert kept.verify_command == report.verify_command and kept.fix_note is None

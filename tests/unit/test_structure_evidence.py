@@ -1,0 +1,135 @@
+"""Structural evidence the classifiers use: the code around a call site (``analysis/source.py``),
+where a rank is in its step and loops run a different number of times (``analysis/steps.py``), and
+steps whose gradients were thrown away (``RunView.discarded_steps``)."""
+
+from __future__ import annotations
+
+import textwrap
+
+from event_factory import ranks, run_of
+
+from moedoctor.analysis import analyze
+from moedoctor.analysis.source import enclosing, rank_guard, shared_loop
+from moedoctor.analysis.steps import CLOSING, RESTART, loop_exit, position
+from moedoctor.analysis.view import RunView
+from moedoctor.events import Phase
+
+TRAIN = textwrap.dedent("""\
+    import torch.distributed as dist
+
+    def log(x):
+        dist.all_reduce(x)
+
+    def train(model, opt, batches):
+        rank = dist.get_rank()
+        for step, micro in enumerate(batches):
+            for mb in micro:
+                loss = model(mb)
+                loss.backward()
+                log(loss)
+            should_log = rank == 0 and step % 10 == 0
+            if should_log:
+                log(loss)
+            if step > 3:
+                log(loss)
+            opt.step()
+    """)
+
+
+def _stack(path, *lines: tuple[int, str]) -> tuple[str, ...]:
+    return tuple(f"{path}:{line} {fn}" for line, fn in lines)
+
+
+def test_a_branch_on_the_rank_is_found_through_one_assignment(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(TRAIN)
+    guard = rank_guard(_stack(path, (4, "log"), (15, "train")))
+    assert guard is not None and guard.kind == "if" and guard.text == "should_log" and guard.line == 14
+    assert rank_guard(_stack(path, (4, "log"), (17, "train"))) is None      # `if step > 3`: every rank
+    assert rank_guard(_stack(path, (4, "log"), (12, "train"))) is None      # in the micro-batch loop
+
+
+def test_the_loop_that_runs_backward_and_whether_it_steps(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(TRAIN)
+    loop = shared_loop(_stack(path, (4, "log"), (12, "train")))
+    assert loop is not None and loop.line == 9 and loop.text == "for mb in micro"
+    outer = shared_loop(_stack(path, (4, "log"), (17, "train")))
+    assert outer is not None and outer.line == 8
+    assert [e.kind for e in enclosing(str(path), 12)] == ["def", "for", "for"]
+
+
+def test_unreadable_source_gives_no_facts(tmp_path):
+    assert rank_guard((f"{tmp_path}/gone.py:3 main",)) is None
+    (tmp_path / "bad.py").write_text("def (:\n")
+    assert shared_loop((f"{tmp_path}/bad.py:1 main",)) is None
+
+
+def test_restart_and_closing_positions():
+    a, b = ranks(2)
+    for r in (a, b):
+        r.coll("all_gather", (8,), phase=Phase.FORWARD, module="0", line=40)
+        r.ev("backward_begin", 0)
+        r.coll("all_gather", (8,), phase=Phase.BACKWARD, module="0", line=41)
+        r.ev("backward_end", 0)
+    a.coll("all_gather", (8,), phase=Phase.FORWARD, module="0", line=40, done=False)      # another micro-batch
+    b.coll("reduce_scatter", (16,), phase=Phase.BACKWARD, module="0", line=41, done=False)  # the syncing one
+    view = RunView(run_of(a, b, hang=True))
+    assert position(view, view.event(0, "0", 3)) == RESTART
+    assert position(view, view.event(1, "0", 3)) == CLOSING
+
+
+def test_a_loop_left_early_is_found_and_a_per_step_collective_is_not_a_loop():
+    a, b = ranks(2)
+    for r, keys in ((a, 5), (b, 3)):
+        for _ in range(keys):
+            r.coll("all_gather", (1,), step=3, line=48)
+    b.coll("gather", (1,), step=3, line=105, done=False)
+    view = RunView(run_of(a, b, hang=True))
+    found = loop_exit(view, "0", 4, [0, 1])
+    assert found is not None and found.left == (1,) and found.looping == (0,) and found.counts == {0: 4, 1: 3}
+
+    c, d = ranks(2)
+    for step in range(3):
+        for r in (c, d):
+            r.coll("all_reduce", (4,), step=step, line=50)
+    c.coll("all_reduce", (4,), step=3, line=50, done=False)
+    d.coll("broadcast", (4,), step=3, line=77, done=False)
+    assert loop_exit(RunView(run_of(c, d, hang=True)), "0", 4, [0, 1]) is None  # one per step: the step loop
+
+
+def _step(r, step, *, stepped=True, cleared=True):
+    r.coll("all_gather", (8,), phase=Phase.FORWARD, step=step, module="0", line=40)
+    r.ev("backward_begin", step)
+    r.coll("reduce_scatter", (16,), phase=Phase.BACKWARD, step=step, module="0", line=41)
+    r.ev("backward_end", step)
+    if stepped:
+        r.ev("optimizer_step_begin", step)
+    if cleared:
+        r.ev("zero_grad", step)
+
+
+def test_gradients_thrown_away_name_the_skipped_step_and_its_rank():
+    a, b = ranks(2)
+    for r in (a, b):
+        _step(r, 0, cleared=False)
+        r.coll("all_reduce", (1,), step=0, line=87)  # the finiteness check, every step
+        r.ev("optimizer_step_end", 1)
+        r.ev("zero_grad", 1)
+    # Step 1: rank 1 clears its gradients without stepping and starts over; rank 0 clips them.
+    a.coll("all_gather", (8,), phase=Phase.FORWARD, step=1, module="0", line=40)
+    b.coll("all_gather", (8,), phase=Phase.FORWARD, step=1, module="0", line=40)
+    for r in (a, b):
+        r.ev("backward_begin", 1)
+        r.coll("reduce_scatter", (16,), phase=Phase.BACKWARD, step=1, module="0", line=41)
+        r.ev("backward_end", 1)
+    b.ev("zero_grad", 1)
+    a.coll("all_reduce", (1,), phase=Phase.OTHER, step=1, line=87, done=False)
+    b.coll("all_gather", (8,), phase=Phase.FORWARD, step=1, module="0", line=40, done=False)
+    run = run_of(a, b, hang=True)
+    view = RunView(run)
+    assert [e.step for e in view.discarded_steps(1)] == [1] and view.discarded_steps(0) == []
+    report = analyze(run)
+    assert report.pattern == "skipped-optimizer-step", [(c.pattern, c.score) for c in report.candidates]
+    assert report.culprit_ranks == [1]
+    assert any("cleared its gradients (zero_grad)" in e for e in report.evidence)
