@@ -31,6 +31,10 @@ _INTERNAL_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, moe
 # transformers or megatron frames are where users look for the cause.
 _STDLIB_DIRS = tuple({sysconfig.get_paths()["stdlib"] + os.sep, sysconfig.get_paths()["platstdlib"] + os.sep})
 _PACKAGE_DIRS = ("site-packages", "dist-packages")
+# Installed modules that only wrap what torch hands out: torch 2.x decorates c10d functions
+# (``reduce_scatter_tensor``, ``all_gather_into_tensor``) with ``typing_extensions.deprecated``, whose
+# wrapper frame would otherwise be every such collective's call site.
+_WRAPPER_FILES = (os.sep + "typing_extensions.py",)
 _FSDP_GROUP_FILE = os.path.join("fsdp", "_fully_shard", "_fsdp_param_group.py")
 _MODULE_CALL_NAMES = {"_call_impl", "_wrapped_call_impl"}
 _CKPT_LOAD = re.compile(r"(load|restore).*(checkpoint|ckpt|state_dict)|(checkpoint|ckpt).*(load|restore)", re.I)
@@ -51,7 +55,7 @@ def _flags(code) -> int:
     if flags is None:
         filename = code.co_filename
         flags = 0
-        if (filename.startswith(_INTERNAL_DIRS) or filename.startswith("<")
+        if (filename.startswith(_INTERNAL_DIRS) or filename.startswith("<") or filename.endswith(_WRAPPER_FILES)
                 or (filename.startswith(_STDLIB_DIRS) and not any(d in filename for d in _PACKAGE_DIRS))):
             flags |= INTERNAL
             if code.co_name in _MODULE_CALL_NAMES and filename.endswith(os.path.join("nn", "modules", "module.py")):
