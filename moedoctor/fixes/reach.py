@@ -28,7 +28,7 @@ def script_of(command: list[str] | None) -> str | None:
     """The Python script a launch command runs (the first ``*.py`` argument)."""
     for arg in command or ():
         if arg.endswith(".py"):
-            return os.path.realpath(arg)
+            return os.path.normpath(arg)  # as written: relative to the job's directory, not to ours
     return None
 
 
@@ -64,7 +64,10 @@ def command_of(run_dir) -> list[str] | None:
 
 def _module_file_matches(module: str, file: str, script: str | None) -> bool:
     if module == "__main__":
-        return script is not None and os.path.realpath(file) == script
+        if script is None:
+            return False
+        file = os.path.normpath(file)
+        return file == script if os.path.isabs(script) else (file == script or file.endswith(os.sep + script))
     stem = module.replace(".", os.sep)
     return file.endswith(stem + ".py") or file.endswith(os.path.join(stem, "__init__.py"))
 

@@ -31,6 +31,9 @@ def test_targets_are_matched_on_module_file_and_function():
     assert reached(["__main__:all_reduce_metrics", "__main__:train_step"], frames, script) == [
         "__main__:all_reduce_metrics"]
     assert reached(["transformers.models.mixtral.modeling_mixtral:MixtralSparseMoeBlock.forward"], frames, script) == []
+    # a script given relative to the job's directory matches wherever `analyze` runs
+    relative = script_of(["torchrun", "--nproc_per_node=2", "./train.py"])
+    assert relative == "train.py" and reached(["__main__:all_reduce_metrics"], frames, relative)
 
 
 def test_a_reached_fix_keeps_its_verify_command(monkeypatch):
