@@ -186,14 +186,70 @@ def frames(stack: tuple[str, ...]) -> list[Frame]:
 
 
 def rank_guard(stack: tuple[str, ...]) -> Enclosing | None:
-    """The innermost branch, in any frame of the call's stack, whose test reads the rank (or a
-    function decorated to run on one rank only)."""
-    for frame in frames(stack):
+    """The branch on the rank a collective is issued under: an enclosing ``if`` whose test reads the
+    rank (or a function decorated to run on one rank only) in any frame of the call's stack; an early
+    ``return`` / ``continue`` on the rank before the call in its function; or, for a hook or callback
+    that torch called (its caller is not on the stack), the rank branch around the code that created
+    or registered it."""
+    fs = frames(stack)
+    for i, frame in enumerate(fs):
         for enc in reversed(enclosing(frame.file, frame.line)):
             if enc.kind == "if" and _reads_rank(enc):
                 return enc
             if enc.kind == "def" and _RANK_DECORATOR.search(enc.text):
                 return enc
+        early = _early_exit(frame)
+        if early is not None:
+            return early
+        caller = fs[i + 1] if i + 1 < len(fs) else None
+        if caller is None or frame.function not in (line_text(caller.file, caller.line) or ""):
+            registered = _registered_under_guard(frame, {f.function for f in fs[i + 1:]})
+            if registered is not None:
+                return registered
+    return None
+
+
+def _function_at(path: str, line: int) -> list[ast.AST]:
+    """The ``def`` / ``class`` statements enclosing ``line``, outermost first."""
+    tree = _tree(path)
+    if tree is None:
+        return []
+    return sorted((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                   and n.lineno <= line <= (n.end_lineno or 0)), key=lambda n: n.lineno)
+
+
+def _early_exit(frame: Frame) -> Enclosing | None:
+    """``if not is_main: return`` before ``frame.line`` in the function around it."""
+    defs = [n for n in _function_at(frame.file, frame.line) if not isinstance(n, ast.ClassDef)]
+    if not defs:
+        return None
+    for node in ast.walk(defs[-1]):
+        if (isinstance(node, ast.If) and (node.end_lineno or 0) < frame.line
+                and all(isinstance(b, (ast.Return, ast.Continue, ast.Break, ast.Raise)) for b in node.body)):
+            enc = Enclosing("if", frame.file, node.lineno, _segment(node.test) + " (early exit)")
+            if _reads_rank(Enclosing("if", frame.file, node.lineno, _segment(node.test))):
+                return enc
+    return None
+
+
+def _registered_under_guard(frame: Frame, on_stack: set[str]) -> Enclosing | None:
+    """A hook or callback (called by torch or a framework, not by a frame on the stack): the code
+    that references its function, an enclosing function or its class, under a rank branch. Functions
+    on the stack (``main``) are the ordinary call path, not a registration: their names are not
+    looked up."""
+    tree = _tree(frame.file)
+    if tree is None:
+        return None
+    names = {n.name for n in _function_at(frame.file, frame.line)} - on_stack
+    if not names:
+        return None
+    for node in ast.walk(tree):
+        ref = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        if ref not in names or not hasattr(node, "lineno"):
+            continue
+        for enc in reversed(enclosing(frame.file, node.lineno)):
+            if enc.kind == "if" and _reads_rank(enc):
+                return Enclosing("if", enc.file, enc.line, f"{enc.text} (around {ref} at line {node.lineno})")
     return None
 
 

@@ -133,3 +133,40 @@ def test_gradients_thrown_away_name_the_skipped_step_and_its_rank():
     assert report.pattern == "skipped-optimizer-step", [(c.pattern, c.score) for c in report.candidates]
     assert report.culprit_ranks == [1]
     assert any("cleared its gradients (zero_grad)" in e for e in report.evidence)
+
+
+HOOKS = textwrap.dedent("""\
+    import torch.distributed as dist
+
+    def install_monitor(model):
+        def make_hook(name):
+            def hook(module, inputs, output):
+                dist.all_reduce(output)
+            return hook
+        model.register_forward_hook(make_hook("x"))
+
+    class ProgressBar:
+        def on_batch_end(self, trainer, loss):
+            if not trainer.is_global_zero:
+                return
+            dist.all_reduce(loss)
+
+    def main(model, trainer):
+        if dist.get_rank() == 0:
+            install_monitor(model)
+        for step in range(3):
+            model(step)
+            ProgressBar().on_batch_end(trainer, step)
+    """)
+
+
+def test_a_hook_registered_under_a_rank_branch_and_an_early_return_on_the_rank(tmp_path):
+    path = tmp_path / "hooks.py"
+    path.write_text(HOOKS)
+    # the hook is called by torch (the next frame of the job is `model(step)` in main)
+    guard = rank_guard(_stack(path, (6, "hook"), (20, "main")))
+    assert guard is not None and guard.line == 17 and "install_monitor at line 18" in guard.text
+    early = rank_guard(_stack(path, (14, "on_batch_end"), (21, "main")))
+    assert early is not None and early.line == 12 and "early exit" in early.text
+    # main itself is on the stack: the branch that references it elsewhere is not a registration
+    assert rank_guard(_stack(path, (20, "main"),)) is None
