@@ -4,7 +4,10 @@ Mechanism: any collective desync; this pattern is the fallback the analysis name
 pattern reaches the threshold or the best two tie (then every candidate is listed with its
 evidence).
 
-Evidence: a divergence (mismatch, missing ranks or an unmatched p2p op) and nothing more specific.
+Evidence: a divergence (mismatch, missing ranks or an unmatched p2p op) and nothing more specific;
+with it, the structural account of what differed (``structure_account``): where each rank is in
+its step, a loop one side left early, items one rank left out, steps whose gradients were thrown
+away, a rank branch around a collective, and whether the optimizer hooks fired at all.
 
 Risk: none in naming it; the divergence, culprits and call sites are still reported.
 
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+from moedoctor.analysis.source import rank_guard
+from moedoctor.analysis.steps import CLOSING, RESTART, loop_exit, omission, position
 
 
 def classify(ctx: Context) -> Finding | None:
@@ -26,6 +31,7 @@ def classify(ctx: Context) -> Finding | None:
     culprit = next((v for r, v in div.per_rank.items() if r in ctx.culprits.ranks and v is not None), None)
     culprit = culprit or next((v for v in div.per_rank.values() if v is not None), None)
     evidence = [f"group {div.group.label()} diverges at #{div.seq}: {per}"]
+    evidence.extend(structure_account(ctx))
     silent = [r for r in div.missing if ctx.view.stack(r) is None and not ctx.view.died(r)]
     if silent:
         evidence.append(f"without a stack of {names(silent)} it cannot be told whether "
@@ -34,6 +40,47 @@ def classify(ctx: Context) -> Finding | None:
     return Finding(0.2, tuple(evidence),
                    suggestion=Suggestion(culprit.call_site if culprit else None,
                                          culprit.function if culprit else None, _ADVICE))
+
+
+def structure_account(ctx: Context) -> list[str]:
+    """What the ranks' own streams, hooks and code say differed, whatever the pattern: where each rank
+    is in its step, a loop left early, items left out, steps thrown away, rank branches."""
+    div, view = ctx.div, ctx.view
+    lines = []
+    where = {r: position(view, e) for r in div.per_rank if (e := ctx.event(r)) is not None}
+    restart = sorted(r for r, p in where.items() if p == RESTART)
+    closing = sorted(r for r, p in where.items() if p == CLOSING)
+    if restart and closing:
+        lines.append(f"in their step, {names(restart)} issued again a collective already issued in it after a backward "
+                     f"pass (another pass over the step's repeated part) while {names(closing)} issued one not issued "
+                     "yet (closing the step)")
+    ex = loop_exit(view, div.group.name, div.seq, list(div.per_rank))
+    if ex is not None:
+        lines.append(f"{names(ex.left)} left a loop of collectives from {ex.short} after fewer iterations than "
+                     f"{names(ex.looping)} (" + ", ".join(f"rank {r}: {n}" for r, n in sorted(ex.counts.items())) + ")")
+    present = [r for r in div.per_rank if div.per_rank[r] is not None]
+    for r in present:
+        skipped = omission(view, div.group.name, div.seq, r, [o for o in present if o != r])
+        if skipped is not None:
+            lines.append(f"rank {r} left out {len(skipped.missing)} collective(s) that the ranks issued at this point "
+                         "of their repeated sequence before")
+            break
+    steps = {v.step for v in div.per_rank.values() if v is not None}
+    thrown = sorted(r for r in div.per_rank if any(e.step in steps for e in view.discarded_steps(r)))
+    if thrown:
+        lines.append(f"{names(thrown)} cleared gradients after a backward pass without an optimizer step "
+                     f"(zero_grad) in step {min(steps)}")
+    for r in present:
+        event = ctx.event(r)
+        guard = rank_guard(event.call_site.stack) if event is not None and event.call_site is not None else None
+        if guard is not None:
+            lines.append(f"rank {r}'s collective is issued under `{guard.kind} {guard.text}` ({guard.short}), "
+                         "a branch on the rank")
+            break
+    if not any(view.evidence(r, "optimizer_step_begin") for r in div.per_rank):
+        lines.append("no optimizer step hook fired on these ranks (an optimizer that is no torch.optim.Optimizer, "
+                     "or the first step): skipped or extra steps cannot be told from the stream")
+    return lines
 
 
 _ADVICE = ("Make this collective unconditional and identical on every rank of the group: compare the call sites "
