@@ -66,6 +66,17 @@ def classify(ctx: Context) -> Finding | None:
         score += 0.25
         evidence.append("different FSDP units are reduced at the same sequence number: post-backward hooks fired "
                         "in a different order across ranks")
+        # The rank that never ran, in this step's forward, a unit another rank is in: its router sent no
+        # token there (the unit was skipped), which reordered the backward hooks.
+        step = min(v.step for v in backward.values())
+        ran = {r: {e.module for e in view.events(r, div.group.name, before=div.seq)
+                   if e.step == step and e.phase.value == "forward" and e.module} for r in backward}
+        skipped = sorted(r for r in backward if any(v.module not in ran[r] for o, v in backward.items() if o != r))
+        if skipped and len(skipped) < len(backward):
+            culprits = tuple(skipped)
+            evidence.append(f"{names(skipped)} did not run, in step {step}'s forward, the FSDP unit(s) "
+                            + ", ".join(sorted({v.module for o, v in backward.items() if o not in skipped}))
+                            + " that the other ranks reduce now")
     without = {}
     for r in div.per_rank:
         names_ = set()

@@ -111,7 +111,7 @@ def classify(ctx: Context) -> Finding | None:
     if event is not None and event.call_site is not None and len(event.call_site.stack) > 1:
         caller = f" (called from {event.call_site.stack[1].rsplit('/', 1)[-1]})"
     suggestion = Suggestion(v.call_site, v.function, _ADVICE + caller)
-    return Finding(round(score, 3), tuple(evidence), suggestion=suggestion)
+    return Finding(round(score, 3), tuple(evidence), suggestion=suggestion, culprits=tuple(small))
 
 
 _ADVICE = ("Move the metric all_reduce out of the micro-batch loop: accumulate the metrics locally and "
