@@ -23,6 +23,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode="markdown",
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 # One Typer per subcommand module, merged into the top level (``moedoctor run``, ...).
 for module in (run, analyze, verify, fixes, triage):
@@ -37,7 +38,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+    version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
                                  help="Print moedoctor's version and exit."),
 ) -> None:
     """moedoctor: find, explain and fix collective deadlocks in distributed PyTorch jobs."""

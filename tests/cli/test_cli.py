@@ -30,6 +30,17 @@ def test_version():
     assert result.exit_code == 0 and moedoctor.__version__ in result.output
 
 
+@pytest.mark.parametrize("argv", [["-h"], ["analyze", "-h"], ["run", "-h"], ["verify", "-h"], ["triage", "-h"]])
+def test_short_help_is_accepted_everywhere(argv):
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 0 and "Usage" in result.output, result.output
+
+
+def test_short_version():
+    result = runner.invoke(app, ["-V"])
+    assert result.exit_code == 0 and moedoctor.__version__ in result.output
+
+
 def test_run_help_explains_every_option_with_an_example():
     result = runner.invoke(app, ["run", "--help"], terminal_width=200)
     assert result.exit_code == 0
