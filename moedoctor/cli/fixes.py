@@ -22,6 +22,9 @@ def fixes(
     """List the fix modules `moedoctor verify --fix NAME` can inject, the deadlock patterns each
     fixes, and the classes and functions it patches (more can be named with --config)."""
     console = Console()
+    if not console.is_terminal:  # a pipe or a file: whole names, one per line, nothing cut mid-word
+        _plain(verbose)
+        return
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, expand=True)
     for name, ratio in (("fix", 2), ("fixes pattern", 2), ("what it does", 3), ("targets", 5)):
         table.add_column(name, overflow="fold", ratio=ratio)
@@ -40,6 +43,20 @@ def fixes(
         console.print("(-v lists every target class)", highlight=False)
     console.print("Use: moedoctor verify --fix NAME --run RUN_DIR   (docs/fixes.md explains each fix)",
                   highlight=False, soft_wrap=True)
+
+
+def _plain(verbose: bool) -> None:
+    for fix in FIXES.values():
+        typer.echo(f"{fix.name}  (fixes {', '.join(fix.patterns)})")
+        typer.echo(f"  what it does: {fix.summary}")
+        for line in _target_lines(fix.targets, verbose) or ["(from --config only)"]:
+            typer.echo(f"  target: {line}")
+        if verbose:
+            for label, text in (("mechanism", fix.mechanism), ("cost", fix.cost), ("risk", fix.risk),
+                                ("checked by", fix.check), ("--config", fix.config_help)):
+                if text:
+                    typer.echo(f"  {label}: {text}")
+    typer.echo("Use: moedoctor verify --fix NAME --run RUN_DIR   (docs/fixes.md explains each fix)")
 
 
 def _target_lines(targets, verbose: bool, shown: int = 3) -> list[str]:

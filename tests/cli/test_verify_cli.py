@@ -26,6 +26,15 @@ def test_fixes_lists_every_fix_with_its_patterns_and_targets():
     assert "mechanism:" in result.output and "risk:" in result.output
 
 
+def test_fixes_piped_keeps_every_name_whole():
+    result = runner.invoke(app, ["fixes"])  # CliRunner's output is no terminal: like `moedoctor fixes | less`
+    assert result.exit_code == 0, result.output
+    for fix in FIXES.values():
+        assert any(line.startswith(f"{fix.name}  (fixes ") for line in result.output.splitlines())
+        for target in fix.targets[:4]:
+            assert target.path in result.output or "classes (" in result.output
+
+
 def test_verify_help_explains():
     result = runner.invoke(app, ["verify", "--help"], terminal_width=200)
     assert result.exit_code == 0
