@@ -20,6 +20,7 @@ it was.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import time
@@ -140,8 +141,11 @@ def find_ranks(pid: int) -> tuple[int | None, list[RankProcess]]:
         raise MoedoctorError(f"no such process: {pid}", EXIT_USAGE)
     env = procs.environ(pid)
     if env is None:
-        raise MoedoctorError(f"cannot read the environment of pid {pid} ({_command(pid)}): it belongs to another "
-                             "user; run moedoctor triage as that user or as root", EXIT_USAGE)
+        why = ("moedoctor runs as root, so /proc is restricted here (hidepid, another PID namespace, or a "
+               "container without CAP_SYS_PTRACE): run moedoctor triage inside the job's container"
+               if os.geteuid() == 0 else
+               "it belongs to another user; run moedoctor triage as that user or as root")
+        raise MoedoctorError(f"cannot read the environment of pid {pid} ({_command(pid)}): {why}", EXIT_USAGE)
     if "RANK" in env:
         parent = _ppid(pid)
         siblings = procs.rank_processes(procs.job_processes(parent)) if parent and parent > 1 else {}
