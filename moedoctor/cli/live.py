@@ -56,6 +56,9 @@ def status_line(status: RunStatus) -> str:
                          f"{'done' if r.last_completed else 'waiting'}, {e.phase.value}, step {e.step}, "
                          f"idle {_idle(r)}s")
     ranks = "; ".join(parts) or "no rank started yet"
+    if all(r.last is None for r in status.ranks):  # before the first collective: the start-up limit applies
+        return (f"moedoctor: {status.elapsed:.0f}s, no collective yet (start-up limit {status.limit:.0f}s) "
+                f"| {ranks}")
     return f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.0f}s of {status.limit:.0f}s | {ranks}"
 
 

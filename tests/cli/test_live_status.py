@@ -1,0 +1,21 @@
+"""The live status line of ``moedoctor run``."""
+
+from __future__ import annotations
+
+from event_factory import ranks
+
+from moedoctor.cli.live import status_line
+from moedoctor.runner.launch import RankStatus, RunStatus
+
+
+def test_before_the_first_collective_the_status_names_the_start_up_limit():
+    line = status_line(RunStatus(10, 10, 300, [RankStatus(0, 11, None, False, None), RankStatus(1, 12, None, False, 4)]))
+    assert "no collective yet (start-up limit 300s)" in line and "idle 10s of 300s" not in line
+    assert "rank 0: starting" in line and "rank 1: initialized" in line
+
+
+def test_after_the_first_collective_the_status_names_the_hang_timeout():
+    a, = ranks(1)
+    a.coll("all_reduce", (4,))
+    line = status_line(RunStatus(30, 12, 60, [RankStatus(0, 11, a.events[-1], True, 12)]))
+    assert "idle 12s of 60s" in line and "all_reduce #1" in line
