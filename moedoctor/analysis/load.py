@@ -499,8 +499,9 @@ def _read_manifest(path: Path, incomplete: list[str]) -> ManifestInfo | None:
         raw = load_manifest(path)
         if not isinstance(raw, dict):
             raise ValueError("not a JSON object")
-    except (OSError, ValueError) as e:
-        incomplete.append(f"manifest.json unreadable ({e}): rank exit statuses and the hang record are unknown")
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested past the parser's limit
+        incomplete.append(f"manifest.json unreadable ({type(e).__name__}: {str(e)[:200]}): rank exit statuses and "
+                          "the hang record are unknown")
         return None
     world = raw.get("world_size")
     info = ManifestInfo(status=raw.get("status") if isinstance(raw.get("status"), str) else None, hang=None,

@@ -57,7 +57,7 @@ def command_of(run_dir) -> list[str] | None:
             return None
         with open(path) as f:
             command = json.load(f).get("command")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: nested too deep to parse
         return None
     return [str(c) for c in command] if isinstance(command, list) else None
 
