@@ -19,6 +19,7 @@ from pathlib import Path
 from torchrun_util import REPO, JobResult, job_env, live_processes, run_command, torchrun_command
 
 from moedoctor.errors import EXIT_HANG, EXIT_INTERRUPTED
+from moedoctor.trace.format import RECORDING, read_statuses
 
 JOBS = REPO / "tests" / "jobs"
 NPROC = 2
@@ -66,7 +67,9 @@ def test_healthy_job_exits_0_with_complete_coverage(tmp_path):
     assert result.returncode == 0, result.tail()
     assert "[rank 0] done" in result.output and "[rank 1] done" in result.output  # passed through
     assert "[rank 1] done" in (run_dir / "job.log").read_text()
-    assert sorted(p.name for p in (run_dir / "traces").iterdir()) == ["rank-00000.jsonl", "rank-00001.jsonl"]
+    assert sorted(p.name for p in (run_dir / "traces").iterdir()) == [  # each rank's trace and its status
+        "rank-00000.jsonl", "rank-00000.status", "rank-00001.jsonl", "rank-00001.status"]
+    assert {r: s["state"] for r, s in read_statuses(run_dir / "traces").items()} == {0: RECORDING, 1: RECORDING}
     m = manifest(run_dir)
     assert m["status"] == "finished" and m["world_size"] == NPROC and m["hang"] is None, m
     assert {r: (e["exit_code"], e["source"]) for r, e in m["ranks"].items()} == {
