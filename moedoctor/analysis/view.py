@@ -120,17 +120,23 @@ class RunView:
         """The ``zero_grad`` records that cleared gradients a backward pass had produced without an
         ``optimizer.step`` in between: each one is a step whose gradients the rank threw away (the
         recorder's optimizer and ``zero_grad`` hooks; a micro-batch loop never clears between its
-        backward passes, a stepping rank steps before it clears)."""
-        found, pending = [], False
+        backward passes, a stepping rank steps before it clears). None when the rank did that in a
+        step it then completed: that code clears between micro-batches by design."""
+        found, pending, stepped = [], False, set()
         for e in self.evidence(rank):
             if e.kind == "backward_end":
                 pending = True
             elif e.kind == "optimizer_step_begin":
                 pending = False
+                stepped.add(e.step)
             elif e.kind == "zero_grad" and pending:
                 found.append(e)
                 pending = False
-        return found
+        # Code that clears gradients between its own micro-batches (it reduces and accumulates them
+        # itself) does so in the steps it completed too: a clear like those of a completed step is
+        # this code's habit, not a thrown-away step.
+        habit = {e.step for e in found if e.step in stepped}
+        return [] if habit else found
 
     def stepped(self, rank: int, step: int) -> bool:
         """Whether the rank began ``optimizer.step`` while its step counter was ``step``."""

@@ -170,3 +170,22 @@ def test_a_hook_registered_under_a_rank_branch_and_an_early_return_on_the_rank(t
     assert early is not None and early.line == 12 and "early exit" in early.text
     # main itself is on the stack: the branch that references it elsewhere is not a registration
     assert rank_guard(_stack(path, (20, "main"),)) is None
+
+
+def test_clearing_between_micro_batches_by_design_is_not_a_skipped_step():
+    """Code that reduces each micro-batch's gradients itself and clears them before the next does so in
+    every step it completes: that habit is no thrown-away step."""
+    a, = ranks(1)
+    for step in range(2):
+        for _ in range(2):
+            a.ev("zero_grad", step)
+            a.ev("backward_begin", step)
+            a.coll("all_reduce", (8,), step=step, line=46)
+            a.ev("backward_end", step)
+        a.ev("optimizer_step_begin", step)
+        a.ev("optimizer_step_end", step + 1)
+    a.ev("zero_grad", 2)
+    a.ev("backward_begin", 2)
+    a.ev("backward_end", 2)
+    a.ev("zero_grad", 2)
+    assert RunView(run_of(a)).discarded_steps(0) == []
