@@ -19,6 +19,12 @@ variants from another folder laid out the same way (a held-out corpus).
 
 A straggler variant's "pattern" is ``straggler``; the verdict it must get is ``stuck``. Expect about
 40 s per variant on 2 CPU cores (each one hangs until moedoctor detects it).
+
+A variant whose yaml says ``requires: transformers4`` runs (``moedoctor run``, the job's workers and the
+verify command) with ``.venv-tf4/bin/python``, the transformers 4.53.2 environment of
+``tests/integration/test_transformers4.py``, and with ``--recorder python`` (the native recorder is built
+once per environment: the venv would build its own, 40-160 s); without that venv it is listed as skipped
+and not counted.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ FIXTURES = REPO / "fixtures"
 ALARMS = ("moedoctor: desync", "moedoctor: hang", "Desync detected while the job ran", "No trace after")
 #: Patterns that claim nothing specific: never a confident call.
 UNNAMED = (None, "unknown-desync")
+#: The interpreter of the environment a yaml's ``requires`` names.
+ENVIRONMENTS = {"transformers4": REPO / ".venv-tf4" / "bin" / "python"}
 
 
 @dataclass
@@ -63,6 +71,7 @@ class Case:
     verified: bool | None = None
     alarm: bool = False
     error: str | None = None
+    skipped: str | None = None     # why it did not run (its environment is missing)
 
 
 def discover(only: set[str] | None, healthy: bool, variants: Path = VARIANTS) -> list[Case]:
@@ -87,6 +96,12 @@ def run(cmd: list[str], timeout: float, env: dict[str, str], log: Path) -> tuple
 
 def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
     slug = case.name.replace("/", "__")
+    python, recorder = sys.executable, []
+    if requires := case.expected.get("requires"):
+        python, recorder = str(ENVIRONMENTS[requires]), ["--recorder", "python"]
+        if not args.reanalyze and not Path(python).exists():
+            case.skipped = f"requires {requires}: no {Path(python).relative_to(REPO)}"
+            return case
     run_dir = keep / slug
     nproc = int(case.expected.get("nproc", 2))
     job_args = ["--backend", args.backend]
@@ -96,8 +111,8 @@ def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
         job_args += [str(a) for a in case.expected.get("args", [])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                **{k: str(v) for k, v in (case.expected.get("env") or {}).items()})
-    cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--force",
-           "--hang-timeout", str(args.hang_timeout), "--", sys.executable, "-m", "torch.distributed.run",
+    cmd = [python, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--force", *recorder,
+           "--hang-timeout", str(args.hang_timeout), "--", python, "-m", "torch.distributed.run",
            "--standalone", f"--nproc_per_node={nproc}", str(case.script), *job_args]
     if args.reanalyze:
         out = (keep / f"{slug}.log").read_text() if (keep / f"{slug}.log").exists() else ""
@@ -117,7 +132,7 @@ def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
     case.culprits = report.get("culprit_ranks") or []
     case.verify = report.get("verify_command")
     if case.verify and args.verify and not case.healthy and case.expected.get("fix"):
-        code, _, _ = run(shlex.split(case.verify.replace("moedoctor ", f"{sys.executable} -m moedoctor ", 1)),
+        code, _, _ = run(shlex.split(case.verify.replace("moedoctor ", f"{python} -m moedoctor ", 1)),
                          args.timeout, env, keep / f"{slug}.verify.log")
         case.verified = code == 0
     return case
@@ -133,7 +148,7 @@ def reanalyze(run_dir: Path) -> dict | None:
 
 
 def report(cases: list[Case]) -> str:
-    faults = [c for c in cases if not c.healthy]
+    faults = [c for c in cases if not c.healthy and not c.skipped]
     healthy = [c for c in cases if c.healthy]
     lines = []
     truths = sorted({c.expected["pattern"] for c in faults})
@@ -153,6 +168,9 @@ def report(cases: list[Case]) -> str:
                      f"culprit {c.culprits} (want {want})" + (f" verify {'passed' if c.verified else 'FAILED'}"
                                                               if c.verified is not None else "")
                      + (f" [{c.error}]" if c.error else ""))
+    for c in cases:
+        if c.skipped:
+            lines.append(f"skip {c.name:<59} [{c.skipped}]")
     for c in healthy:
         lines.append(f"{'BAD' if c.alarm or c.verdict != 'healthy' else 'ok '} {c.name:<60} {c.seconds:5.0f}s "
                      f"exit {c.exit_code} -> {c.verdict}" + (" ALARM" if c.alarm else ""))
@@ -199,8 +217,8 @@ def main() -> None:
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for i, case in enumerate(pool.map(lambda c: diagnose(c, args, keep), cases), 1):
             done.append(case)
-            print(f"[{i}/{len(cases)}] {case.name}: {case.reported or case.verdict} ({case.seconds:.0f}s)",
-                  file=sys.stderr, flush=True)
+            outcome = case.skipped or case.reported or case.verdict
+            print(f"[{i}/{len(cases)}] {case.name}: {outcome} ({case.seconds:.0f}s)", file=sys.stderr, flush=True)
     text = report(done)
     (keep / "accuracy.txt").write_text(text + "\n")
     print(text)
