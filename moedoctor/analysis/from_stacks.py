@@ -37,7 +37,7 @@ from moedoctor.analysis.model import RankSummary, Report, Suggestion, Verdict
 from moedoctor.analysis.patterns import by_id, names
 from moedoctor.analysis.patterns.rank_stopped import advice as stopped_advice
 from moedoctor.process_state import FROZEN_STATES, ProcessState
-from moedoctor.runner.stacks import Frame, StackDump, is_library_frame
+from moedoctor.run_records import Frame, StackDump, is_library_frame
 
 SOURCE_KIND = "stacks"
 #: A frame in one of these is inside torch.distributed (a collective, a wait, a rendezvous).

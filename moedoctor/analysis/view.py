@@ -13,7 +13,7 @@ from moedoctor.analysis.load import RunData
 from moedoctor.analysis.model import GroupRef
 from moedoctor.events import CollectiveEvent, Evidence, Phase
 from moedoctor.process_state import ProcessState
-from moedoctor.runner.stacks import Frame, StackDump
+from moedoctor.run_records import Frame, StackDump
 
 #: Frames of these files are where a rank waits in a collective (or initializes the process group).
 _DISTRIBUTED_MARKERS = ("/torch/distributed/", "/torch/_C/", "c10d")

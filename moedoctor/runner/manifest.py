@@ -15,6 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moedoctor._files import NO_SPACE, rewrite_in_place, write_atomically
+from moedoctor.run_records import (  # noqa: F401 - the records live below the runner; re-exported here
+    HangRecord, LastCollective, RankAtHang, RankExit, hang_of, load_manifest,
+)
 from moedoctor.runner.progress import RankProgress
 
 MANIFEST_FORMAT = "moedoctor-manifest"
@@ -40,67 +43,6 @@ class Status:
     FINISHED = "finished"          # the job ended by itself (whatever its exit status)
     HANG = "hang"                  # a hang was detected (and the job stopped unless --keep-alive)
     INTERRUPTED = "interrupted"    # moedoctor was interrupted and stopped the job
-
-
-@dataclass
-class RankExit:
-    """How one rank's process ended. ``source`` says how we know: ``torchrun`` (its failure
-    report), ``launcher`` (torchrun exited 0, so every rank did), ``stopped`` (moedoctor stopped
-    it: no status of its own) or ``unknown``."""
-
-    rank: int
-    host: str | None
-    pid: int | None
-    local_rank: int | None
-    exit_code: int | None
-    source: str
-
-
-@dataclass
-class LastCollective:
-    group: str
-    seq: int
-    op: str
-    call_site: str | None
-    phase: str
-    step: int
-    completed: bool
-
-
-@dataclass
-class RankAtHang:
-    """One rank when the hang was declared: its last collective and where its main thread waits."""
-
-    rank: int
-    host: str | None
-    pid: int | None
-    last: LastCollective | None
-    idle_seconds: float | None
-    waiting_in: str | None = None
-    user_frame: str | None = None
-    stack_file: str | None = None
-    stack_error: str | None = None
-
-
-@dataclass
-class HangRecord:
-    """The diagnosis of a stuck job. ``trigger`` says what declared it: ``hang`` (no progress for
-    ``hang_timeout``), ``desync`` (the online detector saw two ranks of a group issue different
-    collectives at one seq: ``finding`` in one line, ``detection_latency_s`` from the later of the two
-    issue times to the detection) or ``no-trace`` (no rank had a trace after ``hang_timeout``:
-    diagnosed from stacks, ``finding`` says why nothing was recorded; the job is not stopped). ``lags``: ranks seen falling behind their group by a step."""
-
-    detected_at: float
-    host: str
-    hang_timeout: float
-    idle_seconds: float
-    stopped: bool
-    ranks: list[RankAtHang] = field(default_factory=list)
-    gpu_file: str | None = None
-    trigger: str = "hang"
-    finding: str | None = None
-    detection_latency_s: float | None = None
-    lags: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -233,18 +175,3 @@ def _merge_hangs(hangs: list[dict]) -> dict | None:
     return merged
 
 
-def load_manifest(path: Path) -> dict:
-    """The manifest as written (JSON); ``hang_of`` gives its hang as typed records."""
-    return json.loads(Path(path).read_text())
-
-
-def hang_of(manifest: dict) -> HangRecord | None:
-    raw = manifest.get("hang")
-    if not raw:
-        return None
-    ranks = [RankAtHang(**{**r, "last": LastCollective(**r["last"]) if r.get("last") else None})
-             for r in raw["ranks"]]
-    fields = {k: raw[k] for k in ("detected_at", "host", "hang_timeout", "idle_seconds", "stopped")}
-    return HangRecord(**fields, ranks=ranks, gpu_file=raw.get("gpu_file"), trigger=raw.get("trigger", "hang"),
-                      finding=raw.get("finding"), detection_latency_s=raw.get("detection_latency_s"),
-                      lags=list(raw.get("lags") or ()))

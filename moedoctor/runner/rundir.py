@@ -22,12 +22,10 @@ from datetime import datetime
 from pathlib import Path
 
 from moedoctor.errors import EXIT_USAGE, MoedoctorError
+from moedoctor.run_records import HELD_LOCKS, LOCK_GLOB, held_by_others, lock_holder, supervisor_alive  # noqa: F401
 from moedoctor.runner.command import node_rank, same_job
 
 MANIFEST_NAME = "manifest.json"
-LOCK_GLOB = "supervisor-node*.lock"
-#: Lock files this process holds (path -> descriptor), for its whole life: the kernel drops them at exit.
-_HELD: dict[str, int] = {}
 #: What ``--force`` clears from a reused run directory; other files of the user's are left alone.
 _OWN_ENTRIES = ("traces", "stacks", "gpu", "control", "fixes", "flight_recorder", MANIFEST_NAME,
                 MANIFEST_NAME + ".lock", "job.log", "report.json", "verification.json", "fix-config.json", "job-*.log")
@@ -107,63 +105,26 @@ def lock_path(path: Path, command: list[str]) -> Path:
 
 def _acquire(lock: Path) -> str | None:
     """Take ``lock`` for the life of this process; None when taken (or already ours), else who holds it."""
-    if str(lock) in _HELD:
+    if str(lock) in HELD_LOCKS:
         return None
     fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        holder = _holder(fd)
+        holder = lock_holder(fd)
         os.close(fd)
         return holder
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
-    _HELD[str(lock)] = fd
+    HELD_LOCKS[str(lock)] = fd
     return None
 
 
 def release(lock: Path) -> None:
     """Give up a lock this process holds (the kernel does it anyway when the process exits)."""
-    fd = _HELD.pop(str(lock), None)
+    fd = HELD_LOCKS.pop(str(lock), None)
     if fd is not None:
         os.close(fd)
-
-
-def _holder(fd: int) -> str:
-    try:
-        words = os.pread(fd, 200, 0).decode(errors="replace").split()
-    except OSError:
-        words = []
-    if len(words) >= 2:
-        return f"moedoctor pid {words[0]} on {words[1]}"
-    return "another moedoctor"
-
-
-def held_by_others(path: Path) -> list[str]:
-    """Who holds the supervisor locks in ``path`` other than this process (live supervisors)."""
-    holders = []
-    for lock in sorted(Path(path).glob(LOCK_GLOB)):
-        if str(lock) in _HELD:
-            continue
-        try:
-            fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            holders.append(_holder(fd))
-        finally:
-            os.close(fd)
-    return holders
-
-
-def supervisor_alive(path: Path) -> bool | None:
-    """Whether a supervisor of this host still holds a lock in ``path``: True, False (a manifest left
-    ``running`` is then stale), or None when the directory has no lock file (a run before locks)."""
-    if not any(Path(path).glob(LOCK_GLOB)):
-        return None
-    return bool(held_by_others(path)) or any(str(p) in _HELD for p in Path(path).glob(LOCK_GLOB))
 
 
 def prepare_run_dir(path: Path, command: list[str], force: bool) -> bool:

@@ -28,10 +28,13 @@ import sys
 import sysconfig
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from moedoctor.errors import cannot_write
+from moedoctor.run_records import (  # noqa: F401 - the records live below the runner; re-exported here
+    Frame, StackDump, is_library_frame, parse_stack_dump, read_stack_dump,
+)
 from moedoctor.runner.procs import FROZEN_STATES, ProcessState, more_readings, process_state
 
 PTRACE_HELP = ("py-spy needs ptrace permission to read another process's stack: run moedoctor as "
@@ -44,62 +47,12 @@ _CAP_HELP = ("give the container the SYS_PTRACE capability (docker run --cap-add
 #: stopped process: "unexpected waitpid result PtraceEvent(...)").
 _PERMISSION_HINTS = ("permission denied", "operation not permitted", "eperm")
 _CAP_SYS_PTRACE = 19
-#: Frames in these folders are the machinery a rank waits in, not the place the job asked it to.
-_LIBRARY_MARKERS = ("/torch/", "/moedoctor/", "/site-packages/", "/dist-packages/")
-_STDLIB = sysconfig.get_paths()["stdlib"]
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    function: str
-    file: str
-    line: int
-
-    def __str__(self) -> str:
-        return f"{self.function} ({self.file.rsplit('/', 1)[-1]}:{self.line})"
-
-
 @dataclass(frozen=True, slots=True)
 class StackTarget:
     rank: int
     pid: int
     nonblocking: bool = False  # read without attaching (a stopped or D-state process: attaching would
     #                            wake it or never return); py-spy may then see a torn stack
-
-
-@dataclass
-class StackDump:
-    """One rank's dump: the main thread's Python frames (innermost first), or why there are none."""
-
-    rank: int
-    pid: int
-    path: Path | None = None
-    error: str | None = None
-    main_thread: tuple[Frame, ...] = ()
-    threads: dict[str, tuple[Frame, ...]] = field(default_factory=dict)
-    process: ProcessState | None = None   # its /proc state around the dump (None: not recorded)
-    write_error: str | None = None        # its file could not be written (disk full): kept in memory only
-
-    @property
-    def frozen(self) -> str | None:
-        """``T``, ``t`` or ``D`` when every reading of the process's state said it does not run."""
-        return None if self.process is None else self.process.frozen
-
-    @property
-    def waiting_in(self) -> Frame | None:
-        """The innermost frame of the main thread."""
-        return self.main_thread[0] if self.main_thread else None
-
-    @property
-    def user_frame(self) -> Frame | None:
-        """The innermost main-thread frame outside torch, moedoctor and other installed packages."""
-        return next((frame for frame in self.main_thread if not is_library_frame(frame)), None)
-
-
-def is_library_frame(frame: Frame) -> bool:
-    """A frame of torch, moedoctor, another installed package or the standard library: the machinery
-    a rank waits in, not the job's own code."""
-    return any(m in frame.file for m in _LIBRARY_MARKERS) or frame.file.startswith(_STDLIB)
 
 
 def find_py_spy() -> str | None:
@@ -163,10 +116,10 @@ def _dump_one(target: StackTarget, out_dir: Path, host: str, native: bool, timeo
     except OSError as e:  # disk full, read-only: the dump is still used, from memory
         with contextlib.suppress(OSError):
             path.unlink(missing_ok=True)
-        dump = _parse(record, None)
+        dump = parse_stack_dump(record, None)
         dump.write_error = cannot_write(path, e, "the stack is used from memory")
         return dump
-    return _parse(record, path)
+    return parse_stack_dump(record, path)
 
 
 def _state_note(state: ProcessState | None) -> str:
@@ -230,26 +183,3 @@ def _explain(stderr: str, pid: int, state: ProcessState | None = None) -> str:
     return f"py-spy dump of pid {pid} failed: {message}"
 
 
-def read_stack_dump(path: Path) -> StackDump:
-    """Parse a ``stacks/rank-N.json`` written by ``dump_stacks``."""
-    return _parse(json.loads(Path(path).read_text()), Path(path))
-
-
-def _parse(record: dict, path: Path | None) -> StackDump:
-    raw = record.get("process")
-    try:
-        process = ProcessState.from_dict(raw) if isinstance(raw, dict) else None
-    except ValueError:
-        process = None  # a damaged state record costs the state, not the stack
-    dump = StackDump(rank=int(record["rank"]), pid=int(record["pid"]), path=path, error=record.get("error"),
-                     process=process)
-    for thread in record.get("threads") or ():
-        frames = tuple(Frame(f.get("name", "?"), f.get("filename", "?"), int(f.get("line") or 0))
-                       for f in thread.get("frames", ()) if str(f.get("filename", "")).endswith(".py"))
-        name = thread.get("thread_name") or str(thread.get("os_thread_id"))
-        if name in dump.threads:
-            name = f"{name} #{thread.get('os_thread_id')}"
-        dump.threads[name] = frames
-        if thread.get("os_thread_id") == dump.pid or (not dump.main_thread and name == "MainThread"):
-            dump.main_thread = frames
-    return dump

@@ -1,0 +1,218 @@
+"""The records of a run directory besides the traces, as both the supervisor and the analysis see
+them: stack dumps (``stacks/rank-N.json``), the manifest's rank exits and hang record, and which
+supervisor locks are held. Torch-free, and below both ``moedoctor.runner`` (which writes these files)
+and ``moedoctor.analysis`` (which reads them): the analysis imports nothing of the runner.
+
+``runner.stacks``, ``runner.manifest`` and ``runner.rundir`` re-export these names.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moedoctor.process_state import ProcessState
+
+# ---- stack dumps -------------------------------------------------------------------------------
+
+#: Frames in these folders are the machinery a rank waits in, not the place the job asked it to.
+_LIBRARY_MARKERS = ("/torch/", "/moedoctor/", "/site-packages/", "/dist-packages/")
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    function: str
+    file: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.function} ({self.file.rsplit('/', 1)[-1]}:{self.line})"
+
+
+@dataclass
+class StackDump:
+    """One rank's dump: the main thread's Python frames (innermost first), or why there are none."""
+
+    rank: int
+    pid: int
+    path: Path | None = None
+    error: str | None = None
+    main_thread: tuple[Frame, ...] = ()
+    threads: dict[str, tuple[Frame, ...]] = field(default_factory=dict)
+    process: ProcessState | None = None   # its /proc state around the dump (None: not recorded)
+    write_error: str | None = None        # its file could not be written (disk full): kept in memory only
+
+    @property
+    def frozen(self) -> str | None:
+        """``T``, ``t`` or ``D`` when every reading of the process's state said it does not run."""
+        return None if self.process is None else self.process.frozen
+
+    @property
+    def waiting_in(self) -> Frame | None:
+        """The innermost frame of the main thread."""
+        return self.main_thread[0] if self.main_thread else None
+
+    @property
+    def user_frame(self) -> Frame | None:
+        """The innermost main-thread frame outside torch, moedoctor and other installed packages."""
+        return next((frame for frame in self.main_thread if not is_library_frame(frame)), None)
+
+
+def is_library_frame(frame: Frame) -> bool:
+    """A frame of torch, moedoctor, another installed package or the standard library: the machinery
+    a rank waits in, not the job's own code."""
+    return any(m in frame.file for m in _LIBRARY_MARKERS) or frame.file.startswith(_STDLIB)
+
+
+def read_stack_dump(path: Path) -> StackDump:
+    """Parse a ``stacks/rank-N.json`` written by ``runner.stacks.dump_stacks``."""
+    return parse_stack_dump(json.loads(Path(path).read_text()), Path(path))
+
+
+def parse_stack_dump(record: dict, path: Path | None) -> StackDump:
+    raw = record.get("process")
+    try:
+        process = ProcessState.from_dict(raw) if isinstance(raw, dict) else None
+    except ValueError:
+        process = None  # a damaged state record costs the state, not the stack
+    dump = StackDump(rank=int(record["rank"]), pid=int(record["pid"]), path=path, error=record.get("error"),
+                     process=process)
+    for thread in record.get("threads") or ():
+        frames = tuple(Frame(f.get("name", "?"), f.get("filename", "?"), int(f.get("line") or 0))
+                       for f in thread.get("frames", ()) if str(f.get("filename", "")).endswith(".py"))
+        name = thread.get("thread_name") or str(thread.get("os_thread_id"))
+        if name in dump.threads:
+            name = f"{name} #{thread.get('os_thread_id')}"
+        dump.threads[name] = frames
+        if thread.get("os_thread_id") == dump.pid or (not dump.main_thread and name == "MainThread"):
+            dump.main_thread = frames
+    return dump
+
+
+# ---- the manifest's rank exits and hang record -----------------------------------------------------
+
+@dataclass
+class RankExit:
+    """How one rank's process ended. ``source`` says how we know: ``torchrun`` (its failure
+    report), ``launcher`` (torchrun exited 0, so every rank did), ``stopped`` (moedoctor stopped
+    it: no status of its own) or ``unknown``."""
+
+    rank: int
+    host: str | None
+    pid: int | None
+    local_rank: int | None
+    exit_code: int | None
+    source: str
+
+
+@dataclass
+class LastCollective:
+    group: str
+    seq: int
+    op: str
+    call_site: str | None
+    phase: str
+    step: int
+    completed: bool
+
+
+@dataclass
+class RankAtHang:
+    """One rank when the hang was declared: its last collective and where its main thread waits."""
+
+    rank: int
+    host: str | None
+    pid: int | None
+    last: LastCollective | None
+    idle_seconds: float | None
+    waiting_in: str | None = None
+    user_frame: str | None = None
+    stack_file: str | None = None
+    stack_error: str | None = None
+
+
+@dataclass
+class HangRecord:
+    """The diagnosis of a stuck job. ``trigger`` says what declared it: ``hang`` (no progress for
+    ``hang_timeout``), ``desync`` (the online detector saw two ranks of a group issue different
+    collectives at one seq: ``finding`` in one line, ``detection_latency_s`` from the later of the two
+    issue times to the detection) or ``no-trace`` (no rank had a trace after ``hang_timeout``:
+    diagnosed from stacks, ``finding`` says why nothing was recorded; the job is not stopped). ``lags``: ranks seen falling behind their group by a step."""
+
+    detected_at: float
+    host: str
+    hang_timeout: float
+    idle_seconds: float
+    stopped: bool
+    ranks: list[RankAtHang] = field(default_factory=list)
+    gpu_file: str | None = None
+    trigger: str = "hang"
+    finding: str | None = None
+    detection_latency_s: float | None = None
+    lags: list[str] = field(default_factory=list)
+
+
+def load_manifest(path: Path) -> dict:
+    """The manifest as written (JSON); ``hang_of`` gives its hang as typed records."""
+    return json.loads(Path(path).read_text())
+
+
+def hang_of(manifest: dict) -> HangRecord | None:
+    raw = manifest.get("hang")
+    if not raw:
+        return None
+    ranks = [RankAtHang(**{**r, "last": LastCollective(**r["last"]) if r.get("last") else None})
+             for r in raw["ranks"]]
+    fields = {k: raw[k] for k in ("detected_at", "host", "hang_timeout", "idle_seconds", "stopped")}
+    return HangRecord(**fields, ranks=ranks, gpu_file=raw.get("gpu_file"), trigger=raw.get("trigger", "hang"),
+                      finding=raw.get("finding"), detection_latency_s=raw.get("detection_latency_s"),
+                      lags=list(raw.get("lags") or ()))
+
+
+# ---- supervisor locks --------------------------------------------------------------------------
+
+LOCK_GLOB = "supervisor-node*.lock"
+#: Lock files this process holds (path -> descriptor), for its whole life: the kernel drops them at exit.
+HELD_LOCKS: dict[str, int] = {}
+
+
+def lock_holder(fd: int) -> str:
+    try:
+        words = os.pread(fd, 200, 0).decode(errors="replace").split()
+    except OSError:
+        words = []
+    if len(words) >= 2:
+        return f"moedoctor pid {words[0]} on {words[1]}"
+    return "another moedoctor"
+
+
+def held_by_others(path: Path) -> list[str]:
+    """Who holds the supervisor locks in ``path`` other than this process (live supervisors)."""
+    holders = []
+    for lock in sorted(Path(path).glob(LOCK_GLOB)):
+        if str(lock) in HELD_LOCKS:
+            continue
+        try:
+            fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            holders.append(lock_holder(fd))
+        finally:
+            os.close(fd)
+    return holders
+
+
+def supervisor_alive(path: Path) -> bool | None:
+    """Whether a supervisor of this host still holds a lock in ``path``: True, False (a manifest left
+    ``running`` is then stale), or None when the directory has no lock file (a run before locks)."""
+    if not any(Path(path).glob(LOCK_GLOB)):
+        return None
+    return bool(held_by_others(path)) or any(str(p) in HELD_LOCKS for p in Path(path).glob(LOCK_GLOB))

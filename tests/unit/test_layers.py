@@ -1,0 +1,77 @@
+"""Layers import only downward.
+
+    cli -> render -> verification / triage -> analysis -> trace -> events (and the shared leaves)
+
+``runner`` (launching and supervising a job), ``recorder`` (inside the job) and ``fixes`` (injected
+into the job) sit beside that chain: the CLI, verification and triage use them; the analysis, the
+trace format and the event record never do. Checked two ways: statically, every ``import`` of every
+module of a lower layer (at any depth of the module, deferred imports included); and dynamically,
+``import moedoctor.analysis`` in a fresh interpreter loads no runner, recorder, fix, CLI module or
+torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "moedoctor"
+#: What each lower layer must never import (by module-path prefix).
+FORBIDDEN = {
+    "moedoctor.events": ("moedoctor.trace", "moedoctor.analysis", "moedoctor.runner", "moedoctor.recorder",
+                         "moedoctor.fixes", "moedoctor.cli", "moedoctor.render", "moedoctor.verification",
+                         "moedoctor.triage"),
+    "moedoctor.trace": ("moedoctor.analysis", "moedoctor.runner", "moedoctor.recorder", "moedoctor.fixes",
+                        "moedoctor.cli", "moedoctor.render", "moedoctor.verification", "moedoctor.triage"),
+    "moedoctor.analysis": ("moedoctor.runner", "moedoctor.recorder", "moedoctor.fixes", "moedoctor.cli",
+                           "moedoctor.render", "moedoctor.verification", "moedoctor.triage"),
+    "moedoctor.run_records": ("moedoctor.trace", "moedoctor.analysis", "moedoctor.runner", "moedoctor.recorder",
+                              "moedoctor.fixes", "moedoctor.cli", "moedoctor.render", "moedoctor.verification",
+                              "moedoctor.triage"),
+    "moedoctor.render": ("moedoctor.cli", "moedoctor.runner", "moedoctor.recorder"),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _layer_files(layer: str) -> list[Path]:
+    base = PACKAGE.parent.joinpath(*layer.split("."))
+    return sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_a_lower_layer_imports_nothing_above_it(layer):
+    upward = []
+    for path in _layer_files(layer):
+        for line, name in _imports(path):
+            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[layer]):
+                upward.append(f"{_module_name(path)}:{line} imports {name}")
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_importing_the_analysis_loads_no_runner_recorder_fix_cli_or_torch():
+    code = ("import sys, moedoctor.analysis; "
+            "bad = sorted(m for m in sys.modules if m == 'torch' or m.split('.')[:2] in "
+            "(['moedoctor', 'runner'], ['moedoctor', 'recorder'], ['moedoctor', 'fixes'], ['moedoctor', 'cli'])); "
+            "print(' '.join(bad)); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, f"moedoctor.analysis loaded: {result.stdout} {result.stderr[-2000:]}"
