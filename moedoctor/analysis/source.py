@@ -218,6 +218,14 @@ def _function_at(path: str, line: int) -> list[ast.AST]:
                    and n.lineno <= line <= (n.end_lineno or 0)), key=lambda n: n.lineno)
 
 
+def defined_classes(path: str) -> set[str] | None:
+    """Names of the classes ``path`` defines (None when the source cannot be read)."""
+    tree = _tree(path)
+    if tree is None:
+        return None
+    return {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+
+
 def _early_exit(frame: Frame) -> Enclosing | None:
     """``if not is_main: return`` before ``frame.line`` in the function around it."""
     defs = [n for n in _function_at(frame.file, frame.line) if not isinstance(n, ast.ClassDef)]

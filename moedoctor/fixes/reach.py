@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 from moedoctor.analysis.load import RunData
 from moedoctor.analysis.model import Report
+from moedoctor.analysis.source import defined_classes
 from moedoctor.fixes import FIXES
 
 
@@ -32,20 +33,21 @@ def script_of(command: list[str] | None) -> str | None:
     return None
 
 
-def run_frames(run: RunData) -> set[tuple[str, str]]:
-    """``(file, function)`` of every job frame the traces and stacks hold."""
-    frames: set[tuple[str, str]] = set()
+def run_frames(run: RunData) -> set[tuple[str, str, int]]:
+    """``(file, function, line)`` of every job frame the traces and stacks hold."""
+    frames: set[tuple[str, str, int]] = set()
     for trace in run.traces:
         for event in trace.events:
             if event.call_site is None:
                 continue
-            frames.add((event.call_site.file, event.call_site.function))
+            frames.add((event.call_site.file, event.call_site.function, event.call_site.line))
             for entry in event.call_site.stack:
                 where, _, function = entry.partition(" ")
-                frames.add((where.rpartition(":")[0], function))
+                file, _, line = where.rpartition(":")
+                frames.add((file, function, int(line) if line.isdigit() else 0))
     for dump in run.stacks.values():
         for thread in (dump.main_thread, *dump.threads.values()):
-            frames.update((frame.file, frame.function) for frame in thread)
+            frames.update((frame.file, frame.function, frame.line) for frame in thread)
     return frames
 
 
@@ -72,18 +74,31 @@ def _module_file_matches(module: str, file: str, script: str | None) -> bool:
     return file.endswith(stem + ".py") or file.endswith(os.path.join(stem, "__init__.py"))
 
 
-def reached(paths: Iterable[str], frames: set[tuple[str, str]], script: str | None) -> list[str]:
-    """The target paths (``module:Qual.name``) this job may have run: the function seen in its module
-    file, or (a function that issues no collective itself, such as a decision helper, is never on a
-    collective's stack) any frame of that module, unless the module is the script itself."""
+def reached(paths: Iterable[str], frames: set[tuple[str, str, int]], script: str | None) -> list[str]:
+    """The target paths (``module:Qual.name``) this job may have run. A method (``Class.method``) is
+    reached when a frame of its module was seen and the module's source defines that class (a block's
+    forward is often not on any collective's stack, but its module is; the same module path in another
+    library version may lack the class).
+    A function is reached when it was seen in its module, or (a function that issues no collective
+    itself, such as a decision helper, is never on a collective's stack) when any frame of its module
+    was, unless the module is the script itself."""
     found = []
     for path in paths:
         module, _, qualname = path.partition(":")
-        function = qualname.rsplit(".", 1)[-1]
-        files = [(file, fn) for file, fn in frames if _module_file_matches(module, file, script)]
-        if any(fn == function for _, fn in files) or (files and module != "__main__"):
+        owner, _, function = qualname.rpartition(".")
+        files = [(file, fn, line) for file, fn, line in frames if _module_file_matches(module, file, script)]
+        if owner:
+            if any(_defines(file, owner) for file in {f for f, _, _ in files}):
+                found.append(path)
+        elif any(fn == function for _, fn, _ in files) or (files and module != "__main__"):
             found.append(path)
     return found
+
+
+def _defines(file: str, owner: str) -> bool:
+    """Does the module's source define the target's class (True where the source cannot be read)?"""
+    classes = defined_classes(file)
+    return owner.rsplit(".", 1)[-1] in classes if classes is not None else True
 
 
 def with_fix_reach(report: Report, run: RunData, command: list[str] | None) -> Report:
