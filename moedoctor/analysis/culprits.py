@@ -23,6 +23,7 @@ from moedoctor.analysis.model import Divergence, DivergenceKind, WaitEdge
 from moedoctor.analysis.view import RunView
 from moedoctor.analysis.waitfor import chain_roots
 from moedoctor.events import CollectiveEvent
+from moedoctor.wording import rank_names
 
 _END = object()       # the rank's previous step ended here: no collective was due
 _UNKNOWN = object()   # no earlier step to compare with
@@ -58,8 +59,7 @@ def find_culprits(view: RunView, div: Divergence | None, edges: list[WaitEdge],
 
 
 def _names(ranks) -> str:
-    ranks = sorted(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))
+    return rank_names(ranks)
 
 
 def _missing(view: RunView, div: Divergence, edges: list[WaitEdge]) -> Culprits:

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from moedoctor.analysis.model import AlignedRow, DivergenceKind, OpView, Report, Verdict
+from moedoctor.wording import rank_names
 
 _VERDICT_STYLE = {Verdict.HEALTHY: "green", Verdict.DESYNC: "red", Verdict.STUCK: "yellow", Verdict.CRASHED: "red"}
 _DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64", "int32": "i32",
@@ -139,13 +140,4 @@ def _incomplete(report: Report, console: Console) -> None:
 
 
 def _ranks(ranks) -> str:
-    ranks = sorted(ranks)
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    out, start = [], None
-    for i, r in enumerate(ranks):
-        start = r if start is None else start
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return "ranks " + ",".join(out)
+    return rank_names(ranks, ranges=True)

@@ -24,6 +24,7 @@ import moedoctor
 from moedoctor.events import CallSite, CollectiveEvent, Group, Phase, TraceHeader
 from moedoctor.trace import safe_pickle
 from moedoctor.trace.reader import MAX_DIM, MAX_DIMS, MAX_STRING, MAX_TENSORS, RankTrace, TraceError, short
+from moedoctor.wording import rank_numbers
 
 FORMAT_NAME = "pytorch-flight-recorder"
 MAX_STACK = 8  # user frames kept per call site, as the recorder keeps
@@ -604,7 +605,4 @@ def _what_is_missing(dumps: list[_Dump], traces: list[RankTrace], ranks: list[in
 
 
 def _ranks_text(ranks: list[int]) -> str:
-    ranks = sorted(ranks)
-    if len(ranks) > 8:
-        return f"{', '.join(map(str, ranks[:8]))} and {len(ranks) - 8} more"
-    return ", ".join(map(str, ranks))
+    return rank_numbers(ranks)

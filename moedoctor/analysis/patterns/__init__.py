@@ -20,6 +20,7 @@ from moedoctor.analysis.culprits import Culprits
 from moedoctor.analysis.model import Divergence, DivergenceKind, OpView, Suggestion, WaitEdge
 from moedoctor.analysis.view import RunView
 from moedoctor.events import CollectiveEvent
+from moedoctor.wording import rank_names
 
 #: A pattern needs at least this score to be named.
 THRESHOLD = 0.4
@@ -101,10 +102,7 @@ def classify_all(ctx: Context) -> list[tuple[Pattern, Finding]]:
 
 
 def names(ranks) -> str:
-    ranks = sorted(ranks)
-    if not ranks:
-        return "no rank"
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))
+    return rank_names(ranks)
 
 
 def verb(ranks, singular: str, plural: str) -> str:

@@ -1,0 +1,32 @@
+"""How reports word recurring things, written once: lists of ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def rank_names(ranks: Iterable[int], *, ranges: bool = False) -> str:
+    """``rank 3`` / ``ranks 0,2,5`` (``ranks 0-3,8`` with ``ranges``) / ``no rank``."""
+    ranks = sorted(ranks)
+    if not ranks:
+        return "no rank"
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if not ranges:
+        return "ranks " + ",".join(map(str, ranks))
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return "ranks " + ",".join(out)
+
+
+def rank_numbers(ranks: Iterable[int], limit: int = 8) -> str:
+    """``0, 1, 5`` / ``0, 1, 2, 3, 4, 5, 6, 7 and 4 more``: the numbers alone, for a sentence that
+    names them already."""
+    ranks = sorted(ranks)
+    if len(ranks) > limit:
+        return f"{', '.join(map(str, ranks[:limit]))} and {len(ranks) - limit} more"
+    return ", ".join(map(str, ranks))
