@@ -120,8 +120,9 @@ class CollectiveEvent:
         ``all_to_all`` compares the trailing dimensions of its rows (expert-parallel dispatch sends
         data-dependent row counts); a list ``all_gather`` its output list (its inputs may be
         uneven); ``gather`` and ``scatter`` their root (the root's lists pair with the others'
-        tensors); other rooted ops their root too. The reduce op is not part of it: a c10d collective's reduce op is known only
-        when the recorder saw it still running (see ``reduce_ops_agree``)."""
+        tensors); other rooted ops their root too. The reduce op is not part of it: a c10d
+        collective's reduce op is known only when the recorder saw it still running (see
+        ``reduce_ops_agree``)."""
         op = self.op
         if op == "all_to_all":
             return (op, self.dtypes, _rows(self.in_shapes), _rows(self.out_shapes))

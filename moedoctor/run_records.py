@@ -142,7 +142,8 @@ class HangRecord:
     ``hang_timeout``), ``desync`` (the online detector saw two ranks of a group issue different
     collectives at one seq: ``finding`` in one line, ``detection_latency_s`` from the later of the two
     issue times to the detection) or ``no-trace`` (no rank had a trace after ``hang_timeout``:
-    diagnosed from stacks, ``finding`` says why nothing was recorded; the job is not stopped). ``lags``: ranks seen falling behind their group by a step."""
+    diagnosed from stacks, ``finding`` says why nothing was recorded; the job is not stopped).
+    ``lags``: ranks seen falling behind their group by a step."""
 
     detected_at: float
     host: str

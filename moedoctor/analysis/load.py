@@ -23,7 +23,9 @@ from moedoctor.analysis.completion import fuse_flight_recorder
 from moedoctor.analysis.model import Verdict
 from moedoctor.errors import EXIT_USAGE, MoedoctorError, reading
 from moedoctor.events import CallSite, CollectiveEvent, Coverage, Evidence
-from moedoctor.run_records import HangRecord, RankExit, StackDump, hang_of, load_manifest, read_stack_dump, supervisor_alive
+from moedoctor.run_records import (
+    HangRecord, RankExit, StackDump, hang_of, load_manifest, read_stack_dump, supervisor_alive,
+)
 from moedoctor.trace.format import STOPPED, read_statuses, recorder_markers, stopped_line
 from moedoctor.trace.reader import (
     MAX_DIM, MAX_DIMS, MAX_HEADER_BYTES, MAX_RECORD_BYTES, MAX_STRING, MAX_TENSORS, MAX_WORLD_SIZE,

@@ -148,7 +148,7 @@ def _scan(buf, scan: RankScan) -> None:
             scan.fallback = f"group {name}: sequence numbers {first}..{last} for {count} records"
             return
         scan.groups[name] = GroupScan(gid, name, count, first, last, hashes, tail)
-    for gid, (name, ranks) in gids.items():
+    for name, ranks in gids.values():
         scan.group_ranks[name] = ranks
 
 

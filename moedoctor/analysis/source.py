@@ -140,12 +140,14 @@ def _assigned(path: str, name: str, before: int) -> str | None:
         return None
     scope: ast.AST = tree
     for node in ast.walk(tree):
-        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= before <= (node.end_lineno or 0)
+        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.lineno <= before <= (node.end_lineno or 0)
                 and node.lineno >= getattr(scope, "lineno", 0)):
             scope = node
     last = None
     for node in ast.walk(scope):
-        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.lineno < before and node.value is not None:
+        if (isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.lineno < before
+                and node.value is not None):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if any(isinstance(t, ast.Name) and t.id == name for t in targets):
                 if last is None or node.lineno > last.lineno:

@@ -100,7 +100,9 @@ def _exit(window: dict, key: tuple, seq: int) -> LoopExit | None:
             left.append(r)  # went on to collectives of other call sites
         else:
             return None
-    if not inside or not left or min(counts.values()) < 2 or max(counts[r] for r in left) >= min(counts[r] for r in inside):
+    if not inside or not left or min(counts.values()) < 2:
+        return None
+    if max(counts[r] for r in left) >= min(counts[r] for r in inside):
         return None
     return LoopExit(key[1:], f"{key[1].rsplit('/', 1)[-1]}:{key[2]}", tuple(sorted(inside)), tuple(sorted(left)),
                     counts)

@@ -8,11 +8,11 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from moedoctor.analysis import load_run
 from moedoctor.analysis import analyze as analyze_run
-from moedoctor.fixes.reach import command_of, with_fix_reach
+from moedoctor.analysis import load_run
 from moedoctor.analysis.load import verdict_problem
 from moedoctor.errors import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_OK, MoedoctorError, reading
+from moedoctor.fixes.reach import command_of, with_fix_reach
 from moedoctor.render.html import write_html
 from moedoctor.render.json_report import dumps
 from moedoctor.render.perfetto import write_perfetto
@@ -24,7 +24,8 @@ app = typer.Typer()
 EXIT_PROBLEM = EXIT_FINDING
 
 EPILOG = ("Exit status: 0 healthy (a readable trace of every rank); 1 a desync, a stuck job or a crashed rank "
-          "was found; 2 the input could not be analyzed or cannot back a verdict; 3 an internal error. Example: moedoctor analyze moedoctor-runs/20250101-120000 --html report.html")
+          "was found; 2 the input could not be analyzed or cannot back a verdict; 3 an internal error. "
+          "Example: moedoctor analyze moedoctor-runs/20250101-120000 --html report.html")
 
 
 @app.command(epilog=EPILOG)

@@ -42,7 +42,8 @@ def report_after_hang(run_dir: Path, console: Console) -> None:
                       "startup timeout, since loading and rendezvous can legitimately take that long.",
                       highlight=False, soft_wrap=True)
     elif hang.trigger == "desync":
-        after = f", {hang.detection_latency_s:.1f} s after it was issued" if hang.detection_latency_s is not None else ""
+        latency = hang.detection_latency_s
+        after = f", {latency:.1f} s after it was issued" if latency is not None else ""
         console.print(f"\n[bold red]Desync detected while the job ran[/]: {escape(hang.finding or '?')}{after}; "
                       f"{stopped}.", highlight=False, soft_wrap=True)
     else:

@@ -59,9 +59,9 @@ from typing import Any
 
 from moedoctor.fixes._moe_blocks import (
     CHECKED_CALLS, FIXTURE_BLOCK, FUSED, BlockSpec, PerInstance, apply_router_jitter, builtin_targets,
-    check_forward_signature, compare, dense_weights, first_tensor, fused_problem, modulelist_problem,
-    idle_experts, parse_blocks_config, replayed_rng, require_transformers4, rng_state, route_tokens,
-    sharded_experts_reason, specs_for,
+    check_forward_signature, compare, dense_weights, first_tensor, fused_problem, idle_experts, modulelist_problem,
+    parse_blocks_config, replayed_rng, require_transformers4, rng_state, route_tokens, sharded_experts_reason,
+    specs_for,
 )
 from moedoctor.fixes.base import Fix
 

@@ -40,9 +40,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from moedoctor.fixes._moe_blocks import (
-    CHECKED_CALLS, FUSED, MODULELIST, BlockSpec, PerInstance, builtin_targets, check_forward_signature,
-    first_tensor, modulelist_problem, parse_blocks_config, require_transformers4, sharded_experts_reason,
-    specs_for,
+    CHECKED_CALLS, FUSED, MODULELIST, BlockSpec, PerInstance, builtin_targets, check_forward_signature, first_tensor,
+    modulelist_problem, parse_blocks_config, require_transformers4, sharded_experts_reason, specs_for,
 )
 from moedoctor.fixes.base import Fix
 

@@ -370,7 +370,8 @@ def _bitwise_equal(a, b) -> bool:
         return False
     if a.numel() == 0:
         return True
-    as_bytes = (lambda t: t.detach().cpu().reshape(-1).contiguous().view(torch.uint8))
+    def as_bytes(t):
+        return t.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
     return torch.equal(as_bytes(a), as_bytes(b))
 
 

@@ -22,10 +22,10 @@ import socket
 import sys
 import threading
 import time
-from threading import get_ident
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from threading import get_ident
 
 import torch
 import torch.distributed as dist
@@ -338,7 +338,8 @@ class Recorder:
         if len(inputs) > MAX_SHAPES or len(outputs) > MAX_SHAPES:
             extra += f',"n":[{len(inputs)},{len(outputs)}]'
         if spec.out_splits is not None:
-            ins, outs = self._arg(spec, spec.in_splits, args, kwargs, ()), self._arg(spec, spec.out_splits, args, kwargs, ())
+            ins = self._arg(spec, spec.in_splits, args, kwargs, ())
+            outs = self._arg(spec, spec.out_splits, args, kwargs, ())
             extra += f',"sp":[[{",".join(map(str, map(int, ins)))}],[{",".join(map(str, map(int, outs)))}]]'
         if spec.root is not None:
             root = self._global_rank(group_name, self._arg(spec, spec.root, args, kwargs))

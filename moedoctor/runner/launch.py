@@ -28,8 +28,8 @@ from moedoctor.recorder.install import ENV_MAX_EVENTS, ENV_RUN_DIR
 from moedoctor.runner import procs
 from moedoctor.runner.gpu import write_gpu_snapshot
 from moedoctor.runner.manifest import (
-    CoverageCheck, HangRecord, LastCollective, NodeRecord, RankAtHang, RankExit, Status,
-    coverage_check, relevant_env, write_node,
+    CoverageCheck, HangRecord, LastCollective, NodeRecord, RankAtHang, RankExit, Status, coverage_check, relevant_env,
+    write_node,
 )
 from moedoctor.runner.online import Desync, DesyncDetector, Lag
 from moedoctor.runner.progress import ProgressTracker, RankProgress
@@ -275,8 +275,8 @@ class _Run:
             if not armed and last != progress_at_hang:
                 armed = True  # progress again after a kept-alive hang: watch for the next one
             silent = status.idle_seconds >= min(status.limit, self.config.hang_timeout) and self._silence_explained()
-            if last is None and not no_trace_reported and not silent and status.idle_seconds >= self.config.hang_timeout \
-                    and status.limit > self.config.hang_timeout and self._startup_quiet():
+            quiet = status.idle_seconds >= self.config.hang_timeout and status.limit > self.config.hang_timeout
+            if last is None and not no_trace_reported and not silent and quiet and self._startup_quiet():
                 # No rank has a trace after --hang-timeout: say where the ranks are (stacks) and why
                 # nothing was recorded, now; but stop the job only at the startup allowance, since
                 # loading and rendezvous before the first process group can legitimately take that long.
@@ -402,7 +402,8 @@ class _Run:
         try:
             requested = self.dir.request_snapshot()
         except OSError as e:
-            self._write_failed(cannot_write(self.dir.snapshot_request, e, "the ranks' coverage records are not asked for"))
+            self._write_failed(cannot_write(self.dir.snapshot_request, e,
+                                            "the ranks' coverage records are not asked for"))
             requested = time.time()
         local = procs.rank_processes(procs.job_processes(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id)))
         self.seen.update(local)

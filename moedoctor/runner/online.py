@@ -63,7 +63,8 @@ class Desync:
 
     def line(self) -> str:
         a, b = self.ranks
-        where = f"group {self.group}" + (f" ({self.group_desc})" if self.group_desc and self.group_desc != self.group else "")
+        desc = self.group_desc if self.group_desc and self.group_desc != self.group else None
+        where = f"group {self.group}" + (f" ({desc})" if desc else "")
         if self.reason:
             return f"{where} #{self.seq}, {self.ops[a].split('[')[0]}: {self.reason}"
         return f"{where} #{self.seq}, rank {a} {self.ops[a]} vs rank {b} {self.ops[b]}"
@@ -176,7 +177,7 @@ class DesyncDetector:
 
     def _check_contract(self, e: CollectiveEvent, entry: _Entry) -> None:
         """Every member issued this variable-size collective: do their sizes pair up?"""
-        from moedoctor.analysis.contracts import breakers, breaches
+        from moedoctor.analysis.contracts import breaches, breakers
 
         found = breaches(entry.events, e.group.ranks)
         if not found:
@@ -215,7 +216,7 @@ class DesyncDetector:
         ``last_completed``, ``last_progress`` on the monotonic clock ``now``). Each (group, seq,
         rank) is reported once."""
         waiting: dict[tuple[str, int], list] = {}
-        for rank, state in ranks.items():
+        for state in ranks.values():
             e = state.last
             if e is None or state.last_completed or e.op in P2P_OPS or now - state.last_progress < self.lag_idle:
                 continue

@@ -30,4 +30,5 @@ def choose_recorder(requested: str, announce=lambda message: None) -> RecorderCh
         return RecorderChoice("native", "built" if requested == "auto" else "requested")
     if requested == "native":
         raise MoedoctorError(f"the native recorder cannot be built: {native.reason}", EXIT_USAGE)
-    return RecorderChoice("python", f"native recorder unavailable: {native.reason.splitlines()[-1] if native.reason else '?'}")
+    why = native.reason.splitlines()[-1] if native.reason else "?"
+    return RecorderChoice("python", f"native recorder unavailable: {why}")

@@ -581,7 +581,7 @@ def _what_is_missing(dumps: list[_Dump], traces: list[RankTrace], ranks: list[in
     if no_frames:
         notes.append(f"no call sites for ranks {_ranks_text(no_frames)}: the dumps hold no user frames "
                      "(dumped without stack traces?)")
-    for trace, dump in zip(traces, dumps):
+    for trace in traces:
         ids = [e.event_id for e in trace.events]
         if ids and ids[0] > 0:
             first = trace.events[0]

@@ -401,7 +401,8 @@ class LiveTracker:
         m = _C_RECORD.match(line)
         if m is not None:
             event_id, gid, seq = int(m.group(1)), int(m.group(2)), int(m.group(3))
-            p2p, op, raw, shapes, thread = m.group(4) is not None, m.group(5).decode(), m.group(6).decode(), m.group(7), m.group(8)
+            p2p, op, raw = m.group(4) is not None, m.group(5).decode(), m.group(6).decode()
+            shapes, thread = m.group(7), m.group(8)
         else:
             try:
                 rec = json.loads(line)

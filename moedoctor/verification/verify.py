@@ -32,6 +32,7 @@ from moedoctor.verification.numbers import (
     LossComparison, RunNumbers, StepTimeComparison, compare_losses, compare_step_times, read_numbers,
 )
 
+
 @dataclass(frozen=True)
 class VerifyConfig:
     """What to verify: ``fixes`` on ``run`` (the rerun's ``RunConfig``, whose ``fixes`` field is set
@@ -181,7 +182,8 @@ def _original_outcome(original: OriginalRun | None) -> str:
 
 def _describe_hang(hang: HangRecord) -> str:
     if hang.trigger == "desync" and hang.finding:
-        latency = f", {hang.detection_latency_s:.1f} s after it was issued" if hang.detection_latency_s is not None else ""
+        seconds = hang.detection_latency_s
+        latency = f", {seconds:.1f} s after it was issued" if seconds is not None else ""
         return f"desync seen while running: {hang.finding}{latency}"
     return f"hang: no progress for {hang.idle_seconds:g} s (watchdog at {hang.hang_timeout:g} s)"
 
@@ -241,7 +243,8 @@ def _fix_checks(name: str, status: FixStatus, report: Report | None, result: Run
     elif set(applied) != expected:
         missing = sorted(expected - set(applied))
         applied_check = Check(f"{name} applied", False, "-",
-                              f"applied on ranks {applied} only; not on {missing}" + (f" ({'; '.join(notes)})" if notes else ""))
+                              f"applied on ranks {applied} only; not on {missing}"
+                              + (f" ({'; '.join(notes)})" if notes else ""))
     else:
         calls = ", ".join(f"{path.split(':')[-1]} x{n}" for path, n in status.calls().items() if n)
         applied_check = Check(f"{name} applied", True, "-", f"on all {len(applied)} ranks: {calls}",

@@ -28,7 +28,8 @@ THRESHOLD = 0.4
 TIE = 0.01
 
 MODULES = (
-    "all_to_all_split_mismatch", "skipped_optimizer_step", "inflight_metric_allreduce", "uneven_dtensor_allgather", "inactive_experts",
+    "all_to_all_split_mismatch", "skipped_optimizer_step", "inflight_metric_allreduce", "uneven_dtensor_allgather",
+    "inactive_experts",
     "rank_conditional_collective", "microbatch_count_mismatch", "collective_order_inversion", "shape_mismatch",
     "rank_stopped", "straggler", "not_a_desync", "unknown_desync",
 )

@@ -94,8 +94,8 @@ def _first_time(ctx: Context) -> list[str]:
         if e is None or e.call_site is None:
             continue
         where = f"{e.call_site.file}:{e.call_site.line}"
-        if not any(f"{x.call_site.file}:{x.call_site.line}" == where for x in view.events(edge.rank, edge.group, before=edge.seq)
-                   if x.call_site is not None):
+        earlier = view.events(edge.rank, edge.group, before=edge.seq)
+        if not any(f"{x.call_site.file}:{x.call_site.line}" == where for x in earlier if x.call_site is not None):
             found.append(f"rank {edge.rank} issues {e.op} from {e.call_site.short} on group "
                          f"{view.groups[edge.group].label()} for the first time")
     return found

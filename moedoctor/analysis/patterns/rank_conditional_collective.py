@@ -58,7 +58,8 @@ def classify(ctx: Context) -> Finding | None:
         theirs = [ctx.event(r) for r in others]
         in_cycle = bool(ctx.cycle) and any(edge.group == group for edge in ctx.cycle)
         if all(t is None for t in theirs) and in_cycle:
-            evidence.append(f"{names(others)} never issued #{div.seq}, but {'it is' if len(others) == 1 else 'they are'} "
+            they = "it is" if len(others) == 1 else "they are"
+            evidence.append(f"{names(others)} never issued #{div.seq}, but {they} "
                             "blocked in a collective of another group (a wait-for cycle): that does not show "
                             f"{'it' if len(others) == 1 else 'they'} would never issue it")
         elif all(t is None for t in theirs):
