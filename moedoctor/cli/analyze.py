@@ -20,9 +20,6 @@ from moedoctor.render.terminal import render_report
 
 app = typer.Typer()
 
-#: ``moedoctor analyze`` exits with this when it finds a desync, a stuck job or a crashed rank.
-EXIT_PROBLEM = EXIT_FINDING
-
 EPILOG = ("Exit status: 0 healthy (a readable trace of every rank); 1 a desync, a stuck job or a crashed rank "
           "was found; 2 the input could not be analyzed or cannot back a verdict; 3 an internal error. "
           "Example: moedoctor analyze moedoctor-runs/20250101-120000 --html report.html")
@@ -57,4 +54,4 @@ def analyze(
         err.print(f"Perfetto trace: {write_perfetto(run, report, perfetto)}", highlight=False, soft_wrap=True)
     if html is not None:
         err.print(f"HTML report: {write_html(report, html)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(EXIT_PROBLEM if report.problem_found else EXIT_OK)
+    raise typer.Exit(EXIT_FINDING if report.problem_found else EXIT_OK)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -11,6 +10,9 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from moedoctor.cli.common import (
+    DEFAULT_STARTUP_TIMEOUT, RECORDER_HELP, FixConfigFile, Force, StartupTimeout, pick_recorder, supervised,
+)
 from moedoctor.cli.hang_report import report_after_run
 from moedoctor.cli.live import ConsoleObserver
 from moedoctor.errors import MoedoctorError
@@ -18,7 +20,6 @@ from moedoctor.fixes import FIXES, get_fix
 from moedoctor.fixes.config import load_fix_config, write_fix_config
 from moedoctor.runner import RunConfig, default_run_dir, prepare_run_dir, run_job
 from moedoctor.runner.command import check_launcher
-from moedoctor.runner.recorder_choice import choose_recorder
 
 app = typer.Typer()
 
@@ -44,16 +45,12 @@ def run(
         "command up to --node_rank) joins it: that is how every node of a multi-node job shares one run "
         "directory.",
         show_default=False)] = None,
-    force: Annotated[bool, typer.Option(
-        "--force", help="Reuse a non-empty --run-dir, replacing the run recorded there.")] = False,
+    force: Force = False,
     hang_timeout: Annotated[float, typer.Option(
         "--hang-timeout", min=0.1, metavar="SECONDS",
         help="Declare a hang when no rank issues or completes a collective for this long while the job "
         "is alive.")] = 180.0,
-    startup_timeout: Annotated[float, typer.Option(
-        "--startup-timeout", min=0.1, metavar="SECONDS",
-        help="Before any rank has initialized its process group (imports, rendezvous), allow this long "
-        "(or --hang-timeout, if longer) before declaring a hang.")] = 300.0,
+    startup_timeout: StartupTimeout = DEFAULT_STARTUP_TIMEOUT,
     keep_alive: Annotated[bool, typer.Option(
         "--keep-alive", help="On a hang, collect the diagnosis but leave the job running.")] = False,
     online: Annotated[bool, typer.Option(
@@ -67,11 +64,7 @@ def run(
         "are still read from /proc).")] = False,
     native: Annotated[bool, typer.Option(
         "--native", help="Include native (C/C++) frames in the stacks (py-spy dump --native).")] = False,
-    recorder: Annotated[str, typer.Option(
-        "--recorder", metavar="auto|native|python",
-        help="The recorder the ranks use: native (a C++ kernel at the dispatcher, about 3-5 us per "
-        "collective; built once per environment, which needs a C++ compiler and ninja), python (no "
-        "build, tens of us per collective), or auto: native where it builds, else python.")] = "auto",
+    recorder: Annotated[str, typer.Option("--recorder", metavar="auto|native|python", help=RECORDER_HELP)] = "auto",
     max_events: Annotated[Optional[int], typer.Option(
         "--max-events", min=1, metavar="N",
         help="Stop recording a rank's collectives after N events (sets MOEDOCTOR_MAX_EVENTS; the "
@@ -79,9 +72,7 @@ def run(
     fix: Annotated[Optional[list[str]], typer.Option(
         "--fix", metavar="NAME", help="Inject a fix module into every rank (repeatable; `moedoctor fixes` lists "
         "them). To prove a fix, use moedoctor verify.", show_default=False)] = None,
-    config: Annotated[Optional[Path], typer.Option(
-        "--config", metavar="FILE", help="YAML telling the fixes where your code is (docs/fixes.md).",
-        show_default=False)] = None,
+    config: FixConfigFile = None,
 ) -> None:
     """Run a torchrun job, recording every collective of every rank, and diagnose it if it hangs.
 
@@ -98,9 +89,7 @@ def run(
         run_dir = default_run_dir(Path("moedoctor-runs"))
     joined = prepare_run_dir(run_dir, command, force)
     console = Console(stderr=True)
-    choice = choose_recorder(recorder, lambda message: console.print(f"moedoctor: {message}"))
-    if recorder == "auto" and choice.kind == "python":
-        console.print(f"moedoctor: recording with the Python kernels ({choice.note})")
+    choice = pick_recorder(recorder, console)
     config = RunConfig(
         command=command, run_dir=run_dir.resolve(), env=dict(os.environ), hang_timeout=hang_timeout,
         startup_timeout=startup_timeout, keep_alive=keep_alive, online=online, stacks=not no_stacks, native=native,
@@ -108,14 +97,8 @@ def run(
         fix_config=write_fix_config(run_dir, fix_config),
     )
     observer = ConsoleObserver(console, live=sys.stdout.isatty() and sys.stderr.isatty())
-    # A scheduler's SIGTERM or a closed terminal stops the job as Ctrl-C does.
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with supervised(observer):
         result = run_job(config, observer)
-    finally:
-        observer.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     if result.hang is not None and result.hang.stopped:
         console.print(f"moedoctor: the job was stopped (exit {result.exit_code}); the diagnosis is above.",
                       highlight=False)
@@ -123,6 +106,3 @@ def run(
         report_after_run(result, console)
     raise typer.Exit(result.exit_code)
 
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt

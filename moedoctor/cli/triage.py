@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from moedoctor.errors import EXIT_FINDING
+from moedoctor.errors import EXIT_FINDING, EXIT_OK
 from moedoctor.render.json_report import report_to_dict
 from moedoctor.render.terminal import render_report
 from moedoctor.runner.rundir import default_run_dir
@@ -18,8 +18,6 @@ from moedoctor.triage import TriageResult, triage as run_triage
 
 app = typer.Typer()
 
-#: Like ``moedoctor analyze``: 1 when a desync, a stuck job or a crashed rank was found.
-EXIT_PROBLEM = EXIT_FINDING
 DEFAULT_BASE = Path("moedoctor-triage")
 
 EPILOG = ("Exit status: 0 no collective problem seen; 1 a desync or a stuck job was found; 2 PID is no torch job, "
@@ -55,7 +53,7 @@ def triage(
         console = Console()
         _preface(result, console)
         render_report(result.report, console)
-    raise typer.Exit(EXIT_PROBLEM if result.report.problem_found else 0)
+    raise typer.Exit(EXIT_FINDING if result.report.problem_found else EXIT_OK)
 
 
 def _preface(result: TriageResult, console: Console) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -12,20 +11,20 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from moedoctor.cli.common import (
+    DEFAULT_STARTUP_TIMEOUT, FixConfigFile, Force, StartupTimeout, pick_recorder, supervised,
+)
 from moedoctor.cli.live import ConsoleObserver
-from moedoctor.errors import MoedoctorError
+from moedoctor.errors import EXIT_FINDING, EXIT_OK, MoedoctorError
 from moedoctor.fixes import FIXES, get_fix
 from moedoctor.fixes.config import load_fix_config
 from moedoctor.render.verification import render_verification, verification_to_dict, write_verification
 from moedoctor.runner import RunConfig, default_run_dir, prepare_run_dir
 from moedoctor.runner.command import check_launcher
-from moedoctor.runner.recorder_choice import choose_recorder
 from moedoctor.verification import VerifyConfig, load_original, verify as verify_job
 
 app = typer.Typer()
 
-#: ``moedoctor verify`` exits with this when the fix is not verified.
-EXIT_NOT_VERIFIED = 1
 DEFAULT_HANG_TIMEOUT = 60.0
 
 EPILOG = ("Examples: moedoctor verify --fix expert-dense --run moedoctor-runs/20250101-120000 | "
@@ -44,19 +43,15 @@ def verify(
     run: Annotated[Optional[Path], typer.Option(
         "--run", metavar="RUN_DIR", help="The run to fix (from `moedoctor run`): its command is rerun, and its "
         "hang, report, losses and step times are the 'before' column.", show_default=False)] = None,
-    config: Annotated[Optional[Path], typer.Option(
-        "--config", metavar="FILE", help="YAML telling the fixes where your code is (its classes and functions); "
-        "see docs/fixes.md.", show_default=False)] = None,
+    config: FixConfigFile = None,
     run_dir: Annotated[Optional[Path], typer.Option(
         "--run-dir", help="Where to record the rerun. Default: RUN_DIR/verify-FIXES with --run, else a new "
         "folder under ./moedoctor-runs/.", show_default=False)] = None,
-    force: Annotated[bool, typer.Option("--force", help="Reuse a non-empty --run-dir.")] = False,
+    force: Force = False,
     hang_timeout: Annotated[Optional[float], typer.Option(
         "--hang-timeout", min=0.1, metavar="SECONDS", help="Fail as a hang when no rank makes progress this "
         f"long. Default: the original run's, else {DEFAULT_HANG_TIMEOUT:g}.", show_default=False)] = None,
-    startup_timeout: Annotated[float, typer.Option(
-        "--startup-timeout", min=0.1, metavar="SECONDS",
-        help="Allowance before any rank has initialized its process group.")] = 300.0,
+    startup_timeout: StartupTimeout = DEFAULT_STARTUP_TIMEOUT,
     recorder: Annotated[str, typer.Option(
         "--recorder", metavar="auto|native|python", help="As for moedoctor run. Default: the original "
         "run's recorder (so step times compare), else auto.", show_default=False)] = "",
@@ -81,7 +76,7 @@ def verify(
     prepare_run_dir(run_dir, command, force)
     console = Console(stderr=True)
     wanted = recorder or (original.manifest.get("recorder") if original else None) or "auto"
-    choice = choose_recorder(wanted, lambda message: console.print(f"moedoctor: {message}"))
+    choice = pick_recorder(wanted, console)
     timeout = hang_timeout or (original.hang_timeout if original else None) or DEFAULT_HANG_TIMEOUT
     console.print(f"moedoctor: verifying {', '.join(fixes)}: rerunning {' '.join(command)} "
                   f"(hang timeout {timeout:g}s) in {run_dir}", highlight=False, soft_wrap=True)
@@ -89,16 +84,12 @@ def verify(
                            startup_timeout=startup_timeout, recorder=choice.kind)
     # The rerun's own diagnosis, if it hangs again, is in its run directory; the table says what failed.
     observer = ConsoleObserver(console, live=sys.stdout.isatty() and sys.stderr.isatty(), report=False)
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        verification = verify_job(VerifyConfig(tuple(fixes), run_config, original, fix_config), observer)
+        with supervised(observer):
+            verification = verify_job(VerifyConfig(tuple(fixes), run_config, original, fix_config), observer)
     except KeyboardInterrupt:
         console.print("moedoctor: interrupted; the rerun was stopped")
         raise typer.Exit(130) from None
-    finally:
-        observer.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     written = write_verification(verification, run_dir / "verification.json")
     if json_out:
         import json
@@ -108,7 +99,7 @@ def verify(
         # A before/after table needs room: 140 columns when writing to a file or a pipe (rich's 80 wraps it).
         render_verification(verification, Console(width=None if sys.stdout.isatty() else 140))
         console.print(f"Written: {written}", highlight=False, soft_wrap=True)
-    raise typer.Exit(0 if verification.passed else EXIT_NOT_VERIFIED)
+    raise typer.Exit(EXIT_OK if verification.passed else EXIT_FINDING)  # 1: not verified
 
 
 def _default_rerun_dir(original: Path, fixes: list[str]) -> Path:
@@ -119,6 +110,3 @@ def _default_rerun_dir(original: Path, fixes: list[str]) -> Path:
         candidate = base.with_name(f"{base.name}-{n}")
     return candidate
 
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt

@@ -42,6 +42,11 @@ ENV_LAUNCH_ID = "MOEDOCTOR_LAUNCH_ID"
 EXIT_NOT_FOUND = 127
 
 
+#: Seconds allowed before any rank has opened its trace (imports, rendezvous): the default of
+#: ``--startup-timeout``.
+DEFAULT_STARTUP_TIMEOUT = 300.0
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything ``run_job`` needs; built by the CLI from its options."""
@@ -50,7 +55,7 @@ class RunConfig:
     run_dir: Path
     env: Mapping[str, str]                 # the environment to start the job in
     hang_timeout: float = 180.0            # no progress on any rank this long = hang
-    startup_timeout: float = 300.0         # allowance before any rank has opened its trace
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT  # allowance before any rank has opened its trace
     keep_alive: bool = False
     online: bool = True                    # online desync detection (a desync is diagnosed as a hang)
     stacks: bool = True
