@@ -7,12 +7,15 @@ ranks' backward collectives no longer line up (Gloo aborts on the size mismatch,
 
 Evidence: the divergence is in backward, on collectives issued from FSDP units' hooks
 (``reduce_scatter`` / ``all_gather`` with ``mod`` set); the same unit reduce-scatters fewer
-elements on some ranks, or different units are reduced at the same sequence number;
-``params_without_grad`` names expert parameters on those ranks; the model has expert units.
+elements on some ranks (culprits: those ranks), or different units are reduced at the same
+sequence number (culprits: the ranks that did not run, in the step's forward, the unit the others
+reduce); ``params_without_grad`` names, on those ranks only, parameters of members of a module list
+(``...experts.2.w1``: an indexed member, by the path's structure, not its words); the model shards
+the members of a module list as separate FSDP units.
 
 Risk: a genuinely non-deterministic bucket order also gives backward shape mismatches
-(``shape-mismatch``); the same-unit smaller size and expert parameters without gradients are what
-point at routing.
+(``shape-mismatch``); the same-unit smaller size and list members without gradients are what point
+at routing. Any module list used sparsely (not only experts: a layer-drop list) reads alike.
 
 Fix ``expert-dense``: run every expert every step (unrouted tokens weighted by zero) so the autograd
 graph, and with it every FSDP collective, is the same on every rank.
@@ -32,8 +35,26 @@ from moedoctor.analysis.patterns import Context, Finding, Pattern, names
 _FSDP_BACKWARD_OPS = {"reduce_scatter", "all_gather", "all_reduce", "reduce_scatter_coalesced", "all_gather_coalesced"}
 
 
-def _expertish(name: str) -> bool:
-    return "expert" in name.lower()
+def _list_member(name: str) -> tuple[str, int] | None:
+    """``("layers.0.mlp.experts", 2)`` for ``layers.0.mlp.experts.2.w1.weight``: the innermost indexed
+    member of a module list in a parameter or unit path (None when the path has no index). Experts
+    are such members: identical modules in a list, each run only for the tokens routed to it."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i].isdigit():
+            return ".".join(parts[:i]), int(parts[i])
+    return None
+
+
+def _sparse_members(names: set[str], others: list[set[str]]) -> set[tuple[str, int]]:
+    """Module-list members with a parameter without gradient here that every other rank had one for."""
+    seen_elsewhere = set().union(*others) if others else set()
+    found = set()
+    for n in names - seen_elsewhere:
+        member = _list_member(n)
+        if member is not None:
+            found.add(member)
+    return found
 
 
 def classify(ctx: Context) -> Finding | None:
@@ -86,17 +107,26 @@ def classify(ctx: Context) -> Finding | None:
                 names_.update(p for p in params if isinstance(p, str))
         without[r] = names_
     if any(without.values()) and len({frozenset(v) for v in without.values()}) > 1:
-        odd = sorted(r for r, v in without.items() if v and any(_expertish(p) for p in v))
+        odd = sorted(r for r, v in without.items()
+                     if v and _sparse_members(v, [w for o, w in without.items() if o != r]))
         score += 0.25 if odd else 0.15
         r = (odd or sorted(r for r, v in without.items() if v))[0]
         sample = ", ".join(sorted(without[r])[:3])
         evidence.append(f"rank {r} had parameters without gradients at an optimizer step ({sample}"
-                        f"{', ...' if len(without[r]) > 3 else ''}) that other ranks had gradients for")
+                        f"{', ...' if len(without[r]) > 3 else ''}) that other ranks had gradients for"
+                        + (": members of a module list that got no tokens" if odd else ""))
     units = {e.module for r in div.per_rank for e in view.events(r, div.group.name) if e.module}
-    if any(_expertish(u) for u in units):
+    lists: dict[str, set[int]] = {}
+    for u in units:
+        member = _list_member(u)
+        if member is not None:
+            lists.setdefault(member[0], set()).add(member[1])
+    per_member = sorted(prefix for prefix, idx in lists.items() if len(idx) > 1)
+    if per_member:
         score += 0.05
-        experts = sorted(u for u in units if _expertish(u))[:3]
-        evidence.append(f"the model has expert FSDP units ({', '.join(experts)})")
+        evidence.append(f"the model shards the members of a module list as separate FSDP units "
+                        f"({', '.join(f'{p}.0..{max(lists[p])}' for p in per_member[:3])}): each member is "
+                        "gathered and reduced only where it runs")
     event = ctx.event(next(iter(backward)))
     suggestion = Suggestion(
         None if event is None or event.call_site is None else f"{event.call_site.file}:{event.call_site.line}",
