@@ -30,7 +30,8 @@ def analyze(
     path: Annotated[Path, typer.Argument(
         help="A run directory (moedoctor run), a folder of moedoctor traces (rank-*.jsonl), or a folder of "
              "PyTorch Flight Recorder dumps.", show_default=False)],
-    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON (docs/report-format.md).")] = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", metavar="", help="Print the report as JSON (docs/report-format.md).")] = False,
     perfetto: Annotated[Optional[Path], typer.Option(
         "--perfetto", metavar="FILE", help="Write a Perfetto / Chrome trace: one track per rank, the divergence "
         "marked (open at ui.perfetto.dev).", show_default=False)] = None,

@@ -19,7 +19,8 @@ StartupTimeout = Annotated[float, typer.Option(
     "--startup-timeout", min=0.1, metavar="SECONDS",
     help="Before any rank has initialized its process group (imports, rendezvous), allow this long "
     "(or --hang-timeout, if longer) before declaring a hang.")]
-Force = Annotated[bool, typer.Option("--force", help="Reuse a non-empty --run-dir, replacing the run recorded there.")]
+Force = Annotated[bool, typer.Option(
+    "--force", metavar="", help="Reuse a non-empty --run-dir, replacing the run recorded there.")]
 FixConfigFile = Annotated[Optional[Path], typer.Option(
     "--config", metavar="FILE", help="YAML telling the fixes where your code is (its classes and functions); "
     "see docs/fixes.md.", show_default=False)]

@@ -17,7 +17,8 @@ app = typer.Typer()
 
 @app.command()
 def fixes(
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also the mechanism, cost, risk and check.")] = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", metavar="", help="Also the mechanism, cost, risk and check.")] = False,
 ) -> None:
     """List the fix modules `moedoctor verify --fix NAME` can inject, the deadlock patterns each
     fixes, and the classes and functions it patches (more can be named with --config)."""

@@ -38,7 +38,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
+    version: bool = typer.Option(False, "--version", "-V", metavar="", callback=_version, is_eager=True,
                                  help="Print moedoctor's version and exit."),
 ) -> None:
     """moedoctor: find, explain and fix collective deadlocks in distributed PyTorch jobs."""

@@ -52,18 +52,18 @@ def run(
         "is alive.")] = 180.0,
     startup_timeout: StartupTimeout = DEFAULT_STARTUP_TIMEOUT,
     keep_alive: Annotated[bool, typer.Option(
-        "--keep-alive", help="On a hang, collect the diagnosis but leave the job running.")] = False,
+        "--keep-alive", metavar="", help="On a hang, collect the diagnosis but leave the job running.")] = False,
     online: Annotated[bool, typer.Option(
-        "--online/--no-online",
+        "--online/--no-online", metavar="",
         help="While the job runs, compare the ranks' collectives per group and sequence number: the first "
         "mismatch (op, shapes, dtypes), once every rank involved has issued its side, is diagnosed at once "
         "like a hang (stacks, GPU state, report; the job stopped unless --keep-alive; exit 124), without "
         "waiting for --hang-timeout. A rank a step behind its waiting group is reported, not acted on.")] = True,
     no_stacks: Annotated[bool, typer.Option(
-        "--no-stacks", help="On a hang, do not dump the ranks' stacks with py-spy (their process states "
+        "--no-stacks", metavar="", help="On a hang, do not dump the ranks' stacks with py-spy (their process states "
         "are still read from /proc).")] = False,
     native: Annotated[bool, typer.Option(
-        "--native", help="Include native (C/C++) frames in the stacks (py-spy dump --native).")] = False,
+        "--native", metavar="", help="Include native (C/C++) frames in the stacks (py-spy dump --native).")] = False,
     recorder: Annotated[str, typer.Option("--recorder", metavar="auto|native|python", help=RECORDER_HELP)] = "auto",
     max_events: Annotated[Optional[int], typer.Option(
         "--max-events", min=1, metavar="N",

@@ -33,11 +33,14 @@ def triage(
     out: Annotated[Optional[Path], typer.Option("--out", metavar="DIR", help="Where to write what was collected "
                    "(stacks/, gpu/, flight_recorder/, traces/). Default: moedoctor-triage/<timestamp>.",
                    show_default=False)] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON (docs/report-format.md) "
-                        "with a \"triage\" section.")] = False,
-    native: Annotated[bool, typer.Option("--native", help="Include native (C/C++) frames in the stacks.")] = False,
-    no_flight_recorder: Annotated[bool, typer.Option("--no-flight-recorder", help="Do not ask the job for a "
-                                  "Flight Recorder dump through its debug pipe.")] = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", metavar="", help="Print the report as JSON (docs/report-format.md) with a \"triage\" "
+        "section.")] = False,
+    native: Annotated[bool, typer.Option(
+        "--native", metavar="", help="Include native (C/C++) frames in the stacks.")] = False,
+    no_flight_recorder: Annotated[bool, typer.Option(
+        "--no-flight-recorder", metavar="", help="Do not ask the job for a Flight Recorder dump through its "
+        "debug pipe.")] = False,
 ) -> None:
     """Find the job's ranks on this node, read their stacks (py-spy, in parallel), the GPUs (NVML), a Flight
     Recorder dump where the job allows one and its moedoctor traces if it runs under moedoctor, and say which

@@ -55,7 +55,8 @@ def verify(
     recorder: Annotated[str, typer.Option(
         "--recorder", metavar="auto|native|python", help="As for moedoctor run. Default: the original "
         "run's recorder (so step times compare), else auto.", show_default=False)] = "",
-    json_out: Annotated[bool, typer.Option("--json", help="Print the verification as JSON on stdout.")] = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", metavar="", help="Print the verification as JSON on stdout.")] = False,
 ) -> None:
     """Rerun the job with the named fixes injected into every rank (no change to your code) and
     prove them: the job completes, every rank issues the same collective sequence, the fix's

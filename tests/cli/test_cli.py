@@ -84,3 +84,12 @@ def test_python_dash_m_moedoctor_help():
     done = subprocess.run([sys.executable, "-m", "moedoctor", "run", "--help"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0 and "--hang-timeout" in done.stdout
+
+
+@pytest.mark.parametrize("command", ["run", "verify", "analyze", "triage", "fixes"])
+def test_flags_show_no_type_placeholder(command):
+    result = runner.invoke(app, [command, "--help"], terminal_width=200)
+    assert result.exit_code == 0
+    flag_lines = [line for line in result.output.splitlines()
+                  if any(f in line for f in ("--force", "--keep-alive", "--json", "--native", "--verbose"))]
+    assert flag_lines and not any("<bool>" in line for line in flag_lines), flag_lines
