@@ -54,8 +54,8 @@ def _install() -> None:
         return original_destroy(group)
 
     for module in (dist, c10d):
-        module.init_process_group = init_process_group
-        module.destroy_process_group = destroy_process_group
+        module.init_process_group = init_process_group  # type: ignore[attr-defined]
+        module.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
     # Modules that imported the functions by name before this ran hold the originals:
     # torch.distributed.device_mesh (init_device_mesh calls init_process_group through its own
     # reference), and any module imported while torch itself was.

@@ -175,7 +175,7 @@ def own_period(ops: list[str], min_span: int = 6) -> int | None:
 def broke_own_period(view: RunView, rank: int, group: str, seq: int) -> tuple[bool | None, int | None, list[str]]:
     prev = view.events(rank, group, before=seq)[-256:]
     # Only a contiguous run of sequence numbers is a history (a windowed trace may have gaps).
-    run = []
+    run: list[CollectiveEvent] = []
     for e in reversed(prev):
         if run and run[-1].seq != e.seq + 1:
             break

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import linecache
+from collections.abc import Sequence
 import signal
 
 from moedoctor.analysis.completion import completion_stats
@@ -227,7 +228,7 @@ def _collective_count(run: RunData) -> int:
 
 def _summary(view: RunView, verdict: Verdict, pattern: Pattern | None, div: Divergence | None, culprits: list[int],
              cycle: list[WaitEdge] | None, died: list[int], finding: Finding | None,
-             candidates: list[Candidate] = ()) -> str:
+             candidates: Sequence[Candidate] = ()) -> str:
     if verdict == Verdict.HEALTHY:
         return (f"Healthy: {_collective_count(view.run)} collectives on {len(view.groups)} group(s) agree across "
                 f"{len(view.ranks)} rank(s) and nothing is stuck.")
@@ -240,8 +241,8 @@ def _summary(view: RunView, verdict: Verdict, pattern: Pattern | None, div: Dive
     if pattern is not None and pattern.id == "rank-stopped":
         return prefix + title + _stopped_summary(view, div, culprits)
     if cycle:
-        parts = "; ".join(f"rank {e.rank} waits on group {e.group} for {names(e.waits_for)}" for e in cycle)
-        return f"{prefix}{title}{parts}: a wait-for cycle across groups that no single group shows."
+        waits = "; ".join(f"rank {e.rank} waits on group {e.group} for {names(e.waits_for)}" for e in cycle)
+        return f"{prefix}{title}{waits}: a wait-for cycle across groups that no single group shows."
     if div is None:
         if pattern is not None and finding is not None and finding.evidence:
             return f"{prefix}{title}{finding.evidence[0]}."
@@ -276,7 +277,7 @@ def _summary(view: RunView, verdict: Verdict, pattern: Pattern | None, div: Dive
         v = div.per_rank[waiting[0]]
         return (f"{prefix}{title}rank {r}{stuck}, outside any collective, while {names(waiting)} "
                 f"{'waits' if len(waiting) == 1 else 'wait'} in {v.op} {where}.")
-    parts = []
+    parts: list[str] = []
     same_op = len({v.op for v in div.per_rank.values() if v is not None}) == 1
     for cls in div.classes[:3]:
         v = div.per_rank.get(cls[0])

@@ -558,7 +558,7 @@ def _read_stacks(folder: Path, incomplete: list[str]) -> dict[int, StackDump]:
 
 
 def read_gpu_snapshots(folder: Path, incomplete: list[str]) -> list[GpuSnapshot]:
-    snapshots = []
+    snapshots: list[GpuSnapshot] = []
     if not folder.is_dir():
         return snapshots
     for p in sorted(folder.glob("*.json")):
@@ -575,7 +575,7 @@ def _gpu(raw: dict, host: str) -> GpuSnapshot:
         raise ValueError("not a JSON object")
     if not raw.get("available"):
         return GpuSnapshot(str(raw.get("host", host)), False, str(raw.get("reason") or "unavailable"))
-    devices = []
+    devices: list = []
     for d in raw.get("gpus") or ():
         util = d.get("utilization") or {}
         mem = d.get("memory") or {}

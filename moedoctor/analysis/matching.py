@@ -85,7 +85,7 @@ def _direction(view: RunView, group: str, peers: dict, src: int, dst: int) -> Di
     mine, theirs = peers.get(src, {}).get(dst, {}), peers.get(dst, {}).get(src, {})
     sends = [mine[n] for n in sorted(mine) if mine[n].op == "send"]
     recvs = [theirs[n] for n in sorted(theirs) if theirs[n].op == "recv"]
-    pair = tuple(sorted((src, dst)))
+    pair = (min(src, dst), max(src, dst))
     for send, recv in zip(sends, recvs):
         if _payload(send) != _payload(recv):
             return _divergence(view, group, send.p2p_seq, {src: send, dst: recv}, (), [(src,), (dst,)],
@@ -116,7 +116,7 @@ def op_classes(present: dict[int, CollectiveEvent]) -> list[tuple[int, ...]]:
     classes: list[list[int]] = []
     for ranks in by_sig.values():
         known: dict[str, list[int]] = defaultdict(list)
-        unknown = []
+        unknown: list[int] = []
         for r in ranks:
             (known[present[r].reduce_op] if present[r].reduce_op else unknown).append(r)
         if len(known) <= 1:

@@ -132,7 +132,9 @@ def _scan(buf, scan: RankScan) -> None:
         name = gids[gid][0]
         mine = compress(rows, map(eq, map(getgid, rows), repeat(raw_gid)))
         signatures = map(_SIGNATURE, mine)
-        hashes, count, recent = [], 0, deque(maxlen=TAIL_RECORDS // CHUNK + 1)
+        hashes: list = []
+        count = 0
+        recent: deque = deque(maxlen=TAIL_RECORDS // CHUNK + 1)
         while True:
             part = list(islice(signatures, CHUNK))
             if not part:

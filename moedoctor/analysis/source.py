@@ -101,7 +101,7 @@ def _header(node: ast.AST) -> tuple[str, str] | None:
     return None
 
 
-def _body_of(node: ast.AST, line: int) -> bool:
+def _body_of(node: ast.stmt, line: int) -> bool:
     """Is ``line`` inside the part of ``node`` that is conditional on it (an ``if``'s branches,
     not its test; a loop's body)?"""
     if isinstance(node, ast.If):
@@ -116,11 +116,11 @@ def enclosing(path: str, line: int) -> tuple[Enclosing, ...]:
     if tree is None:
         return ()
     chain: list[Enclosing] = []
-    body: list[ast.AST] = list(tree.body)
+    body: list[ast.stmt] = list(tree.body)
     while body:
-        inner = None
+        inner: ast.stmt | None = None
         for node in body:
-            if isinstance(node, ast.stmt) and node.lineno <= line <= (node.end_lineno or node.lineno):
+            if node.lineno <= line <= (node.end_lineno or node.lineno):
                 inner = node
                 break
         if inner is None:
@@ -211,7 +211,7 @@ def rank_guard(stack: tuple[str, ...]) -> Enclosing | None:
     return None
 
 
-def _function_at(path: str, line: int) -> list[ast.AST]:
+def _function_at(path: str, line: int) -> list[ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef]:
     """The ``def`` / ``class`` statements enclosing ``line``, outermost first."""
     tree = _tree(path)
     if tree is None:

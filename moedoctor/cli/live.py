@@ -28,7 +28,7 @@ def status_table(status: RunStatus) -> Table:
     for name, justify in (("rank", "right"), ("pid", "right"), ("group", "left"), ("seq", "right"),
                           ("op", "left"), ("state", "left"), ("phase", "left"), ("step", "right"),
                           ("idle s", "right")):
-        table.add_column(name, justify=justify)
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for r in status.ranks:
         if r.unrecorded:
             table.add_row(str(r.rank), str(r.pid or ""), "", "", "", "not recorded", "", "", "")

@@ -90,7 +90,7 @@ def run(
     joined = prepare_run_dir(run_dir, command, force)
     console = Console(stderr=True)
     choice = pick_recorder(recorder, console)
-    config = RunConfig(
+    run_config = RunConfig(
         command=command, run_dir=run_dir.resolve(), env=dict(os.environ), hang_timeout=hang_timeout,
         startup_timeout=startup_timeout, keep_alive=keep_alive, online=online, stacks=not no_stacks, native=native,
         max_events=max_events, recorder=choice.kind, joined=joined, fixes=fixes,
@@ -98,7 +98,7 @@ def run(
     )
     observer = ConsoleObserver(console, live=sys.stdout.isatty() and sys.stderr.isatty())
     with supervised(observer):
-        result = run_job(config, observer)
+        result = run_job(run_config, observer)
     if result.hang is not None and result.hang.stopped:
         console.print(f"moedoctor: the job was stopped (exit {result.exit_code}); the diagnosis is above.",
                       highlight=False)

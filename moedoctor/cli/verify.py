@@ -39,7 +39,7 @@ def verify(
         help="The job to rerun, when it is not taken from --run.", show_default=False)] = None,
     fix: Annotated[list[str], typer.Option(
         "--fix", metavar="NAME", help="A fix module to inject (repeat for several). `moedoctor fixes` lists "
-        "them.", show_default=False)] = ...,
+        "them.", show_default=False)] = ...,  # type: ignore[assignment]
     run: Annotated[Optional[Path], typer.Option(
         "--run", metavar="RUN_DIR", help="The run to fix (from `moedoctor run`): its command is rerun, and its "
         "hang, report, losses and step times are the 'before' column.", show_default=False)] = None,

@@ -199,7 +199,7 @@ def _in_manifest_order(runtime, state_dict: Mapping[str, Any], memory: _MeshMemo
     else:
         group = dist.group.WORLD
         device_type = "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
-        mesh = memory.mesh = DeviceMesh.from_group(group, device_type)
+        mesh = memory.mesh = DeviceMesh.from_group(group, device_type)  # type: ignore[assignment]
         runtime.note("this rank's state dict holds no DTensor: agreeing on the manifest over the default "
                      "process group (right when the other ranks' DTensors are sharded over all ranks)")
     if mesh.ndim != 1:

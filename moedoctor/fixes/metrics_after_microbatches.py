@@ -168,7 +168,7 @@ class _DeferredReduction:
         items = list(result)
         items[index] = reduced
         if isinstance(result, tuple):
-            return type(result)._make(items) if hasattr(result, "_fields") else type(result)(items)
+            return type(result)._make(items) if hasattr(result, "_fields") else type(result)(items)  # type: ignore[attr-defined]
         return type(result)(items)
 
     def _call_reduce(self, mapping: Mapping, last_call) -> Any:

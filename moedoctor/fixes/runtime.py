@@ -156,7 +156,7 @@ class FixRuntime:
                 self.write()
             return function(*args, **kwargs)
 
-        counted.__moedoctor_fix__ = self.fix.name
+        counted.__moedoctor_fix__ = self.fix.name  # type: ignore[attr-defined]
         return counted
 
     # -- the record -------------------------------------------------------------------------------

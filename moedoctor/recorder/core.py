@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from threading import get_ident
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ from moedoctor.recorder.ops import OpSpec, all_specs
 from moedoctor.trace import format as fmt
 
 DEFAULT_MAX_EVENTS = 2_000_000
-_REDUCE_NAMES = {int(v): k.lower() for k, v in ReduceOp.RedOpType.__members__.items()}
+_REDUCE_NAMES = {int(v): k.lower() for k, v in ReduceOp.RedOpType.__members__.items()}  # type: ignore[call-overload]
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
@@ -116,7 +117,7 @@ class Recorder:
         self.run_dir = Path(run_dir)
         self.max_events = max_events
         self.poll_interval = poll_interval
-        self._native = None  # [native seam] NativeKernels while MOEDOCTOR_NATIVE=1 and it loaded
+        self._native: Any = None  # [native seam] NativeKernels while MOEDOCTOR_NATIVE=1 and it loaded
         self.step = 0
         self.optimizer_depth = 0
         self.checkpoint: Phase | None = None
@@ -142,7 +143,7 @@ class Recorder:
         self._inside = threading.local()
         self._thread: threading.Thread | None = None
         self._poll_lock = threading.Lock()  # the progress thread and close() both poll
-        self._fr_poller = None  # recorder/fr_poller.py's, once made; False where it is off or failed
+        self._fr_poller: Any = None  # recorder/fr_poller.py's, once made; False where it is off or failed
         self._trace_path: Path | None = None
         self._status_fd: int | None = None  # traces/rank-N.status, reserved at open (trace/format.py)
         self._stop_lock = threading.Lock()
@@ -278,7 +279,7 @@ class Recorder:
     # -- the hot path ----------------------------------------------------------------------------
 
     def _kernel(self, spec: OpSpec) -> Callable:
-        handle = spec.packet._handle
+        handle = spec.packet._handle  # type: ignore[attr-defined]
         after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
         track = spec.namespace == "c10d"
         inside = self._inside
@@ -322,7 +323,7 @@ class Recorder:
         index = spec.group
         group_arg = args[index] if index < count else kwargs[spec.arg_names[index]]
         if spec.namespace == "c10d":
-            group_name = ProcessGroup.unbox(group_arg).group_name
+            group_name: str = ProcessGroup.unbox(group_arg).group_name
         else:
             group_name = group_arg if isinstance(group_arg, str) else group_arg.group_name
         inputs = _tensors(self._arg(spec, spec.inputs, args, kwargs))
@@ -376,7 +377,7 @@ class Recorder:
                 key = (group_name, peer)
                 pseq = self._p2p_seq[key] = self._p2p_seq.get(key, 0) + 1
                 self._count_p2p(group_name)
-                seq = f'{self._seq.get(group_name, 0)},"pseq":{pseq}'  # collectives before it; not advanced
+                seq: object = f'{self._seq.get(group_name, 0)},"pseq":{pseq}'  # collectives before it; not advanced
             else:
                 seq = self._seq[group_name] = self._seq.get(group_name, 0) + 1
             if self._written >= self.max_events:
@@ -551,13 +552,14 @@ class Recorder:
         counts collectives only; Gloo's counts p2p ops too)."""
         from torch.distributed.distributed_c10d import _world
 
-        counts, dropped = {}, self._dropped
+        counts: dict[str, tuple[int, int]] = {}
+        dropped = self._dropped
         if self._native is not None and self._native.registered:  # [native seam] counters live in C++
             counts, dropped = self._native.counts()
         groups = []
         for pg, name in list(_world.pg_names.items()):
             try:
-                backend = int(pg._get_sequence_number_for_group())
+                backend = int(pg._get_sequence_number_for_group())  # type: ignore[attr-defined]
             except Exception:
                 backend = None
             collectives, p2p = counts.get(name) or (self._seq.get(name, 0), self._p2p_seq.get(("#p2p", name), 0))

@@ -76,8 +76,8 @@ def _install_zero_grad_hook(recorder: Recorder) -> None:
             return __original(self, *args, **kwargs)
 
         functools.update_wrapper(zero_grad, original)
-        zero_grad.__moedoctor__ = True
-        owner.zero_grad = zero_grad
+        zero_grad.__moedoctor__ = True  # type: ignore[attr-defined]
+        owner.zero_grad = zero_grad  # type: ignore[method-assign]
 
 
 def _params_without_grad(optimizer) -> frozenset[str]:
@@ -247,5 +247,5 @@ def _checkpoint_wrapper(recorder: Recorder, original, name: str, phase: Phase):
             recorder.checkpoint = outer
             recorder.write_evidence(f"{phase.value}_end", {"function": name})
 
-    wrapper.__moedoctor__ = True
+    wrapper.__moedoctor__ = True  # type: ignore[attr-defined]
     return wrapper

@@ -140,7 +140,7 @@ class FlightRecorderPoller:
             counts = {}
             for group in nccl:
                 try:
-                    counts[group] = int(self._groups[group]._get_sequence_number_for_group())
+                    counts[group] = int(self._groups[group]._get_sequence_number_for_group())  # type: ignore[attr-defined]
                 except Exception:
                     continue
             full = self._needs_full_dump(nccl, settled)

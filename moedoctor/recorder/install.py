@@ -60,6 +60,6 @@ def install(run_dir: Path, max_events: int | None = None):
     process_group_hooks.after_init(recorder.open)
     if dist.is_initialized():
         recorder.open()
-    atexit.register(lambda: dist.is_initialized() and recorder.close("exit"))
+    atexit.register(lambda: recorder.close("exit") if dist.is_initialized() else None)
     _recorder = recorder
     return recorder

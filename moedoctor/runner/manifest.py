@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -105,9 +105,9 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.lockf(lock, fcntl.LOCK_UN)
 
 
-def write_node(path: Path, node: NodeRecord, *, command: list[str], versions: dict[str, str],
-               world_size: int | None = None, hosts: list[str] = (),
-               coverage: CoverageCheck | None = None, trace_problems: list[str] = ()) -> dict:
+def write_node(path: Path, node: NodeRecord, *, command: list[str], versions: Mapping[str, object],
+               world_size: int | None = None, hosts: Sequence[str] = (),
+               coverage: CoverageCheck | None = None, trace_problems: Sequence[str] = ()) -> dict:
     """Merge this node's entry into the manifest at ``path``; return the whole manifest."""
     with _locked(path):
         try:

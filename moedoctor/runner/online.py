@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from moedoctor.events import CONTRACT_OPS, P2P_OPS, CollectiveEvent
 
@@ -211,7 +212,7 @@ class DesyncDetector:
 
     # -- lags ------------------------------------------------------------------------------------
 
-    def check_lags(self, ranks: Mapping[int, object], now: float) -> list[Lag]:
+    def check_lags(self, ranks: Mapping[int, Any], now: float) -> list[Lag]:
         """New lags, given the tracker's per-rank state (``RankProgress``: ``last``,
         ``last_completed``, ``last_progress`` on the monotonic clock ``now``). Each (group, seq,
         rank) is reported once."""

@@ -146,7 +146,7 @@ def rank_processes(processes: list[JobProcess]) -> dict[int, JobProcess]:
     """The worker process of each rank: the topmost process carrying that ``RANK`` (its forked
     children, such as data loader workers, inherit the variable)."""
     by_pid = {p.pid: p for p in processes}
-    ranks = {}
+    ranks: dict = {}
     for p in processes:
         if p.rank is None:
             continue

@@ -46,11 +46,11 @@ def read_numbers(run_dir: Path) -> RunNumbers:
     for trace in traces:
         losses = numbers.losses.setdefault(trace.rank, {})
         ends = numbers.step_ends.setdefault(trace.rank, {})
-        for e in trace.evidence:
-            if e.kind == "loss":
-                losses[int(e.data["index"])] = float(e.data["value"])  # "inf" / "nan" are written as strings
-            elif e.kind == "optimizer_step_end" and e.step > 0:
-                ends[e.step] = max(ends.get(e.step, e.time), e.time)
+        for ev in trace.evidence:
+            if ev.kind == "loss":
+                losses[int(ev.data["index"])] = float(ev.data["value"])  # "inf" / "nan" are written as strings
+            elif ev.kind == "optimizer_step_end" and ev.step > 0:
+                ends[ev.step] = max(ends.get(ev.step, ev.time), ev.time)
     return numbers
 
 

@@ -100,7 +100,7 @@ def classify(ctx: Context) -> Finding | None:
                             + " that the other ranks reduce now")
     without = {}
     for r in div.per_rank:
-        names_ = set()
+        names_: set[str] = set()
         for e in view.evidence(r, "params_without_grad"):
             params = e.data.get("params") or e.data.get("names") or []
             if isinstance(params, list):

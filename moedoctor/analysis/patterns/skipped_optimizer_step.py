@@ -92,12 +92,13 @@ def classify(ctx: Context) -> Finding | None:
                  for r in ranks}
     bad = sorted(r for r in skipping if nonfinite[r])
     if bad and not any(nonfinite[r] for r in stepping):
-        e = nonfinite[bad[0]][0]
-        value = e.data.get("norm", e.data.get("value"))
+        record = nonfinite[bad[0]][0]
+        value = record.data.get("norm", record.data.get("value"))
         score += 0.35
-        site = e.data.get("site")
-        evidence.append(f"{names(bad)} computed a non-finite {'loss' if e.kind == 'loss' else 'local gradient norm'} "
-                        f"({value}) at step {e.step}{f' ({site})' if site else ''}; {names(stepping)} had finite ones")
+        site = record.data.get("site")
+        what = "loss" if record.kind == "loss" else "local gradient norm"
+        evidence.append(f"{names(bad)} computed a non-finite {what} ({value}) at step {record.step}"
+                        f"{f' ({site})' if site else ''}; {names(stepping)} had finite ones")
     if score < 0.3:
         return None  # ranks that parted around a step, with nothing that says a step was skipped
     suggestion = None

@@ -81,7 +81,7 @@ def classify(ctx: Context) -> Finding | None:
     runs = {r: _save_run(ctx, r) for r in div.per_rank}
     counts = {r: Counter(f"{e.call_site.file}:{e.call_site.line}" for e in run if e.call_site)
               for r, run in runs.items()}
-    total = Counter()
+    total: Counter[str] = Counter()
     for c in counts.values():
         total.update(c)
     loop_site = None

@@ -223,7 +223,7 @@ class NativeKernels:
         self.registered = False
         from torch._C._distributed_c10d import ReduceOp
 
-        reductions = {int(v): k.lower() for k, v in ReduceOp.RedOpType.__members__.items()}
+        reductions = {int(v): k.lower() for k, v in ReduceOp.RedOpType.__members__.items()}  # type: ignore[call-overload]
         reduce_names = [reductions.get(i, str(i)) for i in range(max(reductions) + 1)]
         constants = {
             "INTERNAL": callsite.INTERNAL, "MODULE_CALL": callsite.MODULE_CALL,
