@@ -271,7 +271,7 @@ def _summary(view: RunView, verdict: Verdict, pattern: Pattern | None, div: Dive
     if pattern is not None and pattern.id == "straggler":
         r = culprits[0] if culprits else div.missing[0]
         frame = view.stack_frame(r)
-        stuck = (f" is stuck in {frame.function} ({frame.file.rsplit('/', 1)[-1]}:{frame.line})" if frame
+        stuck = (f" is stuck in {frame}" if frame
                  else " never arrives (no stack shows where it is)")
         waiting = [x for x, v in div.per_rank.items() if v is not None]
         v = div.per_rank[waiting[0]]
@@ -329,7 +329,7 @@ def _rank_summaries(view: RunView) -> list[RankSummary]:
         last = view.last_event.get(r)
         frame = view.stack_frame(r)
         dump = view.stack(r)
-        stack = (f"{frame.function} ({frame.file.rsplit('/', 1)[-1]}:{frame.line})" if frame
+        stack = (f"{frame}" if frame
                  else (f"unavailable: {dump.error.split('. ')[0]}" if dump is not None and dump.error else None))
         m = view.run.manifest
         exit_ = m.exits.get(r) if m is not None else None

@@ -93,7 +93,7 @@ def stopped_line(view, rank: int, state: ProcessState) -> str:
     frame = view.stack_frame(rank)
     if frame is not None:
         inside = view.in_distributed(rank)
-        where += (f"; its main thread is in {frame.function} ({frame.file.rsplit('/', 1)[-1]}:{frame.line})"
+        where += (f"; its main thread is in {frame}"
                   + (", inside torch.distributed" if inside else ""))
     return f"rank {rank}'s process is {state.describe()} — {where}"
 

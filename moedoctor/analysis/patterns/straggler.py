@@ -78,7 +78,7 @@ def classify(ctx: Context) -> Finding | None:
 
 def _where(view, rank: int) -> str:
     frame = view.stack_frame(rank)
-    return (f"rank {rank}'s main thread is in {frame.function} ({frame.file.rsplit('/', 1)[-1]}:{frame.line}), "
+    return (f"rank {rank}'s main thread is in {frame}, "
             "outside torch.distributed")
 
 
