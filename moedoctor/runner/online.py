@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from moedoctor.analysis.contracts import breaches, breakers
 from moedoctor.events import CONTRACT_OPS, P2P_OPS, CollectiveEvent
 
 #: Members waiting this long without progress, at a seq a member has not reached, make a lag.
@@ -178,8 +179,6 @@ class DesyncDetector:
 
     def _check_contract(self, e: CollectiveEvent, entry: _Entry) -> None:
         """Every member issued this variable-size collective: do their sizes pair up?"""
-        from moedoctor.analysis.contracts import breaches, breakers
-
         found = breaches(entry.events, e.group.ranks)
         if not found:
             return

@@ -24,7 +24,7 @@ from moedoctor.errors import MoedoctorError
 from moedoctor.fixes import get_fix
 from moedoctor.fixes.config import write_fix_config
 from moedoctor.fixes.status import FixStatus, read_fix_status
-from moedoctor.render.json_report import write_json
+from moedoctor.analysis.report_json import write_json
 from moedoctor.runner import Outcome, RunConfig, RunObserver, RunResult, run_job
 from moedoctor.runner.manifest import HangRecord, hang_of, load_manifest
 from moedoctor.runner.rundir import RunDir

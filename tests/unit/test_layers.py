@@ -33,6 +33,8 @@ FORBIDDEN = {
                               "moedoctor.fixes", "moedoctor.cli", "moedoctor.render", "moedoctor.verification",
                               "moedoctor.triage"),
     "moedoctor.render": ("moedoctor.cli", "moedoctor.runner", "moedoctor.recorder"),
+    "moedoctor.verification": ("moedoctor.cli", "moedoctor.render"),
+    "moedoctor.triage": ("moedoctor.cli", "moedoctor.render"),
     "moedoctor.wording": ("moedoctor.trace", "moedoctor.analysis", "moedoctor.runner", "moedoctor.recorder",
                           "moedoctor.fixes", "moedoctor.cli", "moedoctor.render", "moedoctor.verification",
                           "moedoctor.triage"),
