@@ -29,7 +29,7 @@ from moedoctor.run_records import (
 from moedoctor.trace.format import STOPPED, read_statuses, recorder_markers, stopped_line
 from moedoctor.trace.reader import (
     MAX_DIM, MAX_DIMS, MAX_HEADER_BYTES, MAX_RECORD_BYTES, MAX_STRING, MAX_TENSORS, MAX_WORLD_SIZE,
-    Annotation, Completion, RankTrace, TraceError, TraceFile, bounded_int, completion_source, trace_paths,
+    Annotation, Completion, RankTrace, TraceError, TraceFile, bounded_int, fold, trace_paths,
 )
 
 #: Above this many bytes of trace files the streaming path is used (see ``moedoctor.analysis.scan``).
@@ -336,29 +336,8 @@ class TraceFolder:
                 self.trace.problems.append(f"{self.tf.path.name}: corrupt record at byte {offset} "
                                            f"({type(e).__name__})")
             return True
-        trace, index = self.trace, self.index
-        if item is None:
-            pass
-        elif isinstance(item, CollectiveEvent):
-            index[item.event_id] = len(trace.events)
-            trace.events.append(item)
-        elif isinstance(item, Completion):
-            # The events were made by this folder a moment ago and nobody else holds them yet:
-            # filling in a field in place saves a dataclasses.replace per event (the hot path).
-            for event_id in item.event_ids:
-                pos = index.get(event_id)
-                if pos is not None and trace.events[pos].completed is None:
-                    object.__setattr__(trace.events[pos], "completed", item.time)
-                    if item.source is not None:
-                        trace.completed_by[event_id] = completion_source(item.source)
-        elif isinstance(item, Annotation):
-            pos = index.get(item.event_id)
-            if pos is not None:
-                object.__setattr__(trace.events[pos], "reduce_op", item.reduce_op)
-        elif isinstance(item, Evidence):
-            trace.evidence.append(item)
-        elif isinstance(item, Coverage):
-            trace.coverage.append(item)
+        if item is not None:
+            fold(self.trace, self.index, item)
         return True
 
     def finish(self) -> RankTrace:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moedoctor.events import (
@@ -204,30 +204,40 @@ class TraceFile:
         return None
 
 
+def fold(trace: RankTrace, index: dict[int, int], item: object) -> None:
+    """Add one parsed record to ``trace``: a collective is appended (``index``: event id -> position),
+    a completion or a reduce-op annotation is folded into the collective it names, evidence and
+    coverage are appended. The one place records become a ``RankTrace``.
+
+    The events were made by this reader a moment ago and nobody else holds them yet: a field is
+    filled in place (a ``dataclasses.replace`` per event costs the hot path of large traces)."""
+    if isinstance(item, CollectiveEvent):
+        index[item.event_id] = len(trace.events)
+        trace.events.append(item)
+    elif isinstance(item, Completion):
+        for event_id in item.event_ids:
+            pos = index.get(event_id)
+            if pos is not None and trace.events[pos].completed is None:
+                object.__setattr__(trace.events[pos], "completed", item.time)
+                if item.source is not None:
+                    trace.completed_by[event_id] = completion_source(item.source)
+    elif isinstance(item, Annotation):
+        pos = index.get(item.event_id)
+        if pos is not None:
+            object.__setattr__(trace.events[pos], "reduce_op", item.reduce_op)
+    elif isinstance(item, Evidence):
+        trace.evidence.append(item)
+    elif isinstance(item, Coverage):
+        trace.coverage.append(item)
+
+
 def read_trace(path: Path | str) -> RankTrace:
     """Load one rank's whole trace, completions folded into their events."""
     tf = TraceFile(path)
     trace = RankTrace(path=tf.path, header=tf.header)
     index: dict[int, int] = {}
     for item in tf:
-        if isinstance(item, CollectiveEvent):
-            index[item.event_id] = len(trace.events)
-            trace.events.append(item)
-        elif isinstance(item, Completion):
-            for event_id in item.event_ids:
-                pos = index.get(event_id)
-                if pos is not None and trace.events[pos].completed is None:
-                    trace.events[pos] = replace(trace.events[pos], completed=item.time)
-                    if item.source is not None:
-                        trace.completed_by[event_id] = completion_source(item.source)
-        elif isinstance(item, Annotation):
-            pos = index.get(item.event_id)
-            if pos is not None:
-                trace.events[pos] = replace(trace.events[pos], reduce_op=item.reduce_op)
-        elif isinstance(item, Evidence):
-            trace.evidence.append(item)
-        else:
-            trace.coverage.append(item)
+        fold(trace, index, item)
     trace.groups = {g.name: g for g in tf.groups.values()}
     trace.capped = tf.capped
     trace.problems = tf.problems
