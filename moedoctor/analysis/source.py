@@ -66,14 +66,21 @@ def parse_frame(text: str) -> Frame | None:
 
 
 @lru_cache(maxsize=64)
-def _tree(path: str) -> ast.Module | None:
+def _source(path: str) -> tuple[ast.Module, list[str]] | None:
+    """The file's syntax tree and lines, read once (None when unreadable, too large or not Python)."""
     try:
         p = Path(path)
         if not p.is_file() or p.stat().st_size > MAX_SOURCE_BYTES:
             return None
-        return ast.parse(p.read_text(errors="replace"), filename=path)
+        text = p.read_text(errors="replace")
+        return ast.parse(text, filename=path), text.splitlines()
     except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
         return None
+
+
+def _tree(path: str) -> ast.Module | None:
+    source = _source(path)
+    return None if source is None else source[0]
 
 
 def _segment(node: ast.AST) -> str:
@@ -236,9 +243,9 @@ def _early_exit(frame: Frame) -> Enclosing | None:
     for node in ast.walk(defs[-1]):
         if (isinstance(node, ast.If) and (node.end_lineno or 0) < frame.line
                 and all(isinstance(b, (ast.Return, ast.Continue, ast.Break, ast.Raise)) for b in node.body)):
-            enc = Enclosing("if", frame.file, node.lineno, _segment(node.test) + " (early exit)")
-            if _reads_rank(Enclosing("if", frame.file, node.lineno, _segment(node.test))):
-                return enc
+            test = Enclosing("if", frame.file, node.lineno, _segment(node.test))
+            if _reads_rank(test):
+                return Enclosing("if", frame.file, node.lineno, test.text + " (early exit)")
     return None
 
 
@@ -263,20 +270,11 @@ def _registered_under_guard(frame: Frame, on_stack: set[str]) -> Enclosing | Non
     return None
 
 
-def readable(stack: tuple[str, ...]) -> bool:
-    """Could the source of at least the innermost frame be read?"""
-    fs = frames(stack)
-    return bool(fs) and _tree(fs[0].file) is not None
-
-
 def line_text(path: str, line: int) -> str | None:
-    tree = _tree(path)
-    if tree is None:
+    source = _source(path)
+    if source is None:
         return None
-    try:
-        lines = Path(path).read_text(errors="replace").splitlines()
-    except OSError:
-        return None
+    lines = source[1]
     return lines[line - 1].strip() if 0 < line <= len(lines) else None
 
 
