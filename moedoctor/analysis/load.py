@@ -65,6 +65,9 @@ class GpuSnapshot:
     devices: tuple[GpuDevice, ...] = ()
 
 
+#: Arguments of the recorded launch command kept (bounded analysis).
+MAX_COMMAND_ARGS = 4096
+
 @dataclass
 class ManifestInfo:
     """What the analysis uses of ``manifest.json``."""
@@ -75,6 +78,7 @@ class ManifestInfo:
     world_size: int | None
     coverage_gaps: list[str] = field(default_factory=list)
     launcher_exits: list[int | None] = field(default_factory=list)  # one per node
+    command: list[str] | None = None  # the launch command (the job's script names its ``__main__``)
 
 
 @dataclass
@@ -487,6 +491,9 @@ def _read_manifest(path: Path, incomplete: list[str]) -> ManifestInfo | None:
                         exits={}, world_size=world if _int(world) and 0 < world <= MAX_WORLD_SIZE else None)
     if _int(world) and world > MAX_WORLD_SIZE:
         incomplete.append(f"manifest.json: world size {bounded_int(world)} is beyond {MAX_WORLD_SIZE}: ignored")
+    command = raw.get("command")
+    if isinstance(command, list) and all(isinstance(arg, str) for arg in command[:MAX_COMMAND_ARGS]):
+        info.command = command[:MAX_COMMAND_ARGS]
     nodes = raw.get("nodes")
     if isinstance(nodes, dict):
         info.launcher_exits = [n.get("launcher_exit") if _int(n.get("launcher_exit")) else None

@@ -12,7 +12,7 @@ from moedoctor.analysis import analyze as analyze_run
 from moedoctor.analysis import load_run
 from moedoctor.analysis.load import verdict_problem
 from moedoctor.errors import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_OK, MoedoctorError, reading
-from moedoctor.fixes.reach import command_of, with_fix_reach
+from moedoctor.fixes.reach import with_fix_reach
 from moedoctor.render.html import write_html
 from moedoctor.render.json_report import dumps
 from moedoctor.render.perfetto import write_perfetto
@@ -42,7 +42,7 @@ def analyze(
     and print the fix with the command that verifies it."""
     with reading(path):
         run = load_run(path)
-        report = with_fix_reach(analyze_run(run), run, command_of(path))
+        report = with_fix_reach(analyze_run(run), run)
     problem = verdict_problem(run, report.verdict)
     if problem is not None:  # healthy needs evidence: every rank's trace, readable and whole
         raise MoedoctorError(problem, EXIT_BAD_INPUT)

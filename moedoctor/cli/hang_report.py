@@ -17,7 +17,7 @@ from rich.table import Table
 from moedoctor.analysis import Verdict, analyze, load_run
 from moedoctor.analysis.load import verdict_problem
 from moedoctor.errors import MoedoctorError, cannot_write
-from moedoctor.fixes.reach import command_of, with_fix_reach
+from moedoctor.fixes.reach import with_fix_reach
 from moedoctor.render.json_report import write_json
 from moedoctor.render.terminal import render_report
 from moedoctor.runner import RunResult
@@ -69,7 +69,7 @@ def analysis_report(layout: RunDir, console: Console, quiet_if_healthy: bool = F
     None when the analysis could not run (the reason is printed)."""
     try:
         run = load_run(layout.path)
-        report = with_fix_reach(analyze(run), run, command_of(layout.path))
+        report = with_fix_reach(analyze(run), run)
         problem = verdict_problem(run, report.verdict)
         if problem is not None:  # never "Healthy: 0 collectives" for a job that never started
             raise MoedoctorError(problem)

@@ -15,13 +15,12 @@ frame of its module (other than the script) was seen, so the note errs towards o
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Iterable
 
 from moedoctor.analysis.load import RunData
 from moedoctor.analysis.model import Report
-from moedoctor.analysis.source import defined_classes
+from moedoctor.analysis.source import defined_classes, frames
 from moedoctor.fixes import FIXES
 
 
@@ -33,35 +32,18 @@ def script_of(command: list[str] | None) -> str | None:
     return None
 
 
-def run_frames(run: RunData) -> set[tuple[str, str, int]]:
-    """``(file, function, line)`` of every job frame the traces and stacks hold."""
-    frames: set[tuple[str, str, int]] = set()
+def run_frames(run: RunData) -> set[tuple[str, str]]:
+    """``(file, function)`` of every job frame the traces and stacks hold."""
+    found: set[tuple[str, str]] = set()
     for trace in run.traces:
         for event in trace.events:
-            if event.call_site is None:
-                continue
-            frames.add((event.call_site.file, event.call_site.function, event.call_site.line))
-            for entry in event.call_site.stack:
-                where, _, function = entry.partition(" ")
-                file, _, line = where.rpartition(":")
-                frames.add((file, function, int(line) if line.isdigit() else 0))
+            if event.call_site is not None:
+                found.add((event.call_site.file, event.call_site.function))
+                found.update((f.file, f.function) for f in frames(event.call_site.stack))
     for dump in run.stacks.values():
         for thread in (dump.main_thread, *dump.threads.values()):
-            frames.update((frame.file, frame.function, frame.line) for frame in thread)
-    return frames
-
-
-def command_of(run_dir) -> list[str] | None:
-    """The launch command a run directory's manifest records (None when there is none)."""
-    path = os.path.join(str(run_dir), "manifest.json")
-    try:
-        if os.path.getsize(path) > 16 * 1024 * 1024:
-            return None
-        with open(path) as f:
-            command = json.load(f).get("command")
-    except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: nested too deep to parse
-        return None
-    return [str(c) for c in command] if isinstance(command, list) else None
+            found.update((frame.file, frame.function) for frame in thread)
+    return found
 
 
 def _module_file_matches(module: str, file: str, script: str | None) -> bool:
@@ -74,7 +56,7 @@ def _module_file_matches(module: str, file: str, script: str | None) -> bool:
     return file.endswith(stem + ".py") or file.endswith(os.path.join(stem, "__init__.py"))
 
 
-def reached(paths: Iterable[str], frames: set[tuple[str, str, int]], script: str | None) -> list[str]:
+def reached(paths: Iterable[str], seen: set[tuple[str, str]], script: str | None) -> list[str]:
     """The target paths (``module:Qual.name``) this job may have run. A method (``Class.method``) is
     reached when a frame of its module was seen and the module's source defines that class (a block's
     forward is often not on any collective's stack, but its module is; the same module path in another
@@ -86,11 +68,11 @@ def reached(paths: Iterable[str], frames: set[tuple[str, str, int]], script: str
     for path in paths:
         module, _, qualname = path.partition(":")
         owner, _, function = qualname.rpartition(".")
-        files = [(file, fn, line) for file, fn, line in frames if _module_file_matches(module, file, script)]
+        files = [(file, fn) for file, fn in seen if _module_file_matches(module, file, script)]
         if owner:
-            if any(_defines(file, owner) for file in {f for f, _, _ in files}):
+            if any(_defines(file, owner) for file in {f for f, _ in files}):
                 found.append(path)
-        elif any(fn == function for _, fn, _ in files) or (files and module != "__main__"):
+        elif any(fn == function for _, fn in files) or (files and module != "__main__"):
             found.append(path)
     return found
 
@@ -101,9 +83,12 @@ def _defines(file: str, owner: str) -> bool:
     return owner.rsplit(".", 1)[-1] in classes if classes is not None else True
 
 
-def with_fix_reach(report: Report, run: RunData, command: list[str] | None) -> Report:
+def with_fix_reach(report: Report, run: RunData, command: list[str] | None = None) -> Report:
     """``report`` with its verify command kept when the first fix reaches code this job ran, else
-    replaced by a note that says why not and what to do."""
+    replaced by a note that says why not and what to do. ``command``: the job's launch command
+    (default: the one its manifest records)."""
+    if command is None and run.manifest is not None:
+        command = run.manifest.command
     if not report.fixes or report.verify_command is None:
         return report
     fix = FIXES.get(report.fixes[0])

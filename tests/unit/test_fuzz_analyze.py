@@ -143,7 +143,7 @@ def test_the_worker_runs_under_the_memory_cap(worker, tmp_path):
 
 @pytest.mark.parametrize("manifest", [b"[" * 100_000 + b"]" * 100_000, b'{"command": ' + b"[" * 5000 + b"]" * 5000 + b"}"])
 def test_a_manifest_nested_past_the_parser_is_bad_input_not_a_crash(worker, tmp_path, manifest):
-    """Found by the fuzz suite: the analysis' manifest reader and the fix reach's (command_of) let
-    the parser's RecursionError escape: exit 3."""
+    """Found by the fuzz suite: the manifest reader let the parser's RecursionError escape: exit 3.
+    (The launch command, nested past the parser in the second input, is read there too.)"""
     files = {f"traces/{p.name}": p.read_bytes() for p in sorted((GOLDEN / "healthy" / "traces").iterdir())}
     check(worker, tmp_path / "input", {**files, "manifest.json": manifest}, json_out=False)
