@@ -68,6 +68,11 @@ class CallSite:
     stack: tuple[str, ...] = ()
 
     @property
+    def where(self) -> str:
+        """``file:line`` with the full path: how ``OpView.call_site`` and the analysis name a call site."""
+        return f"{self.file}:{self.line}"
+
+    @property
     def short(self) -> str:
         """``file:line`` with the file's base name, as reports show it."""
         return f"{self.file.rsplit('/', 1)[-1]}:{self.line}"

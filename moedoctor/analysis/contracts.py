@@ -19,7 +19,7 @@ Nothing here imports torch: the online detector of ``moedoctor run`` and the off
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from moedoctor.events import CONTRACT_OPS, CollectiveEvent
@@ -136,3 +136,10 @@ def breakers(found: list[Breach]) -> tuple[int, ...]:
     if len(senders) == 1:
         return tuple(senders)
     return tuple(sorted(receivers))
+
+
+def contract_classes(found: list[Breach], ranks: Sequence[int]) -> list[tuple[int, ...]]:
+    """The group split by a broken contract: the members that keep it, then the breakers (empty
+    sides dropped), as the offline divergence and the online desync both report it."""
+    bad = breakers(found)
+    return [c for c in (tuple(r for r in ranks if r not in bad), bad) if c]

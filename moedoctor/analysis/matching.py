@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from moedoctor.analysis.contracts import breaches, breakers
+from moedoctor.analysis.contracts import breaches, contract_classes
 from moedoctor.analysis.model import Divergence, DivergenceKind, OpView
 from moedoctor.analysis.view import RunView
 from moedoctor.events import CollectiveEvent
@@ -35,9 +35,7 @@ def first_divergence(view: RunView, group: str) -> Divergence | None:
                                DivergenceKind.MISMATCH if len(op_classes(present)) > 1 else DivergenceKind.MISSING)
         found = breaches(present, view.groups[group].ranks)
         if found:
-            bad = breakers(found)
-            classes = [tuple(r for r in members if r not in bad), bad]
-            div = _divergence(view, group, seq, present, (), [c for c in classes if c], DivergenceKind.CONTRACT)
+            div = _divergence(view, group, seq, present, (), contract_classes(found, members), DivergenceKind.CONTRACT)
             div.breaches = tuple(b.line() for b in found)
             return div
     return None

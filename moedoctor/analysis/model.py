@@ -61,7 +61,7 @@ class OpView:
         return cls(
             seq=event.p2p_seq if event.is_p2p and event.p2p_seq is not None else event.seq,
             op=event.op, shapes=event.in_shapes, out_shapes=event.out_shapes, dtypes=event.dtypes,
-            reduce_op=event.reduce_op, call_site=None if site is None else f"{site.file}:{site.line}",
+            reduce_op=event.reduce_op, call_site=None if site is None else site.where,
             function=None if site is None else site.function, phase=event.phase.value, step=event.step,
             module=event.module, completed=event.completed is not None, time=event.time, peer=event.peer,
             root=event.root,

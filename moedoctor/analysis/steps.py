@@ -28,8 +28,8 @@ RESTART, CLOSING = "restart", "closing"
 
 
 def token(e: CollectiveEvent) -> tuple:
-    site = None if e.call_site is None else (e.call_site.file, e.call_site.line)
-    return e.op, site, e.module
+    """What makes two collectives of one rank the same one of its loop: op, call site, FSDP unit."""
+    return e.op, None if e.call_site is None else e.call_site.where, e.module
 
 
 def position(view: RunView, event: CollectiveEvent) -> str | None:
@@ -51,7 +51,7 @@ class LoopExit:
     divergence ``looping`` ranks issue the site again while ``left`` ranks already issued something
     else (they ran out of items first)."""
 
-    site: tuple
+    site: str             # ``file:line`` (``CallSite.where``)
     short: str
     looping: tuple[int, ...]
     left: tuple[int, ...]
@@ -59,7 +59,8 @@ class LoopExit:
 
 
 def _key(e: CollectiveEvent | None) -> tuple | None:
-    return None if e is None or e.call_site is None else (e.op, e.call_site.file, e.call_site.line)
+    """(op, call site): one iteration of a loop over items (the FSDP unit may differ per item)."""
+    return None if e is None or e.call_site is None else token(e)[:2]
 
 
 #: How far before the divergence a loop's end is looked for (same-size collectives of different
@@ -96,7 +97,7 @@ def _exit(window: dict, key: tuple, seq: int) -> LoopExit | None:
         counts[r] = n
         if last == len(evs) - 1 and evs[-1].seq == seq:
             inside.append(r)
-        elif all(_key(e) is not None and _key(e)[1:] != key[1:] for e in evs[last + 1:]):
+        elif all(e.call_site is not None and e.call_site.where != key[1] for e in evs[last + 1:]):
             left.append(r)  # went on to collectives of other call sites
         else:
             return None
@@ -104,8 +105,7 @@ def _exit(window: dict, key: tuple, seq: int) -> LoopExit | None:
         return None
     if max(counts[r] for r in left) >= min(counts[r] for r in inside):
         return None
-    return LoopExit(key[1:], f"{key[1].rsplit('/', 1)[-1]}:{key[2]}", tuple(sorted(inside)), tuple(sorted(left)),
-                    counts)
+    return LoopExit(key[1], key[1].rsplit("/", 1)[-1], tuple(sorted(inside)), tuple(sorted(left)), counts)
 
 
 def cycle_loop_exit(view: RunView, cycle) -> tuple[str, LoopExit] | None:

@@ -92,11 +92,10 @@ class RunView:
         events = self.seq_map(rank, group)
         return [events[s] for s in sorted(events) if before is None or s < before]
 
-    def issued_from(self, rank: int, group: str, site: str) -> bool:
+    def issued_from(self, rank: int, group: str, site: str, before: int | None = None) -> bool:
         """Whether the rank issued any collective on the group from call site ``site`` (``file:line``,
-        as ``OpView.call_site`` writes it)."""
-        return any(e.call_site is not None and f"{e.call_site.file}:{e.call_site.line}" == site
-                   for e in self.events(rank, group))
+        ``CallSite.where``), before seq ``before`` when given."""
+        return any(e.call_site is not None and e.call_site.where == site for e in self.events(rank, group, before))
 
     def p2p_peers(self, group: str) -> dict[int, dict[int, dict[int, CollectiveEvent]]]:
         return self._p2p.get(group, {})
@@ -137,6 +136,10 @@ class RunView:
         # this code's habit, not a thrown-away step.
         habit = {e.step for e in found if e.step in stepped}
         return [] if habit else found
+
+    def discarded_in(self, rank: int, step: int) -> bool:
+        """Did the rank throw away the gradients of step ``step`` (``discarded_steps``)?"""
+        return any(e.step == step for e in self.discarded_steps(rank))
 
     def stepped(self, rank: int, step: int) -> bool:
         """Whether the rank began ``optimizer.step`` while its step counter was ``step``."""

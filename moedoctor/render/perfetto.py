@@ -51,7 +51,7 @@ def perfetto_trace(run: RunData, report: Report) -> dict:
                     stop = min(stop, track[i + 1].time)
                 args = {"seq": e.seq, "shapes": [list(s) for s in e.in_shapes], "dtypes": list(e.dtypes),
                         "reduce_op": e.reduce_op, "phase": e.phase.value, "step": e.step, "module": e.module,
-                        "call_site": None if e.call_site is None else f"{e.call_site.file}:{e.call_site.line}",
+                        "call_site": None if e.call_site is None else e.call_site.where,
                         "completed": e.completed is not None,
                         "completed_at_us": None if e.completed is None else us(e.completed)}
                 if e.is_p2p:

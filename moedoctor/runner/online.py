@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from moedoctor.analysis.contracts import breaches, breakers
+from moedoctor.analysis.contracts import breaches, contract_classes
 from moedoctor.events import CONTRACT_OPS, P2P_OPS, CollectiveEvent
 
 #: Members waiting this long without progress, at a seq a member has not reached, make a lag.
@@ -182,13 +182,12 @@ class DesyncDetector:
         found = breaches(entry.events, e.group.ranks)
         if not found:
             return
-        bad = breakers(found)
         first = found[0]
         a, b = sorted((first.sender, first.receiver))
         self.desync = Desync(
             group=e.group.name, group_desc=e.group.desc, group_ranks=e.group.ranks, seq=e.seq,
             ops={r: describe(x, True) for r, x in sorted(entry.events.items())},
-            classes=[c for c in (tuple(r for r in e.group.ranks if r not in bad), bad) if c],
+            classes=contract_classes(found, e.group.ranks),
             ranks=(a, b), issued_at=max(x.time for x in entry.events.values()), detected_at=self.clock(),
             reason=first.line())
 

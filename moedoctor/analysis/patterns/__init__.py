@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from moedoctor.analysis.culprits import Culprits
 from moedoctor.analysis.model import Divergence, DivergenceKind, OpView, Suggestion, WaitEdge
+from moedoctor.analysis.steps import position
 from moedoctor.analysis.view import RunView
 from moedoctor.events import CollectiveEvent
 from moedoctor.wording import rank_names
@@ -65,6 +66,16 @@ class Context:
             peer = b if rank == a else a
             return self.view.p2p_peers(div.group.name).get(rank, {}).get(peer, {}).get(div.seq)
         return self.view.event(rank, div.group.name, div.seq)
+
+    def stack(self, rank: int) -> tuple[str, ...]:
+        """The job's frames (``file:line function``, innermost first) of the rank's collective at the
+        divergence; empty when it issued none there."""
+        event = self.event(rank)
+        return () if event is None or event.call_site is None else event.call_site.stack
+
+    def positions(self) -> dict[int, str | None]:
+        """Where each rank that issued the divergence's collective is in its step (``steps.position``)."""
+        return {r: position(self.view, e) for r in self.div.per_rank if (e := self.event(r)) is not None}
 
     def present(self) -> dict[int, OpView]:
         return {} if self.div is None else {r: v for r, v in self.div.per_rank.items() if v is not None}

@@ -46,7 +46,7 @@ def classify(ctx: Context) -> Finding | None:
         e = view.last_event[edge.rank]
         site = e.call_site.short if e is not None and e.call_site else "?"
         if e is not None and e.call_site:
-            sites.append((f"{e.call_site.file}:{e.call_site.line}", e.call_site.function))
+            sites.append((e.call_site.where, e.call_site.function))
         evidence.append(f"rank {edge.rank} waits in {edge.op} #{edge.seq} of group {view.groups[edge.group].label()} "
                         f"({site}) for {names(edge.waits_for)}, which never issued it")
     groups = sorted({e.group for e in ctx.cycle})
@@ -67,7 +67,7 @@ def classify(ctx: Context) -> Finding | None:
     if unknown:
         evidence.extend(unknown)
         guards = [g for edge in ctx.cycle if (e := view.event(edge.rank, edge.group, edge.seq)) is not None
-                  and e.call_site is not None and (g := rank_guard(e.call_site.stack)) is not None]
+                  and (g := rank_guard(e.call_site.stack if e.call_site else ())) is not None]
         new = _first_time(ctx)
         if new and len(new) < len(ctx.cycle):
             evidence.append(f"score 0.2: {new[0]}, while the other collectives of the cycle were issued before by "
@@ -93,9 +93,7 @@ def _first_time(ctx: Context) -> list[str]:
         e = view.event(edge.rank, edge.group, edge.seq)
         if e is None or e.call_site is None:
             continue
-        where = f"{e.call_site.file}:{e.call_site.line}"
-        earlier = view.events(edge.rank, edge.group, before=edge.seq)
-        if not any(f"{x.call_site.file}:{x.call_site.line}" == where for x in earlier if x.call_site is not None):
+        if not view.issued_from(edge.rank, edge.group, e.call_site.where, before=edge.seq):
             found.append(f"rank {edge.rank} issues {e.op} from {e.call_site.short} on group "
                          f"{view.groups[edge.group].label()} for the first time")
     return found
@@ -110,9 +108,8 @@ def _never_issued(ctx: Context) -> list[str]:
         e = view.event(edge.rank, edge.group, edge.seq)
         if e is None or e.call_site is None:
             continue
-        where = f"{e.call_site.file}:{e.call_site.line}"
         for m in edge.waits_for:
-            if not view.issued_from(m, edge.group, where):
+            if not view.issued_from(m, edge.group, e.call_site.where):
                 found.append(f"rank {m} never issued a collective from {e.call_site.short} on group "
                              f"{view.groups[edge.group].label()}, where rank {edge.rank} waits for it")
     return found

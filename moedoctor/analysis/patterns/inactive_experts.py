@@ -129,7 +129,7 @@ def classify(ctx: Context) -> Finding | None:
                         "gathered and reduced only where it runs")
     event = ctx.event(next(iter(backward)))
     suggestion = Suggestion(
-        None if event is None or event.call_site is None else f"{event.call_site.file}:{event.call_site.line}",
+        None if event is None or event.call_site is None else event.call_site.where,
         None if event is None or event.call_site is None else event.call_site.function, _ADVICE)
     return Finding(round(score, 3), tuple(evidence), culprits=culprits, suggestion=suggestion)
 

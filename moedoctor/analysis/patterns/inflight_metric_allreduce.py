@@ -51,11 +51,10 @@ def classify(ctx: Context) -> Finding | None:
         return None
     v = present[small[0]]
     group = div.group.name
-    event = ctx.event(small[0])
-    stack = event.call_site.stack if event is not None and event.call_site is not None else ()
+    stack = ctx.stack(small[0])
     if rank_guard(stack) is not None:
         return None  # issued under a branch on the rank: rank-conditional, not a misplaced metric
-    restarted = [r for r in other if any(e.step == v.step for e in view.discarded_steps(r))]
+    restarted = [r for r in other if view.discarded_in(r, v.step)]
     if restarted:
         return None  # the others threw their step away and began the next one: a skipped step, not a metric
     history = all(view.issued_from(r, group, v.call_site) for r in other)
@@ -93,7 +92,7 @@ def classify(ctx: Context) -> Finding | None:
         score += 0.15
     # Issued once per micro-batch: the same call site several times in one step.
     per_step = Counter(e.step for e in view.events(small[0], group) if e.call_site is not None
-                       and f"{e.call_site.file}:{e.call_site.line}" == v.call_site)
+                       and e.call_site.where == v.call_site)
     if per_step and max(per_step.values()) >= 2:
         score += 0.2
         step, n = max(per_step.items(), key=lambda kv: (kv[1], -kv[0]))
@@ -108,8 +107,8 @@ def classify(ctx: Context) -> Finding | None:
                             f"that {names(other)} {verb(other, 'was', 'were')} in: the FSDP collectives before the "
                             "metric all_reduce differ across ranks")
     caller = ""
-    if event is not None and event.call_site is not None and len(event.call_site.stack) > 1:
-        caller = f" (called from {event.call_site.stack[1].rsplit('/', 1)[-1]})"
+    if len(stack) > 1:
+        caller = f" (called from {stack[1].rsplit('/', 1)[-1]})"
     suggestion = Suggestion(v.call_site, v.function, _ADVICE + caller)
     return Finding(round(score, 3), tuple(evidence), suggestion=suggestion, culprits=tuple(small))
 

@@ -31,14 +31,14 @@ from collections import Counter
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
 from moedoctor.analysis.source import calls_in, shared_loop
-from moedoctor.analysis.steps import RESTART, CLOSING, position
+from moedoctor.analysis.steps import RESTART, CLOSING
 
 
 def _split(ctx: Context) -> tuple[list[int], list[int], str] | None:
     """(in_loop, moved_on, how): the ranks still in the step's repeated part and those that left it."""
-    div, view = ctx.div, ctx.view
+    div = ctx.div
     present = ctx.present()
-    where = {r: position(view, e) for r in present if (e := ctx.event(r)) is not None}
+    where = ctx.positions()
     restart = sorted(r for r, p in where.items() if p == RESTART)
     closing = sorted(r for r, p in where.items() if p == CLOSING)
     if restart and closing and len(restart) + len(closing) == len(present):
@@ -67,7 +67,7 @@ def classify(ctx: Context) -> Finding | None:
     if closed:
         return Finding(0.1, (f"{names(closed)} already computed the step {step} gradient norm: the forward is the "
                              "next iteration's, not an extra micro-batch",))
-    discarded = [r for r in in_loop if any(e.step == step for e in view.discarded_steps(r))]
+    discarded = [r for r in in_loop if view.discarded_in(r, step)]
     if discarded:
         return Finding(0.1, (f"{names(discarded)} cleared {'its' if len(discarded) == 1 else 'their'} gradients "
                              f"(zero_grad) after a step {step} backward pass without stepping: the next iteration, "
@@ -92,8 +92,7 @@ def classify(ctx: Context) -> Finding | None:
         score += 0.05
         evidence.append(f"in steps {min(common)}-{max(common)} every rank ran the same number of micro-batches")
     v = present[in_loop[0]]
-    event = ctx.event(in_loop[0])
-    loop = shared_loop(event.call_site.stack) if event is not None and event.call_site is not None else None
+    loop = shared_loop(ctx.stack(in_loop[0]))
     if loop is not None and not calls_in(loop.file, loop.line, "step"):
         score += 0.1
         evidence.append(f"{names(in_loop)}' collective is issued inside the loop at {loop.short} ({loop.text}), "

@@ -32,7 +32,7 @@ from moedoctor.analysis.steps import loop_exit
 
 
 def _site(e) -> str | None:
-    return None if e.call_site is None else f"{e.call_site.file}:{e.call_site.line}"
+    return None if e.call_site is None else e.call_site.where
 
 
 def classify(ctx: Context) -> Finding | None:
@@ -77,8 +77,7 @@ def classify(ctx: Context) -> Finding | None:
                             f"collective {names(ranks)} also issue{'s' if len(ranks) == 1 else ''}: "
                             "the extra op shifted "
                             f"{'its' if len(ranks) == 1 else 'their'} sequence")
-        event = ctx.event(ranks[0])
-        guard = rank_guard(event.call_site.stack) if event is not None and event.call_site is not None else None
+        guard = rank_guard(ctx.stack(ranks[0]))
         if guard is not None:
             score += 0.3
             evidence.append(f"the call is made under `{guard.kind} {guard.text}` ({guard.short}), a branch on the "

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb
-from moedoctor.analysis.steps import CLOSING, RESTART, position
+from moedoctor.analysis.steps import CLOSING, RESTART
 from moedoctor.events import Evidence
 
 
@@ -51,7 +51,7 @@ def classify(ctx: Context) -> Finding | None:
     stepped = sorted(r for r in ranks if view.stepped(r, step))
     phase_stepping = sorted(r for r, v in present.items() if v.phase == "optimizer")
     stepping = sorted(set(stepped) | set(phase_stepping))
-    discarded = {r: [e for e in view.discarded_steps(r) if e.step == step] for r in ranks}
+    discarded = {r: view.discarded_in(r, step) for r in ranks}
     cleared = sorted(r for r in ranks if discarded[r] and r not in stepping)
     if not stepping and cleared and len(cleared) < len(ranks):
         # Nobody has stepped yet (the others are in the step's closing collectives, before step()):
@@ -66,7 +66,7 @@ def classify(ctx: Context) -> Finding | None:
         score += 0.25
         evidence.append(f"in step {step} {names(stepped)} ran optimizer.step (optimizer step hooks) and "
                         f"{names(skipping)} did not, after {'its' if len(skipping) == 1 else 'their'} backward pass")
-    where = {r: position(view, e) for r in ranks if (e := ctx.event(r)) is not None}
+    where = ctx.positions()
     if all(where.get(r) == RESTART for r in skipping if r in where) and any(r in where for r in skipping) \
             and all(where.get(r) == CLOSING for r in stepping if r in where):
         score += 0.15

@@ -79,7 +79,7 @@ def classify(ctx: Context) -> Finding | None:
         evidence.append(f"ops at the divergence: {ops_text}"
                         " (all_gather_object issues a size all_gather, then a payload all_gather)")
     runs = {r: _save_run(ctx, r) for r in div.per_rank}
-    counts = {r: Counter(f"{e.call_site.file}:{e.call_site.line}" for e in run if e.call_site)
+    counts = {r: Counter(e.call_site.where for e in run if e.call_site)
               for r, run in runs.items()}
     total: Counter[str] = Counter()
     for c in counts.values():
@@ -110,7 +110,7 @@ def classify(ctx: Context) -> Finding | None:
     suggestion = None
     if loop_site:
         fn = next((e.call_site.function for run in runs.values() for e in run
-                   if e.call_site and f"{e.call_site.file}:{e.call_site.line}" == loop_site), None)
+                   if e.call_site and e.call_site.where == loop_site), None)
         suggestion = Suggestion(loop_site, fn, _ADVICE)
     return Finding(round(score, 3), tuple(evidence), suggestion=suggestion,
                    culprits=exit_.left if exit_ is not None else None)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
 from moedoctor.analysis.source import rank_guard
-from moedoctor.analysis.steps import CLOSING, RESTART, loop_exit, omission, position
+from moedoctor.analysis.steps import CLOSING, RESTART, loop_exit, omission
 
 
 def classify(ctx: Context) -> Finding | None:
@@ -47,7 +47,7 @@ def structure_account(ctx: Context) -> list[str]:
     is in its step, a loop left early, items left out, steps thrown away, rank branches."""
     div, view = ctx.div, ctx.view
     lines = []
-    where = {r: position(view, e) for r in div.per_rank if (e := ctx.event(r)) is not None}
+    where = ctx.positions()
     restart = sorted(r for r, p in where.items() if p == RESTART)
     closing = sorted(r for r, p in where.items() if p == CLOSING)
     if restart and closing:
@@ -66,13 +66,12 @@ def structure_account(ctx: Context) -> list[str]:
                          "of their repeated sequence before")
             break
     steps = {v.step for v in div.per_rank.values() if v is not None}
-    thrown = sorted(r for r in div.per_rank if any(e.step in steps for e in view.discarded_steps(r)))
+    thrown = sorted(r for r in div.per_rank if any(view.discarded_in(r, s) for s in steps))
     if thrown:
         lines.append(f"{names(thrown)} cleared gradients after a backward pass without an optimizer step "
                      f"(zero_grad) in step {min(steps)}")
     for r in present:
-        event = ctx.event(r)
-        guard = rank_guard(event.call_site.stack) if event is not None and event.call_site is not None else None
+        guard = rank_guard(ctx.stack(r))
         if guard is not None:
             lines.append(f"rank {r}'s collective is issued under `{guard.kind} {guard.text}` ({guard.short}), "
                          "a branch on the rank")
