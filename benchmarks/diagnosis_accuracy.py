@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import shlex
+import subprocess
 import sys
 import tempfile
 from collections import Counter, defaultdict
@@ -104,6 +105,9 @@ def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
             return case
     run_dir = keep / slug
     nproc = int(case.expected.get("nproc", 2))
+    if args.max_nproc and nproc > args.max_nproc and not args.reanalyze:
+        case.skipped = f"needs {nproc} ranks, one GPU each: this machine has {args.max_nproc}"
+        return case
     job_args = ["--backend", args.backend]
     if not case.healthy:
         job_args += ["--pg-timeout", str(args.pg_timeout)]
@@ -192,6 +196,14 @@ def report(cases: list[Case]) -> str:
     return "\n".join(lines)
 
 
+def _gpus() -> int | None:
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sum(line.startswith("GPU ") for line in listed.splitlines()) or None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
@@ -203,12 +215,16 @@ def main() -> None:
     parser.add_argument("--pg-timeout", type=float, default=60)
     parser.add_argument("--timeout", type=float, default=240, help="per job, seconds")
     parser.add_argument("--jobs", type=int, default=1, help="jobs run at once (1 on 2 CPU cores)")
+    parser.add_argument("--max-nproc", type=int, default=None,
+                        help="skip jobs of more ranks (NCCL: one GPU per rank; default: the GPUs nvidia-smi lists)")
     parser.add_argument("--variants", type=Path, default=VARIANTS, help="variants folder (<pattern>/<variant>.py|yaml)")
     parser.add_argument("--reanalyze", type=Path, default=None,
                         help="run nothing: analyze again the run directories a former --keep DIR left")
     args = parser.parse_args()
     if args.reanalyze:
         args.keep, args.verify = args.reanalyze, False
+    if args.backend == "nccl" and args.max_nproc is None:
+        args.max_nproc = _gpus()
     cases = discover(set(args.only.split(",")) if args.only else None, args.healthy, args.variants)
     keep = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="moedoctor-accuracy-"))
     keep.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ healthy. The last line: ``healthy-corpus: N/M healthy, false-alarms K``.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -104,6 +105,8 @@ def main() -> None:
     parser.add_argument("--jobs", default=None, help="comma-separated job names (default: every healthy_*)")
     parser.add_argument("--hang-timeout", type=float, default=20)
     parser.add_argument("--timeout", type=float, default=180, help="per job, seconds")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="jobs run at once (1 on 2 CPU cores; several GPU jobs can share 2 GPUs)")
     parser.add_argument("--keep", default=None, help="keep run directories and logs here")
     args = parser.parse_args()
 
@@ -119,14 +122,15 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     rows = []
-    for job in jobs:
-        row = run_job(job, args, root)
-        rows.append(row)
-        collectives = "-" if row["collectives"] is None else str(row["collectives"])
-        print(f"{row['job']:<28} {row['nproc']:>5} {row['exit']:>5} {row['verdict']:<9} {row['seconds']:>8.1f} "
-              f"{collectives:>11} {row['coverage']:>8} {row['lags']:>4}  {row['alarm'] or ''}", flush=True)
-        if row.get("summary"):
-            print(f"{'':<28}   {row['summary']}", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.parallel)) as pool:
+        done = pool.map(lambda job: run_job(job, args, root), jobs)
+        for row in done:
+            rows.append(row)
+            collectives = "-" if row["collectives"] is None else str(row["collectives"])
+            print(f"{row['job']:<28} {row['nproc']:>5} {row['exit']:>5} {row['verdict']:<9} {row['seconds']:>8.1f} "
+                  f"{collectives:>11} {row['coverage']:>8} {row['lags']:>4}  {row['alarm'] or ''}", flush=True)
+            if row.get("summary"):
+                print(f"{'':<28}   {row['summary']}", flush=True)
     print(f"(runs and logs in {root})")
     healthy = sum(r["healthy"] for r in rows)
     false_alarms = sum(r["false_alarm"] for r in rows)

@@ -9,9 +9,15 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}; mkdir -p "$out"
-if ! command -v py-spy >/dev/null; then
-  pip install -q --target /tmp/site .whl/py_spy-*.whl >/dev/null 2>&1; export PATH=/tmp/site/bin:$PATH
-fi
+logs=/tmp/moedoctor-nharm-logs; rm -rf "$logs"; mkdir -p "$logs"
+pack() {  # at most 8 files come back from the GPU machine: every log and report in one archive
+  tar czf "$out/logs.tgz" -C / "${logs#/}" $(cd / && ls -d "${runs#/}"/*/report.json "${runs#/}"/*/manifest.json \
+    "${runs#/}"/healthy/*.log 2>/dev/null) 2>/dev/null
+}
+for tool in py-spy ninja; do  # carried as wheels in .whl/ (the GPU machine has no index)
+  command -v $tool >/dev/null || pip install -q --target /tmp/site .whl/${tool/-/_}-*.whl >/dev/null 2>&1
+done
+export PATH=/tmp/site/bin:$PATH
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 md="python3 -m moedoctor"
 launch="python3 -m torch.distributed.run --standalone --nproc_per_node 2"
@@ -40,26 +46,26 @@ PY
 {
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU')"
 echo "== healthy corpus ($backend, 2 ranks)"
-python3 benchmarks/healthy_corpus.py --backend "$backend" --nproc 2 --hang-timeout 30 --keep "$runs/healthy" 2>&1 | tail -25
+python3 benchmarks/healthy_corpus.py --backend "$backend" --nproc 2 --hang-timeout 30 --parallel ${PARALLEL:-3} --keep "$runs/healthy" 2>&1 | tail -25; pack
 for name in all_to_all_split_mismatch collective_order_inversion straggler hardware_like; do
   t0=$(date +%s.%N)
   timeout 300 $md run --run-dir "$runs/$name" --hang-timeout 20 -- $launch "fixtures/$name/train.py" --backend "$backend" \
-    --pg-timeout 60 > "$out/$name.run.txt" 2>&1
+    --pg-timeout 60 > "$logs/$name.run.txt" 2>&1
   rc=$?
-  echo "== $name"; summarize "$runs/$name" "$rc" "$(python3 -c "print(round($(date +%s.%N) - $t0, 1))")"
+  echo "== $name"; summarize "$runs/$name" "$rc" "$(python3 -c "print(round($(date +%s.%N) - $t0, 1))")"; pack
 done
 for setup in "mesh" "mesh --desync"; do
   name="mesh_only${setup#mesh}"; name=${name// /}
   t0=$(date +%s.%N)
   timeout 300 $md run --run-dir "$runs/$name" --hang-timeout 20 -- $launch tests/jobs/group_setups.py --setup $setup \
-    --backend "$backend" > "$out/$name.run.txt" 2>&1
+    --backend "$backend" > "$logs/$name.run.txt" 2>&1
   rc=$?
   echo "== init_device_mesh only: --setup $setup"; summarize "$runs/$name" "$rc" "$(python3 -c "print(round($(date +%s.%N) - $t0, 1))")"
-  grep -h "Coverage" "$out/$name.run.txt" | head -2
+  grep -h "Coverage" "$logs/$name.run.txt" | head -2
 done
 echo "== completion observed ($backend)"
 timeout 300 $md run --run-dir "$runs/completion" -- $launch benchmarks/nccl_completion.py --backend "$backend" \
-  > "$out/completion.run.txt" 2>&1
+  > "$logs/completion.run.txt" 2>&1
 echo "   moedoctor run exit $?"
-python3 benchmarks/nccl_completion.py --report "$runs/completion" 2>&1 | tail -15
+python3 benchmarks/nccl_completion.py --report "$runs/completion" 2>&1 | tail -15; pack
 } 2>&1 | tee "$out/summary.txt"

@@ -139,27 +139,27 @@ def enclosing(path: str, line: int) -> tuple[Enclosing, ...]:
     return tuple(chain)
 
 
-def _assigned(path: str, name: str, before: int) -> str | None:
-    """The right-hand side of the last ``name = ...`` before line ``before`` in ``path``'s innermost
-    function around it (one step of data flow: ``should_log = rank == 0`` then ``if should_log:``)."""
+def _assigned(path: str, name: str, before: int) -> list[str]:
+    """The right-hand sides of every ``name = ...`` before line ``before`` in ``path``'s innermost
+    function around it (one step of data flow: ``should_log = rank == 0`` then ``if should_log:``;
+    all of them, since a later one may sit in a branch that did not run)."""
     tree = _tree(path)
     if tree is None:
-        return None
+        return []
     scope: ast.AST = tree
     for node in ast.walk(tree):
         if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
                 and node.lineno <= before <= (node.end_lineno or 0)
                 and node.lineno >= getattr(scope, "lineno", 0)):
             scope = node
-    last = None
+    found = []
     for node in ast.walk(scope):
         if (isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.lineno < before
                 and node.value is not None):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-                if last is None or node.lineno > last.lineno:
-                    last = node
-    return None if last is None else _segment(last.value)
+                found.append(_segment(node.value))
+    return found
 
 
 def _operand_names(node: ast.AST) -> set[str]:
@@ -186,8 +186,7 @@ def _reads_rank(enc: Enclosing) -> bool:
         names = _operand_names(ast.parse(enc.text, mode="eval").body)
     except SyntaxError:
         return False
-    return any((rhs := _assigned(enc.file, name, enc.line)) is not None and _RANK_TEST.search(rhs)
-               for name in sorted(names))
+    return any(_RANK_TEST.search(rhs) for name in sorted(names) for rhs in _assigned(enc.file, name, enc.line))
 
 
 def frames(stack: tuple[str, ...]) -> list[Frame]:
@@ -207,7 +206,7 @@ def rank_guard(stack: tuple[str, ...]) -> Enclosing | None:
                 return enc
             if enc.kind == "def" and _RANK_DECORATOR.search(enc.text):
                 return enc
-        early = _early_exit(frame)
+        early = _early_exit(frame) or _left_loop(frame)
         if early is not None:
             return early
         caller = fs[i + 1] if i + 1 < len(fs) else None
@@ -246,6 +245,27 @@ def _early_exit(frame: Frame) -> Enclosing | None:
             test = Enclosing("if", frame.file, node.lineno, _segment(node.test))
             if _reads_rank(test):
                 return Enclosing("if", frame.file, node.lineno, test.text + " (early exit)")
+    return None
+
+
+def _left_loop(frame: Frame) -> Enclosing | None:
+    """``for ...: if stop: break`` ended before ``frame.line`` in the function around it, with a test
+    that reads the rank (``stop = rank == 0 and STOP.exists()``): the ranks that took the ``break``
+    reached the call while the others are still in the loop."""
+    defs = [n for n in _function_at(frame.file, frame.line) if not isinstance(n, ast.ClassDef)]
+    if not defs:
+        return None
+    for loop in ast.walk(defs[-1]):
+        if not isinstance(loop, (ast.For, ast.While)) or (loop.end_lineno or 0) >= frame.line:
+            continue
+        inner_loops = [n for n in ast.walk(loop) if isinstance(n, (ast.For, ast.While)) and n is not loop]
+        for node in ast.walk(loop):
+            if (isinstance(node, ast.If) and any(isinstance(b, ast.Break) for b in node.body)
+                    and not any(n.lineno <= node.lineno <= (n.end_lineno or 0) for n in inner_loops)):
+                test = Enclosing("if", frame.file, node.lineno, _segment(node.test))
+                if _reads_rank(test):
+                    return Enclosing("if", frame.file, node.lineno, f"{test.text} (leaves the loop of line "
+                                                                     f"{loop.lineno})")
     return None
 
 

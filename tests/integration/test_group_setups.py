@@ -46,8 +46,9 @@ def test_desync_in_a_mesh_only_job_is_diagnosed(tmp_path):
     div = report["divergence"]
     assert div["seq"] == 5 and div["group"]["ranks"] == [0, 1], report["summary"]
     assert div["per_rank"]["0"]["op"] == "all_reduce" and div["per_rank"]["1"]["op"] == "barrier", div
-    # A skipped all_reduce next to a barrier, no FSDP in sight: no metric-in-flight story.
-    assert report["pattern"] != "inflight-metric-allreduce", report["summary"]
+    # Rank 1 leaves the loop body early under a test on the rank: an omission, named with its culprit.
+    assert report["pattern"] == "rank-conditional-collective", report["summary"]
+    assert report["culprit_ranks"] == [1], report["summary"]
 
 
 def test_hang_before_any_process_group_is_diagnosed_from_stacks(tmp_path):

@@ -189,3 +189,33 @@ def test_clearing_between_micro_batches_by_design_is_not_a_skipped_step():
     a.ev("backward_end", 2)
     a.ev("zero_grad", 2)
     assert RunView(run_of(a)).discarded_steps(0) == []
+
+
+STOP_LOOP = textwrap.dedent("""\
+    import torch.distributed as dist
+
+    def save(model):
+        dist.barrier()
+
+    def main(model, steps, fixed):
+        rank = dist.get_rank()
+        for step in range(steps):
+            stop = rank == 0 and step == 2
+            if fixed:
+                stop = bool(agree(stop))
+            if stop:
+                print("stop requested")
+                break
+            model(step)
+        save(model)
+    """)
+
+
+def test_a_loop_left_on_a_rank_test_guards_what_follows_it(tmp_path):
+    path = tmp_path / "stop.py"
+    path.write_text(STOP_LOOP)
+    # `stop` is reassigned in a branch that did not run; the rank-derived assignment still counts
+    guard = rank_guard(_stack(path, (4, "save"), (16, "main")))
+    assert guard is not None and guard.line == 12 and "leaves the loop of line 8" in guard.text
+    # inside the loop, before the break, nothing is guarded
+    assert rank_guard(_stack(path, (15, "main"),)) is None

@@ -7,7 +7,11 @@ issues an extra collective the others never will.
 Evidence: at the divergence, some ranks' collective comes from a call site that the other ranks of
 the group never issued a collective from (in everything recorded); the others never reached that
 sequence number, or what they issued there is the next collective of the extra ranks (an inserted
-op); the extra call site recurs on the extra ranks.
+op); the extra call site recurs on the extra ranks. The mirror case, an *omission*: some ranks skip a call
+site they issued in earlier iterations, what they issue instead is what the others issue next (or
+what followed that call site in the iterations every rank ran), and the function leaves early on a
+test that reads the rank before the call (``if rank == 1 and ...: continue``); the culprits are the
+ranks that skipped.
 
 Risk: a rank that merely ran ahead into code the others have not reached yet (the next phase) also
 has a call site the others never used; that is why the inserted-op and missing signals weigh more
@@ -20,7 +24,12 @@ Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 5 variants of `rank-condi
 (forward hook on rank 0, DCP save on main only, 2x2 mesh logging, progress-bar callback, STOP file):
 4/5. Confusions seen: the hook installed on rank 0 only is left `unknown-desync` (the rank branch is
 at the registration, not on the collective's stack); it claimed two step-0 inversions and three
-per-key loops that one rank left early, before the cycle and loop-exit checks.
+per-key loops that one rank left early, before the cycle and loop-exit checks. On NCCL (2 GPUs, 3 of the
+5 variants have 2 ranks) `stop_file_rank0_break` was `unknown-desync`: rank 1 ran on into the next
+step's backward, so no inserted-op signal, and the rank test sat on a `break` out of the loop before
+the call (now read as a guard: "leaves the loop"). A job that skips an all_reduce under
+`if rank == 1 and ...: continue` (tests/jobs/group_setups.py --desync) was `unknown-desync` before the
+omission case.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from __future__ import annotations
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
 from moedoctor.analysis.source import rank_guard
-from moedoctor.analysis.steps import loop_exit
+from moedoctor.analysis.steps import loop_exit, omission
 
 
 def _site(e) -> str | None:
@@ -49,7 +58,12 @@ def classify(ctx: Context) -> Finding | None:
             continue
         site = present[ranks[0]].call_site
         others = [r for r in div.per_rank if r not in cls]
-        if not others or any(site in sites[r] for r in others):
+        if not others:
+            continue
+        if any(site in sites[r] for r in others):
+            omitted = _omitted_under_guard(ctx, ranks, others)
+            if omitted is not None and (best is None or omitted.score > best.score):
+                best = omitted
             continue
         score = 0.35
         evidence = [f"{names(ranks)} issued {present[ranks[0]].op} #{div.seq} of group {div.group.label()} from "
@@ -98,6 +112,51 @@ def classify(ctx: Context) -> Finding | None:
             best = Finding(round(score, 3), tuple(evidence), culprits=tuple(ranks),
                            suggestion=Suggestion(v.call_site, v.function, _ADVICE))
     return best
+
+
+def _omitted_under_guard(ctx: Context, ranks: list[int], others: list[int]) -> Finding | None:
+    """The mirror case: ``others`` skipped a call site they issued before, and the function that
+    issues it leaves early on a test that reads the rank (``if rank == 1 and ...: continue``).
+    Evidence that the others *omitted* it rather than ran ahead: what they issued at the divergence
+    is what ``ranks`` issue next."""
+    div, view, present = ctx.div, ctx.view, ctx.present()
+    v = present[ranks[0]]
+    guard = rank_guard(ctx.stack(ranks[0]))
+    if guard is None or not guard.text.endswith("(early exit)"):
+        return None
+    group = div.group.name
+    nxt = view.event(ranks[0], group, div.seq + 1)
+    theirs = [ctx.event(r) for r in others]
+    if any(t is None for t in theirs):
+        return None
+    if nxt is not None and all(t.signature() == nxt.signature() for t in theirs):
+        how = f"is {names(ranks)}' next collective (#{div.seq + 1})"
+    elif all(_skipped(view, group, div.seq, r, ranks, v) for r in others):
+        how = f"follows {v.short_site} in the steps every rank ran before"
+    else:
+        return None
+    if loop_exit(view, group, div.seq, list(div.per_rank)) is not None:
+        return None  # a loop some ranks left early: a count mismatch, not one skipped call
+    before = sum(1 for e in view.events(others[0], group) if e.seq < div.seq and _site(e) == v.call_site)
+    their_site = theirs[0].call_site.short if theirs[0].call_site else "an unknown call site"
+    evidence = (
+        f"{names(others)} skipped {v.op} from {v.short_site} at #{div.seq} of group {div.group.label()}, a call site "
+        f"{'it' if len(others) == 1 else 'they'} issued {before} collective(s) from before",
+        f"what {names(others)} issued at #{div.seq} ({theirs[0].op} from {their_site}) {how}: an op "
+        "omitted on a subset",
+        f"the function leaves early under `{guard.text.removesuffix(' (early exit)')}` ({guard.short}), a test on "
+        "the rank, before the call",
+    )
+    return Finding(0.85, evidence, culprits=tuple(others), suggestion=Suggestion(v.call_site, v.function, _ADVICE))
+
+
+def _skipped(view, group: str, seq: int, rank: int, ranks: list[int], v) -> bool:
+    """``rank`` left out exactly the collective ``v`` of a sequence the ranks repeated before."""
+    for context in (3, 2):
+        found = omission(view, group, seq, rank, ranks, context=context)
+        if found is not None:
+            return len(found.missing) == 1 and _site(found.missing[0]) == v.call_site
+    return False
 
 
 _ADVICE = ("Take this collective out of the rank-dependent branch: call it on every rank of the group (only the "
