@@ -120,7 +120,7 @@ def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
            "--standalone", f"--nproc_per_node={nproc}", str(case.script), *job_args]
     if args.reanalyze:
         out = (keep / f"{slug}.log").read_text() if (keep / f"{slug}.log").exists() else ""
-        report = reanalyze(run_dir)
+        report = reanalyze(run_dir, write=args.verify)
         if report is None:
             case.error = "no run directory to analyze again"
             return case
@@ -142,13 +142,21 @@ def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
     return case
 
 
-def reanalyze(run_dir: Path) -> dict | None:
-    """The report ``moedoctor analyze`` gives on a kept run directory now, as ``report.json`` holds it."""
+def reanalyze(run_dir: Path, write: bool = False) -> dict | None:
+    """The report ``moedoctor run`` would write for a kept run directory now (the analysis, then
+    whether the fix reaches the job's code), as ``report.json`` holds it; ``write``: replace the
+    directory's ``report.json`` with it (``moedoctor verify --run`` reads it)."""
     if not run_dir.is_dir():
         return None
     from moedoctor.analysis import analyze, load_run
+    from moedoctor.analysis.report_json import write_json
+    from moedoctor.fixes.reach import with_fix_reach
     from moedoctor.render.json_report import report_to_dict
-    return report_to_dict(analyze(load_run(run_dir)))
+    run = load_run(run_dir)
+    result = with_fix_reach(analyze(run), run)
+    if write:
+        write_json(result, run_dir / "report.json")
+    return report_to_dict(result)
 
 
 def report(cases: list[Case]) -> str:
@@ -215,6 +223,9 @@ def main() -> None:
     parser.add_argument("--pg-timeout", type=float, default=60)
     parser.add_argument("--timeout", type=float, default=240, help="per job, seconds")
     parser.add_argument("--jobs", type=int, default=1, help="jobs run at once (1 on 2 CPU cores)")
+    parser.add_argument("--reverify", action="store_true",
+                        help="with --reanalyze: write the new report.json into each run directory and run the "
+                             "verify command it prints (the jobs rerun; minutes)")
     parser.add_argument("--max-nproc", type=int, default=None,
                         help="skip jobs of more ranks (NCCL: one GPU per rank; default: the GPUs nvidia-smi lists)")
     parser.add_argument("--variants", type=Path, default=VARIANTS, help="variants folder (<pattern>/<variant>.py|yaml)")
@@ -222,7 +233,7 @@ def main() -> None:
                         help="run nothing: analyze again the run directories a former --keep DIR left")
     args = parser.parse_args()
     if args.reanalyze:
-        args.keep, args.verify = args.reanalyze, False
+        args.keep, args.verify = args.reanalyze, args.reverify
     if args.backend == "nccl" and args.max_nproc is None:
         args.max_nproc = _gpus()
     cases = discover(set(args.only.split(",")) if args.only else None, args.healthy, args.variants)

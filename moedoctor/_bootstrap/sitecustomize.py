@@ -23,6 +23,9 @@ def _activate() -> None:
 
             when_imported("torch", lambda _module: activate_from_env())
         if fix:  # after the recorder, so the fixes' own collectives are recorded too
+            from moedoctor.fixes.rewrite import install_import_hook
+
+            install_import_hook()  # the `if`s a fix names in modules the job imports
             from moedoctor.fixes.runtime import activate_from_env as activate_fixes
 
             when_imported("torch", lambda _module: activate_fixes())

@@ -97,6 +97,7 @@ def analyze(run: RunData) -> Report:
         pattern=pattern.id if pattern else None, pattern_title=pattern.title if pattern else None,
         culprit_ranks=culprit_ranks, culprit_reasoning=reasoning, divergence=primary, wait_for=edges, cycle=cycle,
         evidence=evidence, candidates=candidates, fixes=fixes, verify_command=verify, suggestion=suggestion,
+        fix_config=finding.fix_config if finding is not None and fixes else None,
         groups=divs, ranks=_rank_summaries(view), alignment=_alignment(view, primary, culprit_ranks)[0],
         alignment_ranks=_alignment(view, primary, culprit_ranks)[1], incomplete=incomplete,
         world_size=run.world_size, traced_ranks=view.ranks, collectives=_collective_count(run),

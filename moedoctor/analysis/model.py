@@ -213,6 +213,9 @@ class Report:
     completion: dict | None = None
     #: Why no verify command is offered although a fix is named (the fix cannot reach this code).
     fix_note: str | None = None
+    #: The fix's settings derived from this job's code (``{fix name: section}``); ``moedoctor verify
+    #: --run`` uses them when no --config is given.
+    fix_config: dict | None = None
 
     @property
     def problem_found(self) -> bool:

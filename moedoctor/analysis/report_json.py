@@ -38,6 +38,7 @@ def report_to_dict(report: Report) -> dict:
         "fixes": report.fixes,
         "verify_command": report.verify_command,
         "fix_note": report.fix_note,
+        "fix_config": report.fix_config,
         "suggestion": None if report.suggestion is None else {
             "call_site": report.suggestion.call_site, "function": report.suggestion.function,
             "source_line": report.suggestion.source_line, "text": report.suggestion.text},

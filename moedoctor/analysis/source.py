@@ -326,3 +326,92 @@ def shared_loop(stack: tuple[str, ...], attribute: str = "backward") -> Enclosin
             if enc.kind in ("for", "while") and calls_in(frame.file, enc.line, attribute):
                 return enc
     return None
+
+
+@dataclass(frozen=True)
+class Branch:
+    """The ``if`` whose outcome decides whether a call runs: the call is in its body (``runs_when``
+    True), in its ``else`` (False), or after it when its body leaves (``continue`` / ``return`` /
+    ``break`` / ``raise``: False)."""
+
+    file: str
+    line: int
+    test: str
+    runs_when: bool
+
+    @property
+    def short(self) -> str:
+        return f"{self.file.rsplit('/', 1)[-1]}:{self.line}"
+
+
+def decision_branch(stack: tuple[str, ...], others: tuple[tuple[str, ...], ...] = ()) -> Branch | None:
+    """The branch that sent this call's rank one way and the ``others`` (stacks of ranks that did
+    not issue it) another: an ``if`` around the call line (its body or its ``else``), or an earlier
+    ``if`` in the same function whose body leaves it, such that every other rank that is in the same
+    function is not on the call's side of it. A branch the other ranks' stacks confirm wins over one
+    they cannot see (not in that function), the innermost frame first. Tests that read the rank are
+    not decisions a rank makes from its data (``rank_guard`` covers them); tests on an attribute alone
+    (``if self.collective:``, ``if args.apply_fix:``) are settings, the same on every rank, and are
+    passed over too."""
+    theirs = [frames(o) for o in others]
+    unconfirmed: Branch | None = None
+    for frame in frames(stack):
+        defs = [n for n in _function_at(frame.file, frame.line) if not isinstance(n, ast.ClassDef)]
+        if not defs:
+            continue
+        lines = [f.line for fs in theirs for f in fs if f.file == frame.file and f.function == frame.function]
+        candidates = []
+        for node in ast.walk(defs[-1]):
+            if not isinstance(node, ast.If) or _configuration(node.test):
+                continue
+            side = _side(node, frame.line)
+            if side == "after" and not (_leaves(node.body) and not node.orelse):
+                continue
+            if side not in ("body", "else", "after"):
+                continue
+            test = Enclosing("if", frame.file, node.lineno, _segment(node.test))
+            if _reads_rank(test):
+                continue
+            candidates.append((node, side, Branch(frame.file, node.lineno, test.text, side == "body")))
+        for node, side, branch in sorted(candidates, key=lambda c: -c[0].lineno):
+            end = _loop_end(defs[-1], node) if side == "after" else None
+            if lines and all(_side(node, line) != side or (end is not None and line > end) for line in lines):
+                return branch
+            if not lines and unconfirmed is None:
+                unconfirmed = branch
+    return unconfirmed
+
+
+def _loop_end(function: ast.AST, node: ast.If) -> int | None:
+    """The last line of the innermost loop around ``node`` when its body leaves by ``continue`` or
+    ``break`` (a rank past that line left the loop: the other side of the branch)."""
+    if not node.body or not isinstance(node.body[-1], (ast.Continue, ast.Break)):
+        return None
+    loops = [n for n in ast.walk(function) if isinstance(n, (ast.For, ast.While, ast.AsyncFor))
+             and n.lineno < node.lineno <= (n.end_lineno or 0)]
+    return max(loops, key=lambda n: n.lineno).end_lineno if loops else None
+
+
+def _side(node: ast.If, line: int) -> str:
+    """Where ``line`` is relative to ``node``: before, test, body, else, after."""
+    if line < node.lineno:
+        return "before"
+    if line > (node.end_lineno or node.lineno):
+        return "after"
+    if any(s.lineno <= line <= (s.end_lineno or s.lineno) for s in node.body):
+        return "body"
+    if any(s.lineno <= line <= (s.end_lineno or s.lineno) for s in node.orelse):
+        return "else"
+    return "test"
+
+
+def _leaves(body: list[ast.stmt]) -> bool:
+    """Does the block end by leaving its loop or function?"""
+    return bool(body) and isinstance(body[-1], (ast.Return, ast.Continue, ast.Break, ast.Raise))
+
+
+def _configuration(test: ast.expr) -> bool:
+    """``self.flag``, ``args.apply_fix``, ``not self.agree``: attribute reads with no call or
+    comparison (a setting); a name alone is data (``if bad:``)."""
+    node = test.operand if isinstance(test, ast.UnaryOp) else test
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)

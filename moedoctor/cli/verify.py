@@ -17,7 +17,7 @@ from moedoctor.cli.common import (
 from moedoctor.cli.live import ConsoleObserver
 from moedoctor.errors import EXIT_FINDING, EXIT_OK, MoedoctorError
 from moedoctor.fixes import FIXES, get_fix
-from moedoctor.fixes.config import load_fix_config
+from moedoctor.fixes.config import load_fix_config, validate_fix_config
 from moedoctor.render.verification import render_verification, verification_to_dict, write_verification
 from moedoctor.runner import RunConfig, default_run_dir, prepare_run_dir
 from moedoctor.runner.command import check_launcher
@@ -72,6 +72,11 @@ def verify(
                              "after --, e.g. moedoctor verify --fix NAME -- torchrun --nproc_per_node 2 train.py")
     command = check_launcher(original.command if original else command)
     fix_config = load_fix_config(config, FIXES.values()) if config is not None else {}
+    derived = (original.report or {}).get("fix_config") if original is not None and config is None else None
+    if derived:
+        # The settings the analysis derived from this job's code (the decision's `if`), for the fixes asked for.
+        fix_config = validate_fix_config({k: v for k, v in derived.items() if k in fixes}, FIXES.values(),
+                                         f"{original.path}/report.json fix_config")
     if run_dir is None:
         run_dir = _default_rerun_dir(original.path, fixes) if original else default_run_dir(Path("moedoctor-runs"))
     prepare_run_dir(run_dir, command, force)

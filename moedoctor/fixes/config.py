@@ -33,25 +33,30 @@ def load_fix_config(path: Path, fixes: Iterable[Fix]) -> dict[str, dict]:
         raise MoedoctorError(f"--config {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise MoedoctorError(f"--config {path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    return validate_fix_config(data, known.values(), f"--config {path}")
+
+
+def validate_fix_config(data: Any, fixes: Iterable[Fix], where: str) -> dict[str, dict]:
+    """``{fix name: normalized section}`` from a mapping read from ``where`` (a ``--config`` file, or
+    the settings ``moedoctor analyze`` derived into report.json)."""
+    known = {fix.name: fix for fix in fixes}
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise MoedoctorError(f"--config {path}: expected a mapping of fix names to settings, "
-                             f"got a {type(data).__name__}")
+        raise MoedoctorError(f"{where}: expected a mapping of fix names to settings, got a {type(data).__name__}")
     config: dict[str, dict] = {}
     for name, section in data.items():
         fix = known.get(name)
         if fix is None:
-            raise MoedoctorError(f"--config {path}: unknown fix {name!r}; sections are fix names: "
-                                 f"{', '.join(known)}")
+            raise MoedoctorError(f"{where}: unknown fix {name!r}; sections are fix names: {', '.join(known)}")
         if section is None:
             section = {}
         if not isinstance(section, dict):
-            raise MoedoctorError(f"--config {path}: {name}: expected a mapping, got {section!r}")
+            raise MoedoctorError(f"{where}: {name}: expected a mapping, got {section!r}")
         try:
             config[name] = fix.parse_config(section)
         except FixConfigError as e:
-            raise MoedoctorError(f"--config {path}: {name}: {e.message}") from None
+            raise MoedoctorError(f"{where}: {name}: {e.message}") from None
     return config
 
 

@@ -10,6 +10,8 @@ Frames do not carry class names, so a ``Class.method`` target matches on its mod
 name; a module run as the script (``__main__``) matches the script of the job's command. A function
 that issues no collective itself is never on a recorded stack: a target counts as reached when any
 frame of its module (other than the script) was seen, so the note errs towards offering verify.
+A fix the report already points at the job's own code (``Report.fix_config``: the ``if`` that made
+the decision, found by the analysis) reaches it by construction.
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ def with_fix_reach(report: Report, run: RunData, command: list[str] | None = Non
     fix = FIXES.get(report.fixes[0])
     if fix is None:
         return report
+    if (report.fix_config or {}).get(fix.name):
+        return report  # the analysis pointed the fix at this job's own code (a branch it found)
     paths = [t.path for t in fix.targets]
     if not paths or reached(paths, run_frames(run), script_of(command)):
         return report

@@ -70,6 +70,7 @@ class FixRuntime:
     notes: list[str] = field(default_factory=list)
     finishers: list[Callable[[], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _branches: dict[str, tuple[str, int]] = field(default_factory=dict, repr=False)
 
     @property
     def rank(self) -> int | None:
@@ -89,6 +90,25 @@ class FixRuntime:
             _pending_main.append((self, target, replace))
         else:
             when_imported(target.module, lambda module: self._apply(module, target, replace))
+
+    def branch(self, branch: dict, handler: Callable[[Any, int], Any]) -> None:
+        """Decide what the job's ``if`` at ``branch`` (``{file, line}``, rewritten as the file is
+        compiled: ``moedoctor.fixes.rewrite``) sees: ``handler(local value, line)``."""
+        from moedoctor.fixes import rewrite
+
+        path = f"{branch['file']}:{branch['line']}"
+        state = self.targets.setdefault(path, TargetState(path, "an if of the job's code"))
+        key = (os.path.normpath(branch["file"]), branch["line"])
+        self._branches[path] = key
+
+        def counted(value: Any, line: int) -> Any:
+            state.calls += 1
+            state.patched = True
+            if state.calls == 1:
+                self.write()
+            return handler(value, line)
+
+        rewrite.on_branch(self.fix.name, counted)
 
     def check(self, name: str, passed: bool | None, detail: str = "", worst: float | None = None) -> None:
         """Record one run of a numerical check. ``passed=None``: it could not run (say why)."""
@@ -189,6 +209,15 @@ class FixRuntime:
                 callback()
             except Exception as e:  # a check that cannot finish is a finding, not a crash of the job
                 self.note(f"final check failed to run: {e!r}")
+        from moedoctor.fixes import rewrite
+
+        for path, key in self._branches.items():
+            state = self.targets[path]
+            if key in rewrite.applied:
+                state.patched = True
+            elif not state.patched:
+                state.error = (f"{path}: not rewritten (the file was compiled before moedoctor could, or no `if` "
+                               "starts on that line)")
         if not any(t.patched for t in self.targets.values()):
             paths = [t.path for t in self.targets.values()]
             looked = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")

@@ -1,7 +1,10 @@
 """``skip-step-collectively`` (pattern ``skipped-optimizer-step``): every rank skips, or none does.
 
 Mechanism: the function that decides to skip the optimizer step (a local non-finite check of the
-gradient norm, SkyRL PR #1370) is wrapped: its local answer becomes a flag, all-reduced with MAX
+gradient norm, SkyRL PR #1370) is wrapped, or, when the decision is an ``if`` inline in the job's
+code (``if not math.isfinite(loss.item()): continue``), that ``if``'s test is (``branch``: found by
+the analysis from the stacks of the ranks that went each way, ``moedoctor.fixes.rewrite``): its
+local answer becomes a flag, all-reduced with MAX
 over the decision's process group (its ``group`` argument, else the default group), and the wrapper
 returns the group's answer. So the ranks that would have stepped skip too, and nobody waits in the
 optimizer's collectives alone. The caller's skip path must leave the step a true no-op: not calling
@@ -25,15 +28,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from moedoctor.fixes.base import Fix, FixConfigError, Target, parse_target
+from moedoctor.fixes.rewrite import parse_branch
 from moedoctor.fixes.runtime import collective_device
 
 NAME = "skip-step-collectively"
 
 
 def _parse_config(section: Mapping[str, Any]) -> dict:
-    unknown = set(section) - {"decision", "returns"}
+    unknown = set(section) - {"decision", "returns", "branch"}
     if unknown:
-        raise FixConfigError(f"unknown key(s) {sorted(unknown)}; expected 'decision' and 'returns'")
+        raise FixConfigError(f"unknown key(s) {sorted(unknown)}; expected 'decision', 'returns' or 'branch'")
     decisions = section.get("decision", [])
     decisions = [decisions] if isinstance(decisions, str) else decisions
     if not isinstance(decisions, list):
@@ -42,7 +46,10 @@ def _parse_config(section: Mapping[str, Any]) -> dict:
     returns = section.get("returns", "flag")
     if returns not in ("flag", "norm"):
         raise FixConfigError(f"returns: expected 'flag' (true = skip) or 'norm' (non-finite = skip), got {returns!r}")
-    return {"targets": targets, "returns": returns}
+    out: dict[str, Any] = {"targets": targets, "returns": returns}
+    if section.get("branch") is not None:
+        out["branch"] = parse_branch(section["branch"])
+    return out
 
 
 def _install(runtime) -> None:
@@ -76,9 +83,35 @@ def _install(runtime) -> None:
 
     for target in runtime.fix.all_targets(runtime.config):
         runtime.patch(target, make_collective)
+    branch = runtime.config.get("branch")
+    if branch is not None:
+        runtime.branch(branch, _branch_agreement(branch["agree"], snapshots))
     if snapshots is not None:
         snapshots.track()
         runtime.at_finish(snapshots.compare)
+
+
+def _branch_agreement(agree: str, snapshots: _StepSnapshots | None):
+    """The wrapped ``if``'s test: its local truth all-reduced over the default group (MAX for
+    ``any``, MIN for ``all``), the same on every rank. ``any``: the test true means skip (``if bad:
+    continue``, ``if overflow: ... else: step()``); ``all``: true means step (``if finite: step()``)."""
+    import torch
+    import torch.distributed as dist
+
+    def agreed(value: Any, line: int) -> bool:
+        local = bool(value.item() if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1 else value)
+        if not (dist.is_available() and dist.is_initialized()):
+            return local
+        if snapshots is not None:
+            snapshots.compare()  # the previous skip, if any, must have changed nothing
+        flag = torch.tensor([1.0 if local else 0.0], device=collective_device(None))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX if agree == "any" else dist.ReduceOp.MIN)
+        result = bool(flag.item())
+        if snapshots is not None and result == (agree == "any"):
+            snapshots.take()
+        return result
+
+    return agreed
 
 
 def _wants_skip(result: Any, returns: str) -> bool:
@@ -194,5 +227,7 @@ FIX = Fix(
     targets=(Target("_lib.sharded_optim:grad_norm_is_nonfinite", "moedoctor's fixtures"),),
     install=_install,
     parse_config=_parse_config,
-    config_help="decision: 'module:function' (returns true to skip, or the grad norm with returns: norm)",
+    config_help="decision: 'module:function' (returns true to skip, or the grad norm with returns: norm); or "
+                "branch: {file: PATH, line: N, agree: any|all} (an `if` of your code, made collective: written "
+                "by `moedoctor analyze` into report.json when it finds the decision)",
 )

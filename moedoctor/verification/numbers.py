@@ -16,6 +16,7 @@ from moedoctor.trace.reader import TraceError, read_traces
 class RunNumbers:
     losses: dict[int, dict[int, float]] = field(default_factory=dict)      # rank -> backward ordinal -> loss
     step_ends: dict[int, dict[int, float]] = field(default_factory=dict)   # rank -> step -> wall time
+    loss_steps: dict[int, dict[int, int]] = field(default_factory=dict)    # rank -> backward ordinal -> step
     problems: list[str] = field(default_factory=list)
 
     def step_times(self) -> dict[int, float]:
@@ -46,9 +47,11 @@ def read_numbers(run_dir: Path) -> RunNumbers:
     for trace in traces:
         losses = numbers.losses.setdefault(trace.rank, {})
         ends = numbers.step_ends.setdefault(trace.rank, {})
+        steps = numbers.loss_steps.setdefault(trace.rank, {})
         for ev in trace.evidence:
             if ev.kind == "loss":
                 losses[int(ev.data["index"])] = float(ev.data["value"])  # "inf" / "nan" are written as strings
+                steps[int(ev.data["index"])] = ev.step
             elif ev.kind == "optimizer_step_end" and ev.step > 0:
                 ends[ev.step] = max(ends.get(ev.step, ev.time), ev.time)
     return numbers
@@ -66,14 +69,19 @@ class LossComparison:
         return self.compared > 0 and self.matched == self.compared
 
 
-def compare_losses(before: RunNumbers, after: RunNumbers, rtol: float = 1e-4, atol: float = 1e-6) -> LossComparison:
-    """Every loss the original run recorded against the rerun's loss of the same rank and ordinal."""
+def compare_losses(before: RunNumbers, after: RunNumbers, rtol: float = 1e-4, atol: float = 1e-6,
+                   upto_step: int | None = None) -> LossComparison:
+    """Every loss the original run recorded (up to step ``upto_step``, the step its ranks diverged in:
+    after it, the original's numbers come from ranks that no longer ran the same program, e.g. some
+    stepped where the others skipped) against the rerun's loss of the same rank and ordinal."""
     compared = matched = 0
     worst = 0.0
     mismatches: list[str] = []
     for rank, losses in sorted(before.losses.items()):
         rerun = after.losses.get(rank, {})
         for index, value in sorted(losses.items()):
+            if upto_step is not None and before.loss_steps.get(rank, {}).get(index, 0) > upto_step:
+                continue
             compared += 1
             other = rerun.get(index)
             if other is None:

@@ -15,6 +15,7 @@ The change in step time (steps both runs completed) is reported, never judged.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,6 +24,7 @@ from moedoctor.analysis import Report, Verdict, analyze, load_run
 from moedoctor.errors import MoedoctorError
 from moedoctor.fixes import get_fix
 from moedoctor.fixes.config import write_fix_config
+from moedoctor.fixes.rewrite import script_command
 from moedoctor.fixes.status import FixStatus, read_fix_status
 from moedoctor.analysis.report_json import write_json
 from moedoctor.runner import Outcome, RunConfig, RunObserver, RunResult, run_job
@@ -129,7 +131,10 @@ def verify(config: VerifyConfig, observer: RunObserver | None = None) -> Verific
     run_dir = Path(config.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     fix_config_path = write_fix_config(run_dir, config.fix_config)
-    run = replace(config.run, fixes=tuple(f.name for f in fixes), fix_config=fix_config_path, fix_checks=True)
+    branches = {os.path.normpath(section["branch"]["file"]) for section in config.fix_config.values()
+                if isinstance(section, dict) and isinstance(section.get("branch"), dict)}
+    run = replace(config.run, fixes=tuple(f.name for f in fixes), fix_config=fix_config_path, fix_checks=True,
+                  command=script_command(list(config.run.command), branches) if branches else config.run.command)
     started = time.monotonic()
     result = run_job(run, observer)
     elapsed = time.monotonic() - started
@@ -144,7 +149,8 @@ def verify(config: VerifyConfig, observer: RunObserver | None = None) -> Verific
         checks += _fix_checks(fix.name, status, report, result)
     losses = step_times = None
     if original is not None:
-        losses = compare_losses(original.numbers, after, config.loss_rtol, config.loss_atol)
+        losses = compare_losses(original.numbers, after, config.loss_rtol, config.loss_atol,
+                                upto_step=_divergence_step(original.report))
         checks.append(_loss_check(losses, original.numbers))
         step_times = compare_step_times(original.numbers, after)
         checks.append(_step_time_check(step_times))
@@ -271,6 +277,14 @@ def _fix_checks(name: str, status: FixStatus, report: Report | None, result: Run
             checks.append(Check(f"{name}: {check_name}", True, "-",
                                 f"holds on all {len(per_rank)} ranks: {detail}{worst_text}"))
     return checks
+
+
+def _divergence_step(report: dict | None) -> int | None:
+    """The step the original run's ranks parted in (the smallest of theirs at the divergence)."""
+    per_rank = ((report or {}).get("divergence") or {}).get("per_rank") or {}
+    steps = [op.get("step") for op in per_rank.values() if isinstance(op, dict)]
+    steps = [s for s in steps if isinstance(s, int) and not isinstance(s, bool)]
+    return min(steps) if steps else None
 
 
 def _loss_check(losses: LossComparison, before: RunNumbers) -> Check:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from moedoctor.analysis.culprits import Culprits
 from moedoctor.analysis.model import Divergence, DivergenceKind, OpView, Suggestion, WaitEdge
+from moedoctor.analysis.source import Branch, decision_branch
 from moedoctor.analysis.steps import position
 from moedoctor.analysis.view import RunView
 from moedoctor.events import CollectiveEvent
@@ -42,6 +43,9 @@ class Finding:
     evidence: tuple[str, ...]
     culprits: tuple[int, ...] | None = None   # a pattern's own culprits, used when the generic rules found none
     suggestion: Suggestion | None = None
+    #: Settings that point the pattern's fix at this job's own code (``{fix name: section}``,
+    #: e.g. the ``if`` that made the rank-local decision), so ``moedoctor verify`` needs no --config.
+    fix_config: dict | None = None
 
 
 @dataclass
@@ -72,6 +76,23 @@ class Context:
         divergence; empty when it issued none there."""
         event = self.event(rank)
         return () if event is None or event.call_site is None else event.call_site.stack
+
+    def decision(self) -> Branch | None:
+        """The ``if`` that sent the ranks different ways at the divergence (``source.decision_branch``):
+        found from a rank's stack, confirmed by the stacks of the ranks whose call site differs."""
+        if self.div is None:
+            return None
+        sites = {r: (e.call_site.where if (e := self.event(r)) is not None and e.call_site else None)
+                 for r in self.div.per_rank}
+        for rank in sorted(self.present()):
+            stack = self.stack(rank)
+            if not stack:
+                continue
+            others = tuple(self.stack(r) for r in sites if sites[r] != sites[rank] and self.stack(r))
+            branch = decision_branch(stack, others)
+            if branch is not None:
+                return branch
+        return None
 
     def positions(self) -> dict[int, str | None]:
         """Where each rank that issued the divergence's collective is in its step (``steps.position``)."""

@@ -108,8 +108,22 @@ def classify(ctx: Context) -> Finding | None:
     elif phase_stepping:
         v = present[phase_stepping[0]]
         suggestion = Suggestion(v.call_site, v.function, _ADVICE)
+    fix_config = None
+    branch = ctx.decision()
+    if branch is not None:
+        # Skip together: the collectives run only if every rank's test lets them.
+        agree = "all" if branch.runs_when else "any"
+        taken = "steps" if branch.runs_when else "skips"
+        evidence.append(f"the decision is `if {branch.test}:` ({branch.short}): {names(stepping)} went the way that "
+                        f"steps, {names(skipping)} the other; the test is rank-local (its value is no collective)")
+        fix_config = {"skip-step-collectively": {"branch": {"file": branch.file, "line": branch.line, "agree": agree,
+                                                            "test": branch.test}}}
+        suggestion = Suggestion(f"{branch.file}:{branch.line}", None,
+                                f"Make this decision collective: all_reduce its 0/1 value over the group "
+                                f"(ReduceOp.{'MAX' if agree == 'any' else 'MIN'}) before the `if`, so every rank "
+                                f"{taken} when {'any' if agree == 'any' else 'all'} of them would. " + _ADVICE)
     return Finding(round(min(score, 1.0), 3), tuple(evidence), culprits=tuple(bad or cleared or skipping),
-                   suggestion=suggestion)
+                   suggestion=suggestion, fix_config=fix_config)
 
 
 _ADVICE = ("Decide to skip collectively: all_reduce the non-finite flag (a 0/1 tensor) with ReduceOp.MAX over "

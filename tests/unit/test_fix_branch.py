@@ -1,0 +1,86 @@
+"""Branch fixes: which ``if`` the analysis names, and how the fix rewrites it (no torch)."""
+
+from __future__ import annotations
+
+import builtins
+import textwrap
+
+import pytest
+
+from moedoctor.analysis.source import decision_branch
+from moedoctor.fixes import rewrite
+from moedoctor.fixes.base import FixConfigError
+from moedoctor.fixes.skip_step_collectively import FIX as SKIP
+
+LOOP = textwrap.dedent("""\
+    import math
+
+    def train(model, opt, batches, opts):
+        for step, batch in enumerate(batches):
+            loss = model(batch)
+            bad = not math.isfinite(loss)
+            if opts.collective:
+                bad = agree(bad)
+            if bad:
+                opt.zero_grad()
+                continue
+            opt.step()
+            if finite_everywhere(loss):
+                sync(model)
+            else:
+                log(loss)
+            model(batch)
+    """)
+
+
+def _stack(path, *lines):
+    return tuple(f"{path}:{line} {fn}" for line, fn in lines)
+
+
+def test_the_branch_is_the_one_the_other_ranks_stacks_are_on_the_other_side_of(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(LOOP)
+    # the stepping rank in opt.step(); the skipping one already in the next iteration's forward
+    branch = decision_branch(_stack(path, (12, "train")), (_stack(path, (5, "train")),))
+    assert (branch.line, branch.test, branch.runs_when) == (9, "bad", False)
+    # in the body of an `if`, the other rank in its else
+    inner = decision_branch(_stack(path, (14, "train")), (_stack(path, (16, "train")),))
+    assert (inner.line, inner.runs_when) == (13, True)
+    # a rank in the same place on the same side confirms nothing; with no other stack, the nearest
+    assert decision_branch(_stack(path, (12, "train")), (_stack(path, (12, "train")),)) is None
+    assert decision_branch(_stack(path, (12, "train"))).line == 9
+    # `if opts.collective:` tests a setting, never the decision
+    assert all(decision_branch(_stack(path, (8, "train")), (o,)) is None for o in (_stack(path, (12, "train")),))
+
+
+def test_a_branch_setting_is_validated_and_rewritten_in_place(tmp_path):
+    with pytest.raises(FixConfigError, match="branch.agree"):
+        SKIP.parse_config({"branch": {"file": "train.py", "line": 3, "agree": "most"}})
+    with pytest.raises(FixConfigError, match="branch.line"):
+        SKIP.parse_config({"branch": {"file": "train.py", "line": "9"}})
+    path = tmp_path / "train.py"
+    path.write_text("def decide(x):\n    if x > 0:\n        return 'run'\n    return 'skip'\n")
+    config = SKIP.parse_config({"branch": {"file": str(path), "line": 2, "agree": "any"}})
+    assert config["branch"] == {"file": str(path), "line": 2, "agree": "any"}
+
+    seen = []
+    code = rewrite.rewrite(path.read_text(), str(path), {(str(path), 2): "some-fix"})
+    assert (str(path), 2) in rewrite.applied
+    namespace: dict = {}
+    exec(code, namespace)
+    setattr(builtins, rewrite.CALL, rewrite._dispatch)
+    rewrite.on_branch("some-fix", lambda value, line: seen.append((value, line)) or not value)
+    try:
+        assert namespace["decide"](1) == "skip" and namespace["decide"](-1) == "run"
+    finally:
+        rewrite._handlers.pop("some-fix")
+    assert seen == [(True, 2), (False, 2)]
+
+
+def test_the_script_is_launched_through_the_rewriter_only_when_the_branch_is_in_it(tmp_path):
+    script = str(tmp_path / "train.py")
+    torchrun = ["torchrun", "--nproc_per_node", "2", script, "--steps", "3"]
+    assert rewrite.script_command(torchrun, {script}) == [
+        "torchrun", "--nproc_per_node", "2", "-m", "moedoctor.fixes.script", script, "--steps", "3"]
+    assert rewrite.script_command(torchrun, {str(tmp_path / "lib.py")}) == torchrun
+    assert rewrite.script_command(["python", script], {script}) == ["python", "-m", "moedoctor.fixes.script", script]
