@@ -63,6 +63,7 @@ def test_order_inversion_is_a_wait_for_cycle(host_blocks):
     assert report.cycle and {e.group for e in report.cycle} == {"1", "2"}
     assert {e.rank for e in report.cycle} == {0, 1}
     assert report.culprit_ranks == [1]  # it changed the order its own earlier steps used
+    assert any("rank 1 issued" in e and "it changed its order" in e for e in report.evidence), report.evidence
     if not host_blocks:
         assert not [d for d in report.groups if d.kind != DivergenceKind.STALLED]
 

@@ -18,12 +18,17 @@ is awaited at, on that group, before (the history shows a reordering of collecti
 runs); otherwise 0.35, with the ranks that never issued it in the evidence (an inversion at step
 0, with no history, is then not named either).
 
+Culprits: the ranks of the cycle that changed their own order (their last earlier collectives from
+the two call sites came the other way round), when some did and some kept theirs; otherwise every
+rank of the cycle (an inversion at the first iteration has no habit to break).
+
 Fix: issue the collectives of overlapping groups in one global order on every rank (or make one of
 them asynchronous and wait for both).
 
 Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 5 variants of `collective-order-inversion/`
 (side DCP group, functional buckets, 3 pair groups in a ring, telemetry group, 2x2 mesh): 5/5 named
-after the change. Confusions seen before it: cycles at step 0 named `rank-conditional-collective`
+after the change; culprits 2/5 (the other three invert at their first collectives: no habit).
+Confusions seen before it: cycles at step 0 named `rank-conditional-collective`
 (2: the partner's absence read as 'no partner', though it was blocked in another group) and a
 DCP-side-group cycle named `uneven-dtensor-allgather` (a checkpoint phase alone named it).
 """
@@ -81,7 +86,42 @@ def classify(ctx: Context) -> Finding | None:
                         "under a branch on the rank, but the history does not show every rank issuing the "
                         "collectives of the cycle (a collective that only some ranks issue cannot be ruled out)")
         return Finding(0.45, tuple(evidence), suggestion=Suggestion(site, fn, _ADVICE))
-    return Finding(0.95, tuple(evidence), suggestion=Suggestion(site, fn, _ADVICE))
+    deviators, habit = _deviators(ctx)
+    evidence.extend(habit)
+    return Finding(0.95, tuple(evidence), culprits=tuple(deviators) or None, suggestion=Suggestion(site, fn, _ADVICE))
+
+
+def _deviators(ctx: Context) -> tuple[list[int], list[str]]:
+    """The ranks of the cycle that changed their own order: each is blocked at one call site while
+    another rank of the cycle is blocked at a second one; if this rank's last earlier collectives from
+    the two sites came in the other order, it reordered them now. Named only when some, not all, did
+    (a cycle where every rank kept its habit, or none has one, leaves the culprits to the cycle)."""
+    view = ctx.view
+    blocked = {}
+    for edge in ctx.cycle:
+        e = view.event(edge.rank, edge.group, edge.seq)
+        if e is not None and e.call_site is not None:
+            blocked[edge.rank] = (edge.group, e.call_site.where, e)
+    changed, kept, lines = [], [], []
+    for rank, (group, site, event) in blocked.items():
+        other = next(((g, s) for r, (g, s, _) in blocked.items() if r != rank and (g, s) != (group, site)), None)
+        if other is None:
+            continue
+        mine = [x for x in view.events(rank, group, before=event.seq) if x.call_site and x.call_site.where == site]
+        theirs = [x for x in view.events(rank, other[0]) if x.call_site and x.call_site.where == other[1]
+                  and x.event_id < event.event_id]
+        if not mine or not theirs:
+            continue
+        if theirs[-1].event_id < mine[-1].event_id:
+            changed.append(rank)
+            first, then = site.rsplit("/", 1)[-1], other[1].rsplit("/", 1)[-1]
+            lines.append(f"rank {rank} issued {first} before {then} this time, after the other order the time "
+                         "before: it changed its order")
+        else:
+            kept.append(rank)
+    if changed and kept:
+        return sorted(changed), lines
+    return [], []
 
 
 def _first_time(ctx: Context) -> list[str]:
