@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moedoctor.fixes.base import Fix, FixConfigError, Target, parse_target
-from moedoctor.fixes.runtime import collective_device, first_mapping_argument
+from moedoctor.fixes.rewrite import parse_branch
+from moedoctor.fixes.runtime import agreed_branch, collective_device, first_mapping_argument
 
 if TYPE_CHECKING:
     import torch
@@ -128,17 +129,25 @@ def complete_from_manifest(state_dict: Mapping[str, Any], manifest: list[Manifes
 # -- the fix --------------------------------------------------------------------------------------
 
 def _parse_config(section: Mapping[str, Any]) -> dict:
-    unknown = set(section) - {"preprocess"}
+    unknown = set(section) - {"preprocess", "branch"}
     if unknown:
-        raise FixConfigError(f"unknown key(s) {sorted(unknown)}; expected 'preprocess'")
+        raise FixConfigError(f"unknown key(s) {sorted(unknown)}; expected 'preprocess' or 'branch'")
     functions = section.get("preprocess", [])
     functions = [functions] if isinstance(functions, str) else functions
     if not isinstance(functions, list):
         raise FixConfigError(f"preprocess: expected 'module:function' or a list of them, got {functions!r}")
-    return {"targets": [parse_target(f, f"preprocess[{i}]").path for i, f in enumerate(functions)]}
+    out: dict[str, Any] = {"targets": [parse_target(f, f"preprocess[{i}]").path for i, f in enumerate(functions)]}
+    if section.get("branch") is not None:
+        out["branch"] = parse_branch(section["branch"])
+    return out
 
 
 def _install(runtime) -> None:
+    branch = runtime.config.get("branch")
+    if branch is not None:
+        # The per-key `if` that skips a key on some ranks (an empty local shard, a pruned one), agreed:
+        # a key is skipped only where every rank would skip it, so every rank walks the same keys.
+        runtime.branch(branch, agreed_branch(runtime, branch["agree"]))
     round_trip = _RoundTrip(runtime) if runtime.checks_enabled else None
     meshes = _MeshMemory()
 

@@ -230,6 +230,41 @@ class FixRuntime:
         self.write()
 
 
+def agreed_branch(runtime: FixRuntime, agree: str) -> Callable[[Any, int], bool]:
+    """A wrapped ``if``'s test made collective: its local truth all-reduced over the default group
+    (``any``: true when any rank's is; ``all``: when every rank's is). One 2-element all-reduce
+    (MAX of [x, -x]) gives both the answer and whether the ranks disagreed; the check "ranks
+    disagreed and took one branch" passes on a rank once an evaluation had them disagree (the fault
+    recurred and the fix decided it), and stays unestablished when they never did (the fix was not
+    exercised: the wrong ``if``, or the fault did not come back)."""
+    import torch
+    import torch.distributed as dist
+
+    seen = {"evaluations": 0, "disagreed": 0, "overridden": 0}
+
+    def agreed(value: Any, line: int) -> bool:
+        local = bool(value.item() if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1 else value)
+        if not (dist.is_available() and dist.is_initialized()):
+            return local
+        x = 1.0 if local else 0.0
+        both = torch.tensor([x, -x], device=collective_device(None))
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        anyone, everyone = both[0].item() > 0.5, -both[1].item() > 0.5
+        result = anyone if agree == "any" else everyone
+        seen["evaluations"] += 1
+        seen["disagreed"] += anyone != everyone
+        seen["overridden"] += result != local
+        if anyone != everyone or seen["evaluations"] == 1:
+            text = (f"line {line}: the ranks disagreed at {seen['disagreed']} of {seen['evaluations']} evaluation(s) "
+                    f"and took one branch ({seen['overridden']} local decision(s) overridden on this rank)")
+            runtime.check("ranks disagreed and took one branch", True if seen["disagreed"] else None,
+                          text if seen["disagreed"] else f"line {line}: the ranks never disagreed (the fix was "
+                                                         "not exercised)")
+        return result
+
+    return agreed
+
+
 def collective_device(group):
     """Where a fix's own small collective on ``group`` must live: the current GPU for NCCL, else CPU."""
     import torch

@@ -29,7 +29,7 @@ from typing import Any
 
 from moedoctor.fixes.base import Fix, FixConfigError, Target, parse_target
 from moedoctor.fixes.rewrite import parse_branch
-from moedoctor.fixes.runtime import collective_device
+from moedoctor.fixes.runtime import agreed_branch, collective_device
 
 NAME = "skip-step-collectively"
 
@@ -85,33 +85,27 @@ def _install(runtime) -> None:
         runtime.patch(target, make_collective)
     branch = runtime.config.get("branch")
     if branch is not None:
-        runtime.branch(branch, _branch_agreement(branch["agree"], snapshots))
+        runtime.branch(branch, _branch_agreement(runtime, branch["agree"], snapshots))
     if snapshots is not None:
         snapshots.track()
         runtime.at_finish(snapshots.compare)
 
 
-def _branch_agreement(agree: str, snapshots: _StepSnapshots | None):
-    """The wrapped ``if``'s test: its local truth all-reduced over the default group (MAX for
-    ``any``, MIN for ``all``), the same on every rank. ``any``: the test true means skip (``if bad:
-    continue``, ``if overflow: ... else: step()``); ``all``: true means step (``if finite: step()``)."""
-    import torch
-    import torch.distributed as dist
+def _branch_agreement(runtime, agree: str, snapshots: _StepSnapshots | None):
+    """The wrapped ``if``'s test, agreed by every rank (``runtime.agreed_branch``). ``any``: the test
+    true means skip (``if bad: continue``, ``if overflow: ... else: step()``); ``all``: true means
+    step (``if finite: step()``). A skip is snapshotted for the no-op check."""
+    agreed = agreed_branch(runtime, agree)
 
-    def agreed(value: Any, line: int) -> bool:
-        local = bool(value.item() if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1 else value)
-        if not (dist.is_available() and dist.is_initialized()):
-            return local
+    def decide(value: Any, line: int) -> bool:
         if snapshots is not None:
             snapshots.compare()  # the previous skip, if any, must have changed nothing
-        flag = torch.tensor([1.0 if local else 0.0], device=collective_device(None))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX if agree == "any" else dist.ReduceOp.MIN)
-        result = bool(flag.item())
+        result = agreed(value, line)
         if snapshots is not None and result == (agree == "any"):
             snapshots.take()
         return result
 
-    return agreed
+    return decide
 
 
 def _wants_skip(result: Any, returns: str) -> bool:

@@ -84,3 +84,12 @@ def test_the_script_is_launched_through_the_rewriter_only_when_the_branch_is_in_
         "torchrun", "--nproc_per_node", "2", "-m", "moedoctor.fixes.script", script, "--steps", "3"]
     assert rewrite.script_command(torchrun, {str(tmp_path / "lib.py")}) == torchrun
     assert rewrite.script_command(["python", script], {script}) == ["python", "-m", "moedoctor.fixes.script", script]
+
+
+def test_the_checkpoint_fix_takes_a_branch_too(tmp_path):
+    from moedoctor.fixes.key_manifest_checkpoint import FIX as MANIFEST
+
+    config = MANIFEST.parse_config({"branch": {"file": str(tmp_path / "save.py"), "line": 41, "agree": "all"}})
+    assert config == {"targets": [], "branch": {"file": str(tmp_path / "save.py"), "line": 41, "agree": "all"}}
+    with pytest.raises(FixConfigError, match="branch"):
+        MANIFEST.parse_config({"branch": "save.py:41"})

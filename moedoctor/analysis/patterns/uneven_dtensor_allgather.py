@@ -112,7 +112,17 @@ def classify(ctx: Context) -> Finding | None:
         fn = next((e.call_site.function for run in runs.values() for e in run
                    if e.call_site and e.call_site.where == loop_site), None)
         suggestion = Suggestion(loop_site, fn, _ADVICE)
-    return Finding(round(score, 3), tuple(evidence), suggestion=suggestion,
+    fix_config = None
+    branch = ctx.decision()
+    if branch is not None and score >= 0.35:
+        # Walk the same keys: an item is skipped only where every rank would skip it.
+        agree = "any" if branch.runs_when else "all"
+        evidence.append(f"the per-key decision is `if {branch.test}:` ({branch.short}): the ranks went different ways "
+                        "on the same key (a rank-local test: an empty or pruned local shard)")
+        fix_config = {"key-manifest-checkpoint": {"branch": {"file": branch.file, "line": branch.line, "agree": agree,
+                                                             "test": branch.test}}}
+        suggestion = Suggestion(f"{branch.file}:{branch.line}", None, _ADVICE)
+    return Finding(round(score, 3), tuple(evidence), suggestion=suggestion, fix_config=fix_config,
                    culprits=exit_.left if exit_ is not None else None)
 
 
