@@ -415,3 +415,29 @@ def _configuration(test: ast.expr) -> bool:
     comparison (a setting); a name alone is data (``if bad:``)."""
     node = test.operand if isinstance(test, ast.UnaryOp) else test
     return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+
+
+#: The calls a test makes when it checks numbers for overflow: torch's and math's own.
+_FINITENESS = re.compile(r"\b(isfinite|isnan|isinf|isposinf|isneginf|found_inf)\b")
+
+
+def checks_finiteness(branch: Branch) -> bool:
+    """Does the branch's test check numbers for inf/NaN: directly (``torch.isfinite(norm)``), through a
+    name assigned before it in the function (``bad = not math.isfinite(loss)`` then ``if bad:``), or
+    through a function or method of the same file that the test calls (one level down)?"""
+    if _FINITENESS.search(branch.test):
+        return True
+    try:
+        test = ast.parse(branch.test, mode="eval").body
+    except SyntaxError:
+        return False
+    if any(_FINITENESS.search(rhs) for name in _operand_names(test) for rhs in _assigned(branch.file, name,
+                                                                                          branch.line)):
+        return True
+    called = {n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id for n in ast.walk(test)
+              if isinstance(n, ast.Call) and isinstance(n.func, (ast.Attribute, ast.Name))}
+    tree = _tree(branch.file)
+    if tree is None or not called:
+        return False
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in called
+               and _FINITENESS.search(ast.unparse(n)) for n in ast.walk(tree))

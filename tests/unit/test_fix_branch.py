@@ -93,3 +93,28 @@ def test_the_checkpoint_fix_takes_a_branch_too(tmp_path):
     assert config == {"targets": [], "branch": {"file": str(tmp_path / "save.py"), "line": 41, "agree": "all"}}
     with pytest.raises(FixConfigError, match="branch"):
         MANIFEST.parse_config({"branch": "save.py:41"})
+
+
+def test_an_inf_nan_check_is_read_through_one_assignment_or_one_call(tmp_path):
+    from moedoctor.analysis.source import Branch, checks_finiteness
+
+    path = tmp_path / "opt.py"
+    path.write_text(textwrap.dedent("""\
+        import math, torch
+
+        class Opt:
+            def _check(self, g):
+                return not torch.isfinite(g).all()
+
+            def step(self, g, loss):
+                if self._check(g):
+                    return
+                bad = not math.isfinite(loss)
+                if bad:
+                    return
+                if loss > 10:
+                    return
+        """))
+    assert checks_finiteness(Branch(str(path), 8, "self._check(g)", False))
+    assert checks_finiteness(Branch(str(path), 11, "bad", False))
+    assert not checks_finiteness(Branch(str(path), 13, "loss > 10", False))

@@ -80,10 +80,15 @@ class Context:
     def decision(self) -> Branch | None:
         """The ``if`` that sent the ranks different ways at the divergence (``source.decision_branch``):
         found from a rank's stack, confirmed by the stacks of the ranks whose call site differs."""
+        return self.decision_sides()[0]
+
+    def decision_sides(self) -> tuple[Branch | None, list[int]]:
+        """``decision()`` and the ranks whose call went through it (the others went the other way)."""
         if self.div is None:
-            return None
+            return None, []
         sites = {r: (e.call_site.where if (e := self.event(r)) is not None and e.call_site else None)
                  for r in self.div.per_rank}
+        found: dict[Branch, list[int]] = {}
         for rank in sorted(self.present()):
             stack = self.stack(rank)
             if not stack:
@@ -91,8 +96,11 @@ class Context:
             others = tuple(self.stack(r) for r in sites if sites[r] != sites[rank] and self.stack(r))
             branch = decision_branch(stack, others)
             if branch is not None:
-                return branch
-        return None
+                found.setdefault(branch, []).append(rank)
+        if not found:
+            return None, []
+        branch = next(iter(found))
+        return branch, found[branch]
 
     def positions(self) -> dict[int, str | None]:
         """Where each rank that issued the divergence's collective is in its step (``steps.position``)."""

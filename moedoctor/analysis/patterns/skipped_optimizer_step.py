@@ -21,15 +21,24 @@ skips or none does (zeroed grads are not a no-op for AdamW: weight decay and mom
 
 Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 7 variants of `skipped-optimizer-step/`
 (Megatron-style distributed optimizer, FSDP2 trainer, functional step hook, Muon at step 0,
-PostLocalSGD, TP+DP loss scaler, ZeRO NaN guard): 6/7 after the change. Confusions seen before it:
-0/7, named `microbatch-count-mismatch` (4) or `inflight-metric-allreduce` (2), one unknown. Still
-missed: a hand-written optimizer that is no `torch.optim.Optimizer` (no step or zero_grad hook
-fires) is left `unknown-desync`.
+PostLocalSGD, TP+DP loss scaler, ZeRO NaN guard): 7/7, culprits 7/7, and the printed verify
+passes on 7/7 (the decision's `if`, found from the stacks, made collective). Confusions seen before:
+0/7, named `microbatch-count-mismatch` (4) or `inflight-metric-allreduce` (2), one unknown; the
+hand-written optimizer that is no `torch.optim.Optimizer` (no step or zero_grad hook fires) stayed
+`unknown-desync` until the sides were taken from the rank-local inf/NaN check the ranks' stacks are
+on either side of. On NCCL `funcol_sync_in_step_hook` was named `microbatch-count-mismatch` once.
+
+Evidence from the code: the `if` that separates the ranks (`Context.decision_sides`: in the stack of
+a rank that issued the step's collective, confirmed by the stacks of those that issued something
+else); when its test checks for inf/NaN (`torch.isfinite`, `math.isnan`, directly, through one
+assignment or one function of the same file), it weighs 0.45 and, where no optimizer hook fired,
+decides which ranks stepped.
 """
 
 from __future__ import annotations
 
 from moedoctor.analysis.model import Suggestion
+from moedoctor.analysis.source import checks_finiteness
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb
 from moedoctor.analysis.steps import CLOSING, RESTART
 from moedoctor.events import Evidence
@@ -58,9 +67,20 @@ def classify(ctx: Context) -> Finding | None:
         # the ranks that threw their gradients away are the skipping side.
         stepping = sorted(r for r in ranks if r not in cleared)
     skipping = sorted(r for r in ranks if r not in stepping)
+    branch, through = ctx.decision_sides()
+    finite_check = branch is not None and checks_finiteness(branch)
+    if (not skipping or not stepping) and finite_check and 0 < len(through) < len(ranks):
+        # No optimizer hook fired (an optimizer that is no torch.optim.Optimizer): the sides come
+        # from the rank-local inf/NaN check the ranks' stacks are on either side of.
+        stepping = sorted(through)  # their call is on the side of the `if` that issues the step's collectives
+        skipping = sorted(r for r in ranks if r not in stepping)
     if not skipping or not stepping:
         return None
     score, evidence = 0.0, []
+    if finite_check:
+        score += 0.45
+        evidence.append(f"the ranks parted at a rank-local check for inf/NaN, `if {branch.test}:` ({branch.short}): "
+                        f"{names(stepping)} went the way that steps, {names(skipping)} the other")
     backward = [r for r in skipping if view.evidence(r, "backward_begin", step)]
     if stepped and len(backward) == len(skipping):
         score += 0.25
@@ -109,13 +129,14 @@ def classify(ctx: Context) -> Finding | None:
         v = present[phase_stepping[0]]
         suggestion = Suggestion(v.call_site, v.function, _ADVICE)
     fix_config = None
-    branch = ctx.decision()
     if branch is not None:
         # Skip together: the collectives run only if every rank's test lets them.
         agree = "all" if branch.runs_when else "any"
         taken = "steps" if branch.runs_when else "skips"
-        evidence.append(f"the decision is `if {branch.test}:` ({branch.short}): {names(stepping)} went the way that "
-                        f"steps, {names(skipping)} the other; the test is rank-local (its value is no collective)")
+        if not finite_check:
+            evidence.append(f"the decision is `if {branch.test}:` ({branch.short}): {names(stepping)} went the way "
+                            f"that steps, {names(skipping)} the other; the test is rank-local (its value is no "
+                            "collective)")
         fix_config = {"skip-step-collectively": {"branch": {"file": branch.file, "line": branch.line, "agree": agree,
                                                             "test": branch.test}}}
         suggestion = Suggestion(f"{branch.file}:{branch.line}", None,
