@@ -31,5 +31,5 @@ echo "init_device_mesh desync: exit $?"; python3 -m moedoctor analyze "$runs/mes
 } 2>&1 | tee "$out/issue10.txt"
 timeout ${BUDGET:-520} python3 benchmarks/diagnosis_accuracy.py --backend nccl --jobs ${JOBS:-6} --no-healthy \
   --keep "$runs/acc" 2>"$out/progress.txt" | tee "$out/accuracy.txt"
-tar czf "$out/logs.tgz" -C /tmp moedoctor-acc-runs --exclude='*.jsonl' --exclude='stacks' 2>/dev/null
+tar czf "$out/logs.tgz" -C /tmp moedoctor-acc-runs 2>/dev/null  # traces too: --reanalyze needs them
 ls -la "$out"
