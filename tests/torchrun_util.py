@@ -35,6 +35,23 @@ def torchrun_command(script: str | Path, nproc: int, *args: str) -> list[str]:
             f"--nproc_per_node={nproc}", str(script), *args]
 
 
+def diagnose_and_verify(run_dir: Path, script: Path, nproc: int = 2, timeout: float = 150.0
+                        ) -> tuple[dict, JobResult, JobResult]:
+    """``moedoctor run`` on ``script``, then the verify command its report printed, run as printed:
+    ``(report, run result, verify result)``; the verify result's returncode is 2 when none was printed."""
+    import json
+    import shlex
+
+    moedoctor = [sys.executable, "-m", "moedoctor"]
+    result = run_command([*moedoctor, "run", "--run-dir", str(run_dir), "--hang-timeout", "10", "--",
+                          *torchrun_command(script, nproc)], timeout, cwd=REPO)
+    report = json.loads((run_dir / "report.json").read_text())
+    if not report.get("verify_command"):
+        return report, result, JobResult(2, "no verify command printed", 0.0)
+    printed = shlex.split(report["verify_command"])
+    return report, result, run_command([*moedoctor, *printed[1:], "--json"], timeout, cwd=REPO)
+
+
 def run_command(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
                 cwd: Path | None = None) -> JobResult:
     """Run ``cmd`` to completion; a job still running after ``timeout`` seconds is killed with its

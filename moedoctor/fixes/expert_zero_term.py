@@ -30,6 +30,15 @@ thread, median forward+backward of one block, one expert idle): fixture block (4
 tokens, hidden 16) 1.07 ms sparse, 1.35 ms with the zero term; 16 experts, top-2, 1024 tokens,
 hidden 256, intermediate 512: 59 ms and 60 ms.
 
+Structural mode (``lists: auto``, ``moedoctor/fixes/_member_lists.py``): no class is patched. Every
+module list of two or more same-class members with parameters is watched through torch's global
+module hooks; idle members are called on empty inputs in index order (before a higher-numbered member
+runs, and after the owner's forward for the rest), so every member runs once per owner forward in
+one order on every rank, experts that are their own FSDP2 units included; the zero term is added to
+the owner's output. Its check: per owner forward, every member ran once, in index order (a job's
+loop that calls members twice or out of order fails it). The report writes ``lists: auto`` when the
+seeds' classes are not what the job ran.
+
 Risk: the block must call its experts through ``module(...)``: an expert called as ``expert.forward``
 is not seen by the hooks and gets a (harmless) zero term as well. The hooks stay on the experts.
 """
@@ -43,7 +52,7 @@ from moedoctor.fixes._moe_blocks import (
     CHECKED_CALLS, FUSED, MODULELIST, BlockSpec, PerInstance, builtin_targets, check_forward_signature, first_tensor,
     modulelist_problem, parse_blocks_config, require_transformers4, sharded_experts_reason, specs_for,
 )
-from moedoctor.fixes.base import Fix
+from moedoctor.fixes.base import Fix, FixConfigError
 
 NAME = "expert-zero-term"
 CHECK = "output bitwise equal to sparse"
@@ -51,10 +60,23 @@ NOT_NEEDED = "not needed: fused experts are one parameter"
 
 
 def _parse_config(section: Mapping[str, Any]) -> dict:
-    return parse_blocks_config(section, NAME, kinds=(MODULELIST,))
+    section = dict(section)
+    lists = section.pop("lists", None)
+    if lists not in (None, "auto"):
+        raise FixConfigError(f"lists: expected 'auto' (every module list of same-class members), got {lists!r}")
+    parsed = parse_blocks_config(section, NAME, kinds=(MODULELIST,))
+    return {**parsed, "lists": "auto"} if lists else parsed
 
 
 def _install(runtime) -> None:
+    if runtime.config.get("lists") == "auto":
+        # No class to patch: torch's global module hooks watch every module list (_member_lists).
+        from moedoctor.fixes._member_lists import TARGET, MemberLists
+        from moedoctor.fixes.runtime import TargetState
+
+        state = runtime.targets.setdefault(TARGET, TargetState(TARGET, "lists: auto"))
+        MemberLists(runtime, state).install()
+        return
     # The fused transformers 5 classes are watched too, only to say why they are left alone.
     for spec in specs_for(runtime.config):
         runtime.patch(spec.target, _replacer(runtime, spec))
@@ -168,5 +190,7 @@ FIX = Fix(
     targets=builtin_targets(kinds=(MODULELIST,)),
     install=_install,
     parse_config=_parse_config,
-    config_help="blocks: [{class: 'module:Class', experts: experts}] (modulelist blocks only)",
+    config_help="blocks: [{class: 'module:Class', experts: experts}] (modulelist blocks only); or lists: auto "
+                "(no class: every module list of same-class members runs whole, in index order, per forward of "
+                "its owner; written by `moedoctor analyze` into report.json for MoE code it has no class for)",
 )

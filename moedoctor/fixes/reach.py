@@ -96,11 +96,20 @@ def with_fix_reach(report: Report, run: RunData, command: list[str] | None = Non
     fix = FIXES.get(report.fixes[0])
     if fix is None:
         return report
-    if (report.fix_config or {}).get(fix.name):
-        return report  # the analysis pointed the fix at this job's own code (a branch it found)
     paths = [t.path for t in fix.targets]
     if not paths or reached(paths, run_frames(run), script_of(command)):
-        return report
+        # The fix's own targets are this job's code: they, not settings derived from structure, apply.
+        kept = {k: v for k, v in (report.fix_config or {}).items() if k != fix.name} or None
+        return report if kept == report.fix_config else dataclasses.replace(report, fix_config=kept)
+    if (report.fix_config or {}).get(fix.name):
+        return report  # the analysis pointed the fix at this job's own code (a branch it found)
+    derived = next((name for name in report.fixes[1:] if (report.fix_config or {}).get(name)), None)
+    if derived is not None:
+        # The first fix patches classes this job did not run; the next one was pointed at its code by
+        # structure (module lists, a branch): offer that one.
+        verify = report.verify_command.replace(f"--fix {fix.name} ", f"--fix {derived} ", 1)
+        return dataclasses.replace(report, verify_command=verify,
+                                   fixes=[derived, *[f for f in report.fixes if f != derived]])
     site = report.suggestion.call_site.rsplit("/", 1)[-1] if report.suggestion and report.suggestion.call_site else None
     shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
     note = (f"No automatic fix for this code: {fix.name} patches {shown}, none of which this job ran (not in "

@@ -71,16 +71,18 @@ class LossComparison:
 
 def compare_losses(before: RunNumbers, after: RunNumbers, rtol: float = 1e-4, atol: float = 1e-6,
                    upto_step: int | None = None) -> LossComparison:
-    """Every loss the original run recorded (up to step ``upto_step``, the step its ranks diverged in:
-    after it, the original's numbers come from ranks that no longer ran the same program, e.g. some
-    stepped where the others skipped) against the rerun's loss of the same rank and ordinal."""
+    """Every loss the original run recorded before step ``upto_step``, the step its ranks diverged in
+    (from that step on, the original's numbers come from ranks that no longer ran the same program:
+    some stepped where others skipped, or a collective was silently paired with another rank's
+    different one, as Gloo does with equal-size all-gathers of different FSDP units), against the
+    rerun's loss of the same rank and ordinal."""
     compared = matched = 0
     worst = 0.0
     mismatches: list[str] = []
     for rank, losses in sorted(before.losses.items()):
         rerun = after.losses.get(rank, {})
         for index, value in sorted(losses.items()):
-            if upto_step is not None and before.loss_steps.get(rank, {}).get(index, 0) > upto_step:
+            if upto_step is not None and before.loss_steps.get(rank, {}).get(index, 0) >= upto_step:
                 continue
             compared += 1
             other = rerun.get(index)

@@ -54,7 +54,7 @@ def test_fixture_is_diagnosed(name, diagnosed_run):
         assert any(s.endswith(expected["call_site"]) for s in sites) or \
             any(expected["call_site"] in e for e in report["evidence"]), (sites, context)
     if expected.get("fix"):
-        assert report["fixes"] == [expected["fix"]], context
+        assert report["fixes"][0] == expected["fix"], context  # the one the verify command runs
         assert f"moedoctor verify --fix {expected['fix']} --run" in result.output, context
     if expected.get("failure") == "abort":
         # Gloo's size check aborts a rank within milliseconds; online detection sees the mismatched

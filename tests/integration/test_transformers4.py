@@ -186,7 +186,7 @@ def assert_diagnosed(script: Path, run_dir: Path, result: JobResult) -> None:
     assert f"transformers {TRANSFORMERS_VERSION}" in result.output, context
     assert report["pattern"] == "inactive-experts", context
     assert report["culprit_ranks"] == [1], context
-    assert report["fixes"] == ["expert-dense"], context
+    assert report["fixes"] == ["expert-dense", "expert-zero-term"], context
     assert "moedoctor verify --fix expert-dense --run" in result.output, context
     # Gloo aborts rank 1 within milliseconds; online detection usually stops the job as a desync first.
     assert report["verdict"] in ("crashed", "desync"), context

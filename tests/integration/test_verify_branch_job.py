@@ -7,10 +7,9 @@ stepping on its non-finite gradients: no skip happens, and verification fails.""
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 
-from torchrun_util import REPO, run_command, torchrun_command
+from torchrun_util import REPO, diagnose_and_verify, run_command
 
 JOB = REPO / "tests" / "jobs" / "inline_skip.py"
 DECISION = next(i for i, line in enumerate(JOB.read_text().splitlines(), 1) if line.strip() == "if bad:")
@@ -22,17 +21,13 @@ def _moedoctor(*args: str) -> list[str]:
 
 def test_the_printed_verify_command_makes_the_inline_decision_collective(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_command(_moedoctor("run", "--run-dir", str(run_dir), "--hang-timeout", "10", "--",
-                                    *torchrun_command(JOB, 2)), 120, cwd=REPO)
-    report = json.loads((run_dir / "report.json").read_text())
+    report, result, verified = diagnose_and_verify(run_dir, JOB)
     context = f"{report['summary']}\n{result.tail(20)}"
     assert report["pattern"] == "skipped-optimizer-step" and report["culprit_ranks"] == [1], context
     branch = report["fix_config"]["skip-step-collectively"]["branch"]
     assert (branch["file"], branch["line"], branch["agree"]) == (str(JOB), DECISION, "any"), context
     assert report["verify_command"] == f"moedoctor verify --fix skip-step-collectively --run {run_dir}", context
 
-    printed = shlex.split(report["verify_command"])
-    verified = run_command(_moedoctor(*printed[1:], "--json"), 120, cwd=REPO)
     verification = json.loads((run_dir / "verify-skip-step-collectively" / "verification.json").read_text())
     checks = {c["name"]: c for c in verification["checks"]}
     context = f"{json.dumps(checks, indent=1)}\n{verified.tail(30)}"

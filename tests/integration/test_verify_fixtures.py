@@ -32,7 +32,7 @@ def test_fix_verifies(name, diagnosed_run):
     expected = yaml.safe_load((FIXTURES / name / "expected.yaml").read_text())
     run_dir, diagnosed = diagnosed_run(name)
     report = json.loads((run_dir / "report.json").read_text())
-    assert report["fixes"] == [expected["fix"]], diagnosed.tail()
+    assert report["fixes"][0] == expected["fix"], diagnosed.tail()  # the one the verify command runs
 
     result = moedoctor_verify(run_dir, expected["fix"])
     verification = load_verification(result, run_dir, expected["fix"])

@@ -18,13 +18,19 @@ Risk: a genuinely non-deterministic bucket order also gives backward shape misma
 at routing. Any module list used sparsely (not only experts: a layer-drop list) reads alike.
 
 Fix ``expert-dense``: run every expert every step (unrouted tokens weighted by zero) so the autograd
-graph, and with it every FSDP collective, is the same on every rank.
+graph, and with it every FSDP collective, is the same on every rank. For MoE code of no class the
+fixes know, ``expert-zero-term`` with ``lists: auto`` (written into the report's ``fix_config``): every
+member of a module list runs once per forward of its owner, idle ones on empty inputs, in index order.
 
 Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 6 variants of `inactive-experts/` (FSDP2 per
 block, per expert, HSDP, checkpointed MoE, DDP static buckets, hand-written c10d grad sync): 4/6.
 Confusions seen: the hand-written per-parameter sync that skips None grads at its first iteration is
 named `shape-mismatch` (no earlier iteration to show the skipped items, no `params_without_grad`
-before the abort); the DDP job whose reducer raises is a crash with no pattern.
+before the abort); the DDP job whose reducer raises is a crash with no pattern. With the two
+transformers 4.53.2 variants (OLMoE, Qwen2-MoE, recorded in `.venv-tf4`): 6/8 named, and the printed
+verify passes on 5 of the 6 named (`expert-zero-term`, structural, on the four of custom code;
+`olmoe_fsdp2_tf4` fails `expert-dense` because the job replaces `OlmoeSparseMoeBlock.forward` after
+import, over the fix's patch).
 """
 
 from __future__ import annotations
@@ -131,7 +137,9 @@ def classify(ctx: Context) -> Finding | None:
     suggestion = Suggestion(
         None if event is None or event.call_site is None else event.call_site.where,
         None if event is None or event.call_site is None else event.call_site.function, _ADVICE)
-    return Finding(round(score, 3), tuple(evidence), culprits=culprits, suggestion=suggestion)
+    # For MoE code moedoctor has no block class for: expert-zero-term's structural mode (module lists).
+    return Finding(round(score, 3), tuple(evidence), culprits=culprits, suggestion=suggestion,
+                   fix_config={"expert-zero-term": {"lists": "auto"}})
 
 
 _ADVICE = ("Make every expert take part every step: run all experts on all tokens with zero routing weight for "
@@ -139,6 +147,7 @@ _ADVICE = ("Make every expert take part every step: run all experts on all token
            "gradients and FSDP2 reduces the same buffers in the same order. Check the output matches the sparse path.")
 
 PATTERN = Pattern(
-    id="inactive-experts", title="Inactive experts under FSDP2", fixes=("expert-dense",), desync=True,
+    id="inactive-experts", title="Inactive experts under FSDP2", fixes=("expert-dense", "expert-zero-term"),
+    desync=True,
     classify=classify, advice=_ADVICE,
 )
