@@ -441,3 +441,29 @@ def checks_finiteness(branch: Branch) -> bool:
         return False
     return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in called
                and _FINITENESS.search(ast.unparse(n)) for n in ast.walk(tree))
+
+
+def assigns_attribute(path: str, owner: str, attribute: str) -> int | None:
+    """The line where ``path`` assigns ``<...>owner.attribute = ...`` unconditionally (at module level
+    or in a function body outside any ``if``: a job replacing a library class's method after import,
+    as kernel packages do), or None. An assignment under an ``if`` (``if args.apply_fix:``) may not
+    have run and does not count."""
+    tree = _tree(path)
+    if tree is None:
+        return None
+    guarded = {id(n) for branch in ast.walk(tree) if isinstance(branch, ast.If)
+               for part in (branch.body, branch.orelse) for stmt in part for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in guarded:
+            continue
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if (isinstance(t, ast.Attribute) and t.attr == attribute
+                        and _segment(t.value).rsplit(".", 1)[-1] == owner):
+                    return node.lineno
+        elif (isinstance(node, ast.Call) and _segment(node.func) == "setattr" and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value == attribute
+              and _segment(node.args[0]).rsplit(".", 1)[-1] == owner):
+            return node.lineno
+    return None

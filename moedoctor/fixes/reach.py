@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 from moedoctor.analysis.load import RunData
 from moedoctor.analysis.model import Report
-from moedoctor.analysis.source import defined_classes, frames
+from moedoctor.analysis.source import assigns_attribute, defined_classes, frames
 from moedoctor.fixes import FIXES
 
 
@@ -79,6 +79,15 @@ def reached(paths: Iterable[str], seen: set[tuple[str, str]], script: str | None
     return found
 
 
+def _replaced_by_job(path: str, seen: set[tuple[str, str]]) -> bool:
+    """Does the job's own code (not an installed package) assign ``Class.method`` of the target?"""
+    owner, _, method = path.partition(":")[2].rpartition(".")
+    if not owner:
+        return False
+    files = {f for f, _ in seen if "-packages" + os.sep not in f and os.sep + "moedoctor" + os.sep not in f}
+    return any(assigns_attribute(f, owner.rsplit(".", 1)[-1], method) is not None for f in sorted(files))
+
+
 def _defines(file: str, owner: str) -> bool:
     """Does the module's source define the target's class (True where the source cannot be read)?"""
     classes = defined_classes(file)
@@ -97,7 +106,11 @@ def with_fix_reach(report: Report, run: RunData, command: list[str] | None = Non
     if fix is None:
         return report
     paths = [t.path for t in fix.targets]
-    if not paths or reached(paths, run_frames(run), script_of(command)):
+    seen = run_frames(run)
+    hit = reached(paths, seen, script_of(command)) if paths else []
+    if hit and all(_replaced_by_job(path, seen) for path in hit):
+        hit = []  # the job assigns its own method over the target after import: the patch would be lost
+    if not paths or hit:
         # The fix's own targets are this job's code: they, not settings derived from structure, apply.
         kept = {k: v for k, v in (report.fix_config or {}).items() if k != fix.name} or None
         return report if kept == report.fix_config else dataclasses.replace(report, fix_config=kept)

@@ -58,3 +58,16 @@ def test_a_method_target_needs_its_class_in_the_module(tmp_path):
     assert reached([f"{module}:Qwen2MoeExperts.forward"], frames, None) == []
     assert reached([f"{module}:Qwen2MoeSparseMoeBlock.forward"], frames, None) == [
         f"{module}:Qwen2MoeSparseMoeBlock.forward"]
+
+
+def test_a_job_that_replaces_the_target_method_itself_is_not_reached(tmp_path):
+    from moedoctor.fixes.reach import _replaced_by_job
+
+    job = tmp_path / "train.py"
+    job.write_text("from lib import modeling\n\ndef apply_kernels():\n"
+                   "    modeling.MoeBlock.forward = fast_forward\n\ndef main(args):\n"
+                   "    if args.apply_fix:\n        modeling.OtherBlock.forward = dense_forward\n")
+    seen = {(str(job), "main")}
+    assert _replaced_by_job("lib.modeling:MoeBlock.forward", seen)          # unconditional: always replaced
+    assert not _replaced_by_job("lib.modeling:OtherBlock.forward", seen)    # under an `if`: may not have run
+    assert not _replaced_by_job("lib.modeling:grad_norm", seen)             # a function target: not a method
