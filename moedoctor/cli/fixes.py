@@ -31,6 +31,8 @@ def fixes(
         table.add_column(name, overflow="fold", ratio=ratio)
     for fix in FIXES.values():
         targets = "\n".join(escape(line) for line in _target_lines(fix.targets, verbose)) or "(from --config only)"
+        if fix.by_structure:
+            targets += "\n" + escape(f"also: {fix.by_structure}")
         table.add_row(f"[bold]{fix.name}[/]", ", ".join(fix.patterns), escape(fix.summary), targets)
     console.print(table)
     if verbose:
@@ -52,6 +54,8 @@ def _plain(verbose: bool) -> None:
         typer.echo(f"  what it does: {fix.summary}")
         for line in _target_lines(fix.targets, verbose) or ["(from --config only)"]:
             typer.echo(f"  target: {line}")
+        if fix.by_structure:
+            typer.echo(f"  also, found by moedoctor analyze: {fix.by_structure}")
         if verbose:
             for label, text in (("mechanism", fix.mechanism), ("cost", fix.cost), ("risk", fix.risk),
                                 ("checked by", fix.check), ("--config", fix.config_help)):

@@ -82,6 +82,9 @@ class Fix:
     install: Callable[[FixRuntime], None]
     parse_config: Callable[[Mapping[str, Any]], dict] = field(default=lambda section: _no_config(section))
     config_help: str = ""
+    #: Code the fix reaches without a target: what ``moedoctor analyze`` finds for it by structure
+    #: and writes into the report's ``fix_config`` (empty: the targets and ``--config`` only).
+    by_structure: str = ""
 
     def all_targets(self, config: Mapping[str, Any]) -> tuple[Target, ...]:
         """The built-in targets plus those named in this fix's (normalized) config section."""

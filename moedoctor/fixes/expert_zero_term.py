@@ -189,6 +189,7 @@ FIX = Fix(
     check="first 2 calls per block and rank that add a zero term: the output must be bitwise the sparse output",
     targets=builtin_targets(kinds=(MODULELIST,)),
     install=_install,
+    by_structure="any module list of same-class experts (lists: auto; no class needed)",
     parse_config=_parse_config,
     config_help="blocks: [{class: 'module:Class', experts: experts}] (modulelist blocks only); or lists: auto "
                 "(no class: every module list of same-class members runs whole, in index order, per forward of "

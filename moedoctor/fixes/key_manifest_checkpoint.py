@@ -400,6 +400,7 @@ FIX = Fix(
           "copies) and every local shard must be bitwise equal to the saved one",
     targets=(Target("_lib.checkpoint:preprocess_fsdp_dtensor_state_dict", "moedoctor's fixtures"),),
     install=_install,
+    by_structure="the per-key `if` in your code that skips a key on some ranks (its test made collective)",
     parse_config=_parse_config,
     config_help="preprocess: 'module:function' or a list (takes a flat state dict; issues collectives "
                 "per DTensor)",

@@ -220,6 +220,7 @@ FIX = Fix(
           "at the next decision they must be bitwise unchanged",
     targets=(Target("_lib.sharded_optim:grad_norm_is_nonfinite", "moedoctor's fixtures"),),
     install=_install,
+    by_structure="the `if` in your code that decided to skip (its test made collective)",
     parse_config=_parse_config,
     config_help="decision: 'module:function' (returns true to skip, or the grad norm with returns: norm); or "
                 "branch: {file: PATH, line: N, agree: any|all} (an `if` of your code, made collective: written "
