@@ -133,8 +133,10 @@ class RunView:
                 pending = False
         # Code that clears gradients between its own micro-batches (it reduces and accumulates them
         # itself) does so in the steps it completed too: a clear like those of a completed step is
-        # this code's habit, not a thrown-away step.
-        habit = {e.step for e in found if e.step in stepped}
+        # this code's habit, not a thrown-away step. Only a step before the last clear counts: a rank
+        # that skips a step keeps its step counter, so its next iteration completes that same step.
+        last = max((e.step for e in found), default=None)
+        habit = {e.step for e in found if e.step in stepped and e.step != last}
         return [] if habit else found
 
     def discarded_in(self, rank: int, step: int) -> bool:

@@ -219,3 +219,24 @@ def test_a_loop_left_on_a_rank_test_guards_what_follows_it(tmp_path):
     assert guard is not None and guard.line == 12 and "leaves the loop of line 8" in guard.text
     # inside the loop, before the break, nothing is guarded
     assert rank_guard(_stack(path, (15, "main"),)) is None
+
+
+def test_a_skipped_step_completed_by_the_next_iteration_is_still_thrown_away():
+    """A rank that skips keeps its step counter, so the next iteration steps in that same step: the
+    clear before it is the skip (NCCL lets the rank run that far before the others stop it), not a
+    habit of clearing between micro-batches."""
+    a, = ranks(1)
+    for step in range(2):
+        a.ev("backward_begin", step)
+        a.ev("backward_end", step)
+        a.ev("optimizer_step_begin", step)
+        a.ev("optimizer_step_end", step + 1)
+        a.ev("zero_grad", step + 1)
+    a.ev("backward_begin", 2)
+    a.ev("backward_end", 2)
+    a.ev("zero_grad", 2)                 # the skip
+    a.ev("backward_begin", 2)
+    a.ev("backward_end", 2)
+    a.ev("optimizer_step_begin", 2)      # the next iteration steps, counter still 2
+    view = RunView(run_of(a))
+    assert [e.step for e in view.discarded_steps(0)] == [2] and view.discarded_in(0, 2)

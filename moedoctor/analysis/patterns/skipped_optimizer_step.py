@@ -26,7 +26,10 @@ passes on 7/7 (the decision's `if`, found from the stacks, made collective). Con
 0/7, named `microbatch-count-mismatch` (4) or `inflight-metric-allreduce` (2), one unknown; the
 hand-written optimizer that is no `torch.optim.Optimizer` (no step or zero_grad hook fires) stayed
 `unknown-desync` until the sides were taken from the rank-local inf/NaN check the ranks' stacks are
-on either side of. On NCCL `funcol_sync_in_step_hook` was named `microbatch-count-mismatch` once.
+on either side of. On NCCL `funcol_sync_in_step_hook` was named `microbatch-count-mismatch` (the
+skipping rank ran on and completed the same step counter in its next iteration, which read as a habit
+of clearing between micro-batches); with the habit rule limited to earlier steps it is
+`unknown-desync` with the right culprit, no longer a confident wrong call.
 
 Evidence from the code: the `if` that separates the ranks (`Context.decision_sides`: in the stack of
 a rank that issued the step's collective, confirmed by the stacks of those that issued something
