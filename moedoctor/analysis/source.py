@@ -31,6 +31,8 @@ _RANK_TEST = re.compile(
     r"local_process_index|is_main_process|is_local_main_process|is_main|is_master|is_global_zero|"
     r"is_rank_zero|rank_zero|is_first_rank|is_last_rank|is_first_stage|is_last_stage|RANK|LOCAL_RANK|"
     r"get_coordinate|coordinate)\b")
+#: Statements that leave the block's loop or function.
+_EXITS = (ast.Return, ast.Continue, ast.Break, ast.Raise)
 _RANK_DECORATOR = re.compile(r"\b(rank_zero_only|main_process_only|on_main_process|on_rank_0|rank0_only)\b")
 
 
@@ -241,7 +243,7 @@ def _early_exit(frame: Frame) -> Enclosing | None:
         return None
     for node in ast.walk(defs[-1]):
         if (isinstance(node, ast.If) and (node.end_lineno or 0) < frame.line
-                and all(isinstance(b, (ast.Return, ast.Continue, ast.Break, ast.Raise)) for b in node.body)):
+                and all(isinstance(b, _EXITS) for b in node.body)):
             test = Enclosing("if", frame.file, node.lineno, _segment(node.test))
             if _reads_rank(test):
                 return Enclosing("if", frame.file, node.lineno, test.text + " (early exit)")
@@ -407,7 +409,7 @@ def _side(node: ast.If, line: int) -> str:
 
 def _leaves(body: list[ast.stmt]) -> bool:
     """Does the block end by leaving its loop or function?"""
-    return bool(body) and isinstance(body[-1], (ast.Return, ast.Continue, ast.Break, ast.Raise))
+    return bool(body) and isinstance(body[-1], _EXITS)
 
 
 def _configuration(test: ast.expr) -> bool:

@@ -24,6 +24,8 @@ import threading
 import weakref
 from typing import Any
 
+from moedoctor.fixes._moe_blocks import first_tensor, with_first_tensor
+
 CHECK = "members run once per forward, in index order"
 TARGET = "module lists (structural: every nn.ModuleList of 2+ same-class members with parameters)"
 
@@ -221,8 +223,7 @@ def _joined(args: tuple, call: _Call) -> tuple | None:
 def _with_zero_term(output: Any, zero: Any) -> Any:
     import torch
 
-    if isinstance(output, torch.Tensor):
-        return output + zero.to(output.dtype)
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return type(output)((output[0] + zero.to(output[0].dtype), *output[1:]))
-    return None  # an output we cannot add to: the idle members ran (gathered), without a gradient path
+    hidden = first_tensor(output) if not isinstance(output, (tuple, list)) or output else None
+    if not isinstance(hidden, torch.Tensor):
+        return None  # an output we cannot add to: the idle members ran (gathered), without a gradient path
+    return with_first_tensor(output, hidden + zero.to(hidden.dtype))

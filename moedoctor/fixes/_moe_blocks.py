@@ -413,3 +413,8 @@ def fused_problem(experts: Any, hidden_states: Any) -> str | None:
 def first_tensor(output: Any) -> Any:
     """The hidden states of a block's output: the tensor itself or the first item of a tuple."""
     return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def with_first_tensor(output: Any, hidden: Any) -> Any:
+    """``output`` with its hidden states (``first_tensor``) replaced by ``hidden``."""
+    return type(output)((hidden, *output[1:])) if isinstance(output, (tuple, list)) else hidden

@@ -51,6 +51,7 @@ from typing import Any
 from moedoctor.fixes._moe_blocks import (
     CHECKED_CALLS, FUSED, MODULELIST, BlockSpec, PerInstance, builtin_targets, check_forward_signature, first_tensor,
     modulelist_problem, parse_blocks_config, require_transformers4, sharded_experts_reason, specs_for,
+    with_first_tensor,
 )
 from moedoctor.fixes.base import Fix, FixConfigError
 
@@ -151,9 +152,7 @@ def _zero_term_forward(runtime, spec: BlockSpec, original):
         if runtime.checks_enabled and run.checked < CHECKED_CALLS:
             run.checked += 1
             _check_bitwise(runtime, name, hidden, fixed, idle)
-        if isinstance(output, (tuple, list)):
-            return type(output)((fixed, *output[1:]))
-        return fixed
+        return with_first_tensor(output, fixed)
 
     return forward
 

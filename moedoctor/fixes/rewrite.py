@@ -41,6 +41,7 @@ _handlers: dict[str, Callable[[Any, int], Any]] = {}
 _wanted: dict[tuple[str, int], str] = {}
 #: (file, line) of the branches actually rewritten in this process.
 applied: set[tuple[str, int]] = set()
+_activated = False
 
 
 def parse_branch(value: Any) -> dict:
@@ -108,10 +109,14 @@ def on_branch(fix: str, handler: Callable[[Any, int], Any]) -> None:
 
 
 def activate(environ: Mapping[str, str] = os.environ) -> dict[tuple[str, int], str]:
-    """Make the wrapper callable from any module (a builtin) and remember the wanted branches."""
-    _wanted.update(wanted_from_env(environ))
-    if _wanted:
-        setattr(builtins, CALL, _dispatch)
+    """Make the wrapper callable from any module (a builtin) and remember the wanted branches (the
+    fix config is read once per process: the bootstrap and the script runner both ask)."""
+    global _activated
+    if not _activated:
+        _activated = True
+        _wanted.update(wanted_from_env(environ))
+        if _wanted:
+            setattr(builtins, CALL, _dispatch)
     return dict(_wanted)
 
 
@@ -138,10 +143,12 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-def install_import_hook(environ: Mapping[str, str] = os.environ) -> None:
-    """Rewrite the wanted branches of the modules imported from now on."""
-    if activate(environ) and not any(isinstance(f, _Finder) for f in sys.meta_path):
+def install_import_hook(environ: Mapping[str, str] = os.environ) -> dict[tuple[str, int], str]:
+    """Rewrite the wanted branches of the modules imported from now on; returns them."""
+    wanted = activate(environ)
+    if wanted and not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
+    return wanted
 
 
 # -- the script ---------------------------------------------------------------------------------------

@@ -19,8 +19,7 @@ def main() -> None:
     path = os.path.abspath(sys.argv[1])
     sys.argv = sys.argv[1:]
     sys.path[0] = os.path.dirname(path)  # as for `python SCRIPT`: the script's folder first
-    wanted = rewrite.activate()
-    rewrite.install_import_hook()
+    wanted = rewrite.install_import_hook()
     with tokenize.open(path) as f:
         source = f.read()
     code = rewrite.rewrite(source, path, wanted)

@@ -12,6 +12,7 @@ states the mechanism, the evidence it reads and the risk of a wrong call.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,7 +84,12 @@ class Context:
         return self.decision_sides()[0]
 
     def decision_sides(self) -> tuple[Branch | None, list[int]]:
-        """``decision()`` and the ranks whose call went through it (the others went the other way)."""
+        """``decision()`` and the ranks whose call went through it (the others went the other way).
+        Found once per context: several classifiers ask."""
+        return self._decision
+
+    @functools.cached_property
+    def _decision(self) -> tuple[Branch | None, list[int]]:
         if self.div is None:
             return None, []
         sites = {r: (e.call_site.where if (e := self.event(r)) is not None and e.call_site else None)
