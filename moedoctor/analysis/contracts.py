@@ -128,13 +128,24 @@ def breaches(events: Mapping[int, CollectiveEvent], ranks: tuple[int, ...]) -> l
 
 def breakers(found: list[Breach]) -> tuple[int, ...]:
     """The ranks whose side disagrees with everyone else's: the one receiver (or sender) that every
-    breach names, else the receivers (a receive count computed locally is the usual bug)."""
+    breach names; else the ranks that take part in the most breaches, when they are fewer than all
+    (a rank whose whole layout differs, e.g. a capacity from its local token count, breaks the
+    contract with every peer, each peer only with it); else the receivers (a receive count computed
+    locally is the usual bug)."""
     receivers = {b.receiver for b in found}
     senders = {b.sender for b in found}
     if len(receivers) == 1:
         return tuple(receivers)
     if len(senders) == 1:
         return tuple(senders)
+    involved: dict[int, int] = {}
+    for b in found:
+        for r in {b.sender, b.receiver}:
+            involved[r] = involved.get(r, 0) + 1
+    most = max(involved.values())
+    top = sorted(r for r, n in involved.items() if n == most)
+    if len(top) < len(involved):
+        return tuple(top)
     return tuple(sorted(receivers))
 
 

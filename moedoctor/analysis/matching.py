@@ -35,7 +35,8 @@ def first_divergence(view: RunView, group: str) -> Divergence | None:
                                DivergenceKind.MISMATCH if len(op_classes(present)) > 1 else DivergenceKind.MISSING)
         found = breaches(present, view.groups[group].ranks)
         if found:
-            div = _divergence(view, group, seq, present, (), contract_classes(found, members), DivergenceKind.CONTRACT)
+            div = _divergence(view, group, seq, present, (), [], DivergenceKind.CONTRACT)
+            div.classes = contract_classes(found, members)  # keepers, then breakers: not sorted by size
             div.breaches = tuple(b.line() for b in found)
             return div
     return None

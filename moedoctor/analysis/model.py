@@ -104,7 +104,8 @@ class Divergence:
     """The first place where the ranks of one group disagree (or, ``STALLED``, all sit).
 
     ``per_rank`` maps every traced member to its op at ``seq`` (None: it never issued it);
-    ``classes`` groups the ranks that did the same thing there, largest first; ``missing`` are the
+    ``classes`` groups the ranks that did the same thing there, largest first (``CONTRACT``: the
+    ranks that keep the contract, then those that break it); ``missing`` are the
     ranks that never reached ``seq``. For ``P2P``, ``seq`` is the pair's p2p sequence number and
     ``peers`` the two ranks."""
 

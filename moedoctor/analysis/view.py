@@ -200,11 +200,12 @@ class RunView:
         return e.source != "stopped" and e.exit_code not in (None, 0)
 
     def finished(self, rank: int) -> bool:
-        """The rank's process ended normally: exit 0, or it wrote its final coverage record
-        (``destroy_process_group`` or interpreter exit)."""
+        """The rank's process ended normally: exit 0, or, where the manifest has no exit status for
+        it, it wrote its final coverage record (``destroy_process_group`` or interpreter exit). A
+        rank that raised also exits the interpreter: its non-zero status says it did not finish."""
         m = self.run.manifest
-        if m is not None and rank in m.exits and m.exits[rank].exit_code == 0:
-            return True
+        if m is not None and rank in m.exits and m.exits[rank].exit_code is not None:
+            return m.exits[rank].exit_code == 0
         trace = self.traces.get(rank)
         return trace is not None and any(c.reason in ("destroy", "exit") for c in trace.coverage)
 

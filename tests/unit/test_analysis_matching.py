@@ -13,7 +13,7 @@ from moedoctor.analysis import analyze
 from moedoctor.analysis.matching import all_divergences, first_divergence
 from moedoctor.analysis.model import DivergenceKind
 from moedoctor.analysis.view import RunView
-from moedoctor.events import Group
+from moedoctor.events import Group, Phase
 from moedoctor.render.json_report import report_to_dict
 
 
@@ -145,6 +145,21 @@ def test_extra_collective_after_the_others_finished_blames_the_extra_rank():
     b.coverage.append(Coverage(1, 2000.0, "exit", ()))
     report = analyze(run_of(a, b, hang=True))
     assert report.culprit_ranks == [0] and report.pattern == "rank-conditional-collective"
+
+
+def test_a_rank_that_raised_did_not_finish_normally_though_it_wrote_its_exit_coverage():
+    """DDP's reducer raised on rank 1 (exit 1): the interpreter still wrote its final coverage record.
+    Rank 1 never issued the all_reduce rank 0 waits in: rank 1 is the culprit, not rank 0's 'extra' op."""
+    from event_factory import manifest
+    from moedoctor.events import Coverage
+
+    a, b = ranks(2)
+    for step in range(3):
+        both((a, b), "all_reduce", (151,), step=step, line=86, phase=Phase.BACKWARD)
+    a.coll("all_reduce", (151,), step=3, line=86, phase=Phase.BACKWARD, done=False)
+    b.coverage.append(Coverage(1, 2000.0, "exit", ()))
+    report = analyze(run_of(a, b, manifest_info=manifest({0: -15, 1: 1})))
+    assert report.culprit_ranks == [1], report.culprit_reasoning
 
 
 def test_wait_chain_ends_at_the_root():

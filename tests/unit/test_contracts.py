@@ -92,6 +92,31 @@ def test_breakers_blames_the_one_sender_when_it_breaks_every_pair():
     assert found and breakers(found) == (2,)
 
 
+def test_two_ranks_the_stale_receiver_is_named_whatever_its_rank():
+    """Rank 0 kept receive counts from an earlier step; rank 1 sends what it routes now. The
+    divergence keeps the breakers last (not sorted by size, where rank 0 would come first)."""
+    for stale in (0, 1):
+        bs = ranks(2)
+        counts = [[3, 5], [6, 5]]
+        cached = [3, 5] if stale == 0 else [5, 3]
+        dispatch(bs, counts, step=0, wrong={stale: cached})
+        report = analyze(run_of(*bs, hang=True))
+        assert report.pattern == "all-to-all-split-mismatch", report.summary
+        assert report.culprit_ranks == [stale], (stale, report.culprit_reasoning)
+
+
+def test_a_rank_whose_whole_layout_differs_is_named_not_every_receiver():
+    """Capacity from local tokens: rank 2 sends and expects 2 rows per peer, the others 3. Every rank
+    is a receiver of some breach; rank 2 takes part in all of them, each other rank only with it."""
+    bs = ranks(3)
+    for i, b in enumerate(bs):
+        cap = 2 if i == 2 else 3
+        b.coll("all_to_all", shapes=((3 * cap, DIM),), out_shapes=((3 * cap, DIM),), splits=((), ()))
+    found = breaches({b.rank: b.events[0] for b in bs}, (0, 1, 2))
+    assert len(found) == 4 and breakers(found) == (2,)
+    assert analyze(run_of(*bs, hang=True)).culprit_ranks == [2]
+
+
 def test_equal_splits_and_list_all_to_all():
     bs = ranks(2)
     for b in bs:  # no splits: equal halves

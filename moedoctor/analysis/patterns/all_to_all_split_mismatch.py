@@ -23,7 +23,9 @@ Variants covered: ``tests/jobs/a2a_split_mismatch.py`` (counts computed locally)
 Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 5 variants of
 `fixtures/variants/all-to-all-split-mismatch/` (c10d, functional and autograd all_to_all_single; 2-4
 ranks; default group and an EP subgroup of a 2-D mesh): 5/5 named. Confusions seen: none; culprits
-3/5 (two variants' yaml name one rank where every rank whose receive counts disagree is named).
+5/5 since the breakers are the ranks in the most breaches (a 3-rank capacity-padded dispatch named
+every receiver before) and the divergence keeps them last (a 2-rank stale receiver was named as its
+peer when the classes were sorted by size).
 """
 
 from __future__ import annotations
