@@ -52,6 +52,17 @@ def diagnose_and_verify(run_dir: Path, script: Path, nproc: int = 2, timeout: fl
     return report, result, run_command([*moedoctor, *printed[1:], "--json"], timeout, cwd=REPO)
 
 
+def passed_checks(run_dir: Path, fix: str, verified: JobResult) -> dict[str, dict]:
+    """The checks of ``moedoctor verify --fix FIX``'s ``verification.json`` in ``run_dir``, by name,
+    after asserting that the verification passed (the log tail and the checks shown if not)."""
+    import json
+
+    verification = json.loads((run_dir / f"verify-{fix}" / "verification.json").read_text())
+    checks = {c["name"]: c for c in verification["checks"]}
+    assert verified.returncode == 0 and verification["passed"], f"{json.dumps(checks, indent=1)}\n{verified.tail(30)}"
+    return checks
+
+
 def run_command(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
                 cwd: Path | None = None) -> JobResult:
     """Run ``cmd`` to completion; a job still running after ``timeout`` seconds is killed with its

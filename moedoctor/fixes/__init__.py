@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from moedoctor.errors import MoedoctorError
 from moedoctor.fixes import (
-    expert_dense, expert_zero_term, key_manifest_checkpoint, metrics_after_microbatches,
+    expert_dense, expert_zero_term, fsdp_gather_upfront, key_manifest_checkpoint, metrics_after_microbatches,
     skip_step_collectively,
 )
 from moedoctor.fixes.base import Fix, FixConfigError, Target
@@ -16,7 +16,7 @@ from moedoctor.fixes.base import Fix, FixConfigError, Target
 FIXES: dict[str, Fix] = {
     module.FIX.name: module.FIX
     for module in (expert_dense, expert_zero_term, skip_step_collectively, metrics_after_microbatches,
-                   key_manifest_checkpoint)
+                   fsdp_gather_upfront, key_manifest_checkpoint)
 }
 
 

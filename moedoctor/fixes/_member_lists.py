@@ -27,7 +27,7 @@ from typing import Any
 from moedoctor.fixes._moe_blocks import first_tensor, with_first_tensor
 
 CHECK = "members run once per forward, in index order"
-TARGET = "module lists (structural: every nn.ModuleList of 2+ same-class members with parameters)"
+TARGET = "module lists (by structure; every nn.ModuleList of 2+ same-class members with parameters)"
 
 
 class _Call:

@@ -112,7 +112,7 @@ def test_registry_one_module_per_pattern_with_docstrings():
         assert pattern.title and pattern.advice
     assert {p.id: p.fixes for p in patterns if p.fixes} == {
         "skipped-optimizer-step": ("skip-step-collectively",),
-        "inflight-metric-allreduce": ("metrics-after-microbatches",),
+        "inflight-metric-allreduce": ("metrics-after-microbatches", "fsdp-gather-upfront"),
         "uneven-dtensor-allgather": ("key-manifest-checkpoint",), "inactive-experts": ("expert-dense", "expert-zero-term")}
 
 

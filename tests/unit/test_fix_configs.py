@@ -98,7 +98,17 @@ def test_config_file_good_sections(tmp_path: Path) -> None:
     assert config["key-manifest-checkpoint"] == {"targets": ["a.c:prep"]}
 
 
+def test_gather_upfront_takes_units_kept_only(tmp_path: Path) -> None:
+    path = tmp_path / "fixes.yaml"
+    path.write_text("fsdp-gather-upfront:\n  units: kept\n")
+    assert load_fix_config(path, FIXES.values())["fsdp-gather-upfront"] == {"units": "kept"}
+    path.write_text("fsdp-gather-upfront:\n  units: all\n")
+    with pytest.raises(MoedoctorError, match="units: expected 'kept'"):
+        load_fix_config(path, FIXES.values())
+
+
 def test_fix_modules_import_no_torch() -> None:
-    code = ("import sys, moedoctor.fixes.metrics_after_microbatches, moedoctor.fixes.key_manifest_checkpoint; "
+    code = ("import sys, moedoctor.fixes.metrics_after_microbatches, moedoctor.fixes.key_manifest_checkpoint, "
+            "moedoctor.fixes.fsdp_gather_upfront; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -71,3 +71,19 @@ def test_a_job_that_replaces_the_target_method_itself_is_not_reached(tmp_path):
     assert _replaced_by_job("lib.modeling:MoeBlock.forward", seen)          # unconditional: always replaced
     assert not _replaced_by_job("lib.modeling:OtherBlock.forward", seen)    # under an `if`: may not have run
     assert not _replaced_by_job("lib.modeling:grad_norm", seen)             # a function target: not a method
+
+
+def test_metrics_in_code_of_no_known_function_get_the_up_front_gather_where_a_unit_was_gathered_lazily():
+    """The other rank's collective is the forward all-gather of a unit the metric rank had not gathered
+    yet this step: the report points `fsdp-gather-upfront` at the job by structure, and offers it when
+    the metrics fix's own functions are not in the job (here the script is another file)."""
+    build, _, _ = SCENARIOS["inflight-metric-allreduce"]
+    run = build()
+    report = analyze(run)
+    assert report.fix_config == {"fsdp-gather-upfront": {"units": "kept"}}
+    offered = with_fix_reach(report, run, ["torchrun", "/elsewhere/pretrain.py"])
+    assert offered.fixes[0] == "fsdp-gather-upfront"
+    assert offered.verify_command == "moedoctor verify --fix fsdp-gather-upfront --run /runs/test"
+    reached_report = with_fix_reach(report, run, ["torchrun", "/job/train.py"])  # all_reduce_metrics ran there
+    assert reached_report.fixes[0] == "metrics-after-microbatches"
+    assert reached_report.verify_command == "moedoctor verify --fix metrics-after-microbatches --run /runs/test"

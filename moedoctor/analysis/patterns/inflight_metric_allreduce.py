@@ -14,11 +14,16 @@ Risk: a small all-reduce that is legitimately rank-conditional looks alike: that
 call site the other ranks never use, this one a call site every rank uses.
 
 Fix ``metrics-after-microbatches``: accumulate metrics locally and all-reduce them once after the
-last micro-batch (or on a separate process group).
+last micro-batch (or on a separate process group). It patches named functions only. When the other
+ranks' collective is the forward all-gather of an FSDP unit the metric ranks had not gathered yet in
+that step (a kept-unsharded unit gathered at its first use), the finding points
+``fsdp-gather-upfront`` at the job by structure (``fix_config``): the kept units are gathered when
+the root's forward starts, so the metric all-reduce meets the metric all-reduce.
 
 Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 6 variants of `inflight-metric-allreduce/`
 (hand-written bucket reducer, FSDP2 vision tower, HSDP, MoE load meter, functional collectives,
-checkpointed demix): 6/6 after the change. Confusions seen before it: at step 0 (no history) left
+checkpointed demix): 6/6 after the change; the printed verify (`fsdp-gather-upfront`) passes on the 5
+FSDP2 ones, the hand-written bucket reducer has no automatic fix. Confusions seen before it: at step 0 (no history) left
 `unknown-desync` (2); against a 34-element bucket all-reduce (`SMALL`) named
 `microbatch-count-mismatch`; a rank-conditional callback and hook named this pattern (a step loop
 mistaken for a micro-batch loop); a skipped step's gradient check named this pattern.
@@ -98,11 +103,16 @@ def classify(ctx: Context) -> Finding | None:
         step, n = max(per_step.items(), key=lambda kv: (kv[1], -kv[0]))
         evidence.append(f"{v.short_site} issues {n} all_reduces per step on rank {small[0]} (step {step}): "
                         "it runs inside the micro-batch loop")
+    fix_config = None
     for t in fsdp[:1]:
         gathered = any(e.module == t.module and e.op == t.op and e.step == t.step
                        for e in view.events(small[0], group, before=div.seq))
         if not gathered:
             score += 0.1
+            if t.op == "all_gather" and t.phase == "forward":
+                # A unit gathered by the first forward that uses it: gathering the kept units when the
+                # root's forward starts puts these all-gathers in one place on every rank.
+                fix_config = {"fsdp-gather-upfront": {"units": "kept"}}
             evidence.append(f"{names(small)} had not yet issued the {t.op} of FSDP unit {t.module} in step {t.step} "
                             f"that {names(other)} {verb(other, 'was', 'were')} in: the FSDP collectives before the "
                             "metric all_reduce differ across ranks")
@@ -110,7 +120,8 @@ def classify(ctx: Context) -> Finding | None:
     if len(stack) > 1:
         caller = f" (called from {stack[1].rsplit('/', 1)[-1]})"
     suggestion = Suggestion(v.call_site, v.function, _ADVICE + caller)
-    return Finding(round(score, 3), tuple(evidence), suggestion=suggestion, culprits=tuple(small))
+    return Finding(round(score, 3), tuple(evidence), suggestion=suggestion, culprits=tuple(small),
+                   fix_config=fix_config)
 
 
 _ADVICE = ("Move the metric all_reduce out of the micro-batch loop: accumulate the metrics locally and "
@@ -118,5 +129,5 @@ _ADVICE = ("Move the metric all_reduce out of the micro-batch loop: accumulate t
 
 PATTERN = Pattern(
     id="inflight-metric-allreduce", title="Metric all-reduce while FSDP collectives are in flight",
-    fixes=("metrics-after-microbatches",), desync=True, classify=classify, advice=_ADVICE,
+    fixes=("metrics-after-microbatches", "fsdp-gather-upfront"), desync=True, classify=classify, advice=_ADVICE,
 )
