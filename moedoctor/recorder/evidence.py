@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
+from typing import Any
 
 import torch
 
@@ -25,10 +26,11 @@ from moedoctor.recorder.core import Recorder
 
 
 def install(recorder: Recorder) -> None:
-    _install_optimizer_hooks(recorder)
+    gradients = _Gradients(recorder)
+    _install_optimizer_hooks(recorder, gradients)
     _install_zero_grad_hook(recorder)
     _install_norm_hooks(recorder)
-    _install_backward_hook(recorder)
+    _install_backward_hook(recorder, gradients)
     when_imported("torch.distributed.checkpoint", lambda module: _install_checkpoint_hooks(recorder, module))
     _ModuleRegistry.install()
 
@@ -36,25 +38,49 @@ def install(recorder: Recorder) -> None:
 # -- optimizer -------------------------------------------------------------------------------------
 
 
-def _install_optimizer_hooks(recorder: Recorder) -> None:
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+class _Gradients:
+    """Which parameters had no gradient, written as ``params_without_grad`` whenever that set changes:
+    at each optimizer step and, once an optimizer has stepped, at the end of each backward (a job
+    that reduces gradients by hand, or whose DDP reducer raises, desyncs before its next step)."""
 
-    primary: list = []  # a weak reference to the optimizer whose steps count as training steps
-    missing_before: list[frozenset] = [frozenset()]
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self.primary: weakref.ref | None = None  # the optimizer whose steps count as training steps
+        self.before: frozenset[tuple[str, tuple[int, ...]]] = frozenset()
+
+    def note(self, optimizer) -> None:
+        self._write(_params_without_grad(optimizer))
+
+    def _write(self, missing: frozenset[tuple[str, tuple[int, ...]]]) -> None:
+        if missing != self.before:
+            self.before = missing
+            names = sorted(missing)
+            self.recorder.write_evidence("params_without_grad", {
+                "names": [n for n, _ in names], "shapes": [list(shape) for _, shape in names],
+                "count": len(names)})
+
+    def after_backward(self) -> None:
+        optimizer = self.primary() if self.primary is not None else None
+        if optimizer is not None:
+            self.note(optimizer)
+        elif self.recorder.step == 0:  # before the first step: the models' trainable parameters
+            self._write(frozenset((name, _local_shape(p)) for name, p in _ModuleRegistry.trainable()
+                                  if p.grad is None))
+
+
+def _install_optimizer_hooks(recorder: Recorder, gradients: _Gradients) -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     def pre_hook(optimizer, args, kwargs):
         recorder.optimizer_depth += 1
         recorder.write_evidence("optimizer_step_begin", {"optimizer": type(optimizer).__name__})
-        missing = _params_without_grad(optimizer)
-        if missing != missing_before[0]:
-            missing_before[0] = missing
-            recorder.write_evidence("params_without_grad", {"names": sorted(missing), "count": len(missing)})
+        gradients.note(optimizer)
 
     def post_hook(optimizer, args, kwargs):
         recorder.optimizer_depth = max(0, recorder.optimizer_depth - 1)
-        if not primary or primary[0]() is None:
-            primary[:] = [weakref.ref(optimizer)]
-        if primary[0]() is optimizer:
+        if gradients.primary is None or gradients.primary() is None:
+            gradients.primary = weakref.ref(optimizer)
+        if gradients.primary() is optimizer:
             recorder.step += 1
         recorder.write_evidence("optimizer_step_end", {"optimizer": type(optimizer).__name__})
 
@@ -80,14 +106,20 @@ def _install_zero_grad_hook(recorder: Recorder) -> None:
         owner.zero_grad = zero_grad  # type: ignore[method-assign]
 
 
-def _params_without_grad(optimizer) -> frozenset[str]:
+def _params_without_grad(optimizer) -> frozenset[tuple[str, tuple[int, ...]]]:
+    """(name, local shape) of each parameter of ``optimizer`` without a gradient."""
     missing = [(group_index, index, param)
                for group_index, group in enumerate(optimizer.param_groups)
                for index, param in enumerate(group["params"]) if param.grad is None]
     if not missing:
         return frozenset()
     names = _ModuleRegistry.parameter_names(missing[0][2])
-    return frozenset(names.get(id(p)) or f"param_groups[{g}][{i}]" for g, i, p in missing)
+    return frozenset((names.get(id(p)) or f"param_groups[{g}][{i}]", _local_shape(p)) for g, i, p in missing)
+
+
+def _local_shape(param) -> tuple[int, ...]:
+    local = getattr(param, "_local_tensor", param)  # a DTensor's shard, as the job's collectives see it
+    return tuple(local.shape)
 
 
 class _ModuleRegistry:
@@ -108,6 +140,19 @@ class _ModuleRegistry:
                 cls._children.add(submodule)
 
         register_module_module_registration_hook(hook)
+
+    @classmethod
+    def trainable(cls) -> list[tuple[str, Any]]:
+        """(name, parameter) of every parameter of the models built so far that requires a gradient."""
+        roots = [m for m in list(cls._parents) if m not in cls._children]
+        seen: set[int] = set()
+        found = []
+        for root in roots:
+            for name, param in root.named_parameters():
+                if param.requires_grad and id(param) not in seen:
+                    seen.add(id(param))
+                    found.append((name, param))
+        return found
 
     @classmethod
     def parameter_names(cls, wanted=None) -> dict[int, str]:
@@ -168,7 +213,7 @@ def _install_norm_hooks(recorder: Recorder) -> None:
 # -- backward --------------------------------------------------------------------------------------
 
 
-def _install_backward_hook(recorder: Recorder) -> None:
+def _install_backward_hook(recorder: Recorder, gradients: _Gradients) -> None:
     original = torch.autograd.backward
     ordinal = [0]  # backward calls on a scalar so far: the key ``moedoctor verify`` matches losses by
 
@@ -183,6 +228,7 @@ def _install_backward_hook(recorder: Recorder) -> None:
             return original(*args, **kwargs)
         finally:
             recorder.write_evidence("backward_end")
+            gradients.after_backward()
 
     torch.autograd.backward = backward  # Tensor.backward calls torch.autograd.backward
 

@@ -240,3 +240,36 @@ def test_a_skipped_step_completed_by_the_next_iteration_is_still_thrown_away():
     a.ev("optimizer_step_begin", 2)      # the next iteration steps, counter still 2
     view = RunView(run_of(a))
     assert [e.step for e in view.discarded_steps(0)] == [2] and view.discarded_in(0, 2)
+
+
+def _sync_per_parameter(builder, params, step=0, seqs_done=True):
+    for shape in params:
+        builder.coll("all_reduce", shape, step=step, line=30, function="sync_gradients", done=seqs_done)
+
+
+def test_a_per_parameter_gradient_sync_that_skips_idle_experts_is_inactive_experts_not_a_shape_mismatch():
+    """Ranks 0 and 1 routed no token to expert 2 at step 0 (no gradient at the end of backward): their
+    hand-written sync skips its two parameters, and their head gradient meets rank 2's expert-2 one."""
+    model = [("embed.weight", (6, 5)), ("moe.experts.0.weight", (6, 6)), ("moe.experts.0.bias", (6,)),
+             ("moe.experts.1.weight", (6, 6)), ("moe.experts.1.bias", (6,)),
+             ("moe.experts.2.weight", (6, 6)), ("moe.experts.2.bias", (6,)), ("head.weight", (2, 6))]
+    idle = [n for n, _ in model if n.startswith("moe.experts.2.")]
+    bs = ranks(3)
+    for b in bs:
+        if b.rank < 2:
+            b.ev("params_without_grad", 0, names=idle, shapes=[[6, 6], [6]], count=2)
+        shapes = [s for n, s in model if b.rank == 2 or n not in idle]
+        _sync_per_parameter(b, shapes[:5])
+        b.coll("all_reduce", shapes[5], step=0, line=30, function="sync_gradients", done=False)
+    report = analyze(run_of(*bs, hang=True))
+    assert report.pattern == "inactive-experts" and report.culprit_ranks == [0, 1], report.candidates
+    assert report.fix_config == {"expert-zero-term": {"lists": "auto"}}
+    assert any("left out" in e for e in report.evidence), report.evidence
+
+    # Without the gradient evidence the same stream is a plain shape mismatch: nothing shows routing.
+    bare = ranks(3)
+    for b in bare:
+        shapes = [s for n, s in model if b.rank == 2 or n not in idle]
+        _sync_per_parameter(b, shapes[:5])
+        b.coll("all_reduce", shapes[5], step=0, line=30, function="sync_gradients", done=False)
+    assert analyze(run_of(*bare, hang=True)).pattern == "shape-mismatch"

@@ -22,11 +22,17 @@ graph, and with it every FSDP collective, is the same on every rank. For MoE cod
 fixes know, ``expert-zero-term`` with ``lists: auto`` (written into the report's ``fix_config``): every
 member of a module list runs once per forward of its owner, idle ones on empty inputs, in index order.
 
+A second path, for gradients reduced one parameter at a time by the job's own loop (not FSDP):
+every rank issues the divergent collective from one call site, ``params_without_grad`` at the end of
+that step's backward names module-list members idle on some ranks only (culprits: those), and up to
+the divergence their collectives from that call site are another rank's with exactly those
+parameters' shapes left out (+0.1).
+
 Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 6 variants of `inactive-experts/` (FSDP2 per
-block, per expert, HSDP, checkpointed MoE, DDP static buckets, hand-written c10d grad sync): 4/6.
-Confusions seen: the hand-written per-parameter sync that skips None grads at its first iteration is
-named `shape-mismatch` (no earlier iteration to show the skipped items, no `params_without_grad`
-before the abort); the DDP job whose reducer raises is a crash with no pattern. With the two
+block, per expert, HSDP, checkpointed MoE, DDP static buckets, hand-written c10d grad sync): 5/6.
+Confusions seen: the hand-written per-parameter sync that skips None grads at its first iteration was
+named `shape-mismatch` before the backward-end gradient evidence and the second path; the DDP job
+whose reducer raises is a crash with no pattern. With the two
 transformers 4.53.2 variants (OLMoE, Qwen2-MoE, recorded in `.venv-tf4`): 6/8 named, and the printed
 verify passes on 5 of the 6 named (`expert-zero-term`, structural, on the four of custom code;
 `olmoe_fsdp2_tf4` fails `expert-dense` because the job replaces `OlmoeSparseMoeBlock.forward` after
@@ -70,7 +76,7 @@ def classify(ctx: Context) -> Finding | None:
     present = ctx.present()
     backward = {r: v for r, v in present.items() if v.phase == "backward"}
     if len(backward) < 2 or not any(v.op in _FSDP_BACKWARD_OPS for v in backward.values()):
-        return None
+        return _reduced_per_parameter(ctx)
     score = 0.35
     evidence = [f"the divergence at #{div.seq} of group {div.group.label()} is in backward: "
                 + ", ".join(f"rank {r}: {v.op} {[list(s) for s in v.shapes]}"
@@ -139,6 +145,82 @@ def classify(ctx: Context) -> Finding | None:
         None if event is None or event.call_site is None else event.call_site.function, _ADVICE)
     # For MoE code moedoctor has no block class for: expert-zero-term's structural mode (module lists).
     return Finding(round(score, 3), tuple(evidence), culprits=culprits, suggestion=suggestion,
+                   fix_config={"expert-zero-term": {"lists": "auto"}})
+
+
+def _missing_at(view, rank: int, step: int) -> dict[str, tuple[int, ...]]:
+    """The rank's parameters without a gradient as of ``step`` (the set is written when it changes):
+    name -> local shape."""
+    found: dict[str, tuple[int, ...]] = {}
+    for e in view.evidence(rank, "params_without_grad"):
+        if e.step is not None and e.step > step:
+            break
+        names, shapes = e.data.get("names") or [], e.data.get("shapes") or []
+        found = {n: tuple(shapes[i]) if i < len(shapes) and isinstance(shapes[i], list) else ()
+                 for i, n in enumerate(names) if isinstance(n, str)}
+    return found
+
+
+def _skips_only(ref: list[tuple], mine: list[tuple], skippable: list[tuple]) -> int | None:
+    """How many of ``ref``'s items ``mine`` leaves out, where ``mine`` is ``ref`` with only items of
+    the ``skippable`` shapes (each used once) left out; None when it is not."""
+    pool = list(skippable)
+    i = j = skipped = 0
+    while i < len(ref) and j < len(mine):
+        if ref[i] == mine[j]:
+            i, j = i + 1, j + 1
+        elif ref[i] in pool:
+            pool.remove(ref[i])
+            i, skipped = i + 1, skipped + 1
+        else:
+            return None
+    return skipped if skipped and (i == len(ref) or j == len(mine)) else None
+
+
+def _reduced_per_parameter(ctx: Context) -> Finding | None:
+    """Gradients reduced one parameter at a time by the job's own loop (or a reducer it drives), which
+    skips parameters without a gradient: the ranks where a module-list member got no token issue that
+    loop's collectives minus the member's parameters, and the rest pair with the wrong tensors."""
+    div, view = ctx.div, ctx.view
+    present = ctx.present()
+    sites = {v.call_site for v in present.values()}
+    if len(present) < 2 or len(sites) != 1 or None in sites:
+        return None
+    site = next(iter(sites))
+    step = min(v.step for v in present.values())
+    missing = {r: _missing_at(view, r, step) for r in present}
+    everywhere = set.intersection(*(set(m) for m in missing.values()))
+    idle = {r: {member for n in m if n not in everywhere and (member := _list_member(n)) is not None}
+            for r, m in missing.items()}
+    odd = sorted(r for r, members in idle.items() if members)
+    kept = sorted(r for r in present if r not in odd)
+    if not odd or not kept:
+        return None
+    group = div.group.name
+
+    def shapes(rank: int) -> list[tuple]:
+        return [e.in_shapes for e in view.events(rank, group) if e.step == step and e.seq <= div.seq
+                and e.call_site is not None and e.call_site.where == site]
+
+    ref = shapes(kept[0])
+    skipped = {r: _skips_only(ref, shapes(r), [(missing[r][n],) for n in missing[r] if n not in missing[kept[0]]])
+               for r in odd}
+    params = sorted({n for r in odd for n in missing[r] if n not in everywhere})
+    score = 0.6
+    evidence = [f"{names(odd)} had no gradient, at the end of step {step}'s backward, for "
+                f"{', '.join(params[:4])}{f' and {len(params) - 4} more' if len(params) > 4 else ''} (parameters "
+                f"of members of a module list) that {names(kept)} had gradients for: those members got no token",
+                f"every rank issued #{div.seq} of group {div.group.label()} from the same call site "
+                f"({site.rsplit('/', 1)[-1]}), one collective per parameter with a gradient"]
+    if all(n is not None for n in skipped.values()):
+        score += 0.1
+        evidence.append(f"up to #{div.seq}, {names(odd)} issued from there {names(kept[:1])}'s collectives of "
+                        f"step {step} with collectives of those parameters' shapes left out: the loop skipped "
+                        "them, and the collectives after them pair with other parameters")
+    event = ctx.event(odd[0])
+    suggestion = Suggestion(site, None if event is None or event.call_site is None else event.call_site.function,
+                            _ADVICE)
+    return Finding(round(score, 3), tuple(evidence), culprits=tuple(odd), suggestion=suggestion,
                    fix_config={"expert-zero-term": {"lists": "auto"}})
 
 
