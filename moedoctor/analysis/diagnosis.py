@@ -148,7 +148,12 @@ def _choose(ctx: Context, died: list[int]) -> tuple[Pattern | None, Finding | No
     div = ctx.div
     if div is not None and div.kind == DivergenceKind.MISSING and ctx.culprits.ranks and all(
             ctx.view.died(r) for r in ctx.culprits.ranks):
-        return None, None, []  # the ranks the others wait for died: a crash, not a desync pattern
+        # The ranks the others wait for died: a crash, not a desync pattern, unless a pattern's own
+        # evidence says why they stopped issuing collectives before they died.
+        explained = [(p, f) for p, f in classify_all(ctx) if f.explains_crash and f.score >= THRESHOLD]
+        if explained:
+            return explained[0][0], explained[0][1], [Candidate(p.id, f.score, f.evidence) for p, f in explained]
+        return None, None, []
     ranked = classify_all(ctx)
     candidates = [Candidate(p.id, f.score, f.evidence) for p, f in ranked]
     named = [(p, f) for p, f in ranked if p.id != "unknown-desync" and f.score >= THRESHOLD]

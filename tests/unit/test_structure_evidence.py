@@ -273,3 +273,26 @@ def test_a_per_parameter_gradient_sync_that_skips_idle_experts_is_inactive_exper
         _sync_per_parameter(b, shapes[:5])
         b.coll("all_reduce", shapes[5], step=0, line=30, function="sync_gradients", done=False)
     assert analyze(run_of(*bare, hang=True)).pattern == "shape-mismatch"
+
+
+def test_a_reducer_that_never_launched_an_idle_experts_bucket_explains_the_crash_that_follows():
+    """DDP with static buckets: at step 2 rank 1 routed no token to expert 2, its bucket is never
+    launched, rank 0 waits in it, and rank 1's reducer raises in the next forward (exit 1)."""
+    from event_factory import manifest
+
+    def job(with_evidence: bool):
+        a, b = ranks(2)
+        for step in range(2):
+            for r in (a, b):
+                r.coll("all_reduce", (151,), step=step, line=86, phase=Phase.BACKWARD)
+        a.coll("all_reduce", (151,), step=2, line=86, phase=Phase.BACKWARD, done=False)
+        if with_evidence:
+            b.ev("params_without_grad", 2, names=["module.0.experts.2.weight", "module.0.experts.2.bias"],
+                 shapes=[[4, 4], [4]], count=2)
+        return run_of(a, b, manifest_info=manifest({0: -15, 1: 1}))
+
+    report = analyze(job(True))
+    assert report.verdict.value == "crashed" and report.pattern == "inactive-experts", report.summary
+    assert report.culprit_ranks == [1] and report.fix_config == {"expert-zero-term": {"lists": "auto"}}
+    bare = analyze(job(False))
+    assert bare.verdict.value == "crashed" and bare.pattern is None and bare.culprit_ranks == [1], bare.summary

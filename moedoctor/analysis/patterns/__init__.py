@@ -47,6 +47,9 @@ class Finding:
     #: Settings that point the pattern's fix at this job's own code (``{fix name: section}``,
     #: e.g. the ``if`` that made the rank-local decision), so ``moedoctor verify`` needs no --config.
     fix_config: dict | None = None
+    #: The finding explains why the ranks the others wait for stopped issuing collectives, so it is
+    #: named even when those ranks then died (a DDP reducer that raises over unused parameters).
+    explains_crash: bool = False
 
 
 @dataclass

@@ -28,11 +28,16 @@ that step's backward names module-list members idle on some ranks only (culprits
 the divergence their collectives from that call site are another rank's with exactly those
 parameters' shapes left out (+0.1).
 
+A third path, for a reducer with a fixed bucket layout (DDP without ``find_unused_parameters``): the
+others wait in a backward gradient reduction that the culprits never issued, and the culprits'
+``params_without_grad`` at the end of that backward names idle module-list members. DDP then raises
+in the next forward; the finding ``explains_crash``, so the crash is named with this pattern.
+
 Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 6 variants of `inactive-experts/` (FSDP2 per
-block, per expert, HSDP, checkpointed MoE, DDP static buckets, hand-written c10d grad sync): 5/6.
+block, per expert, HSDP, checkpointed MoE, DDP static buckets, hand-written c10d grad sync): 6/6.
 Confusions seen: the hand-written per-parameter sync that skips None grads at its first iteration was
 named `shape-mismatch` before the backward-end gradient evidence and the second path; the DDP job
-whose reducer raises is a crash with no pattern. With the two
+whose reducer raises was a crash with no pattern before the third path. With the two
 transformers 4.53.2 variants (OLMoE, Qwen2-MoE, recorded in `.venv-tf4`): 6/8 named, and the printed
 verify passes on 5 of the 6 named (`expert-zero-term`, structural, on the four of custom code;
 `olmoe_fsdp2_tf4` fails `expert-dense` because the job replaces `OlmoeSparseMoeBlock.forward` after
@@ -70,6 +75,8 @@ def _sparse_members(names: set[str], others: list[set[str]]) -> set[tuple[str, i
 
 
 def classify(ctx: Context) -> Finding | None:
+    if ctx.desync_kind() and ctx.div.kind.value == "missing":
+        return _reduction_never_launched(ctx)
     if not ctx.desync_kind() or ctx.div.kind.value != "mismatch":
         return None
     div, view = ctx.div, ctx.view
@@ -177,6 +184,43 @@ def _skips_only(ref: list[tuple], mine: list[tuple], skippable: list[tuple]) -> 
     return skipped if skipped and (i == len(ref) or j == len(mine)) else None
 
 
+def _idle_members(missing: dict[int, dict[str, tuple[int, ...]]]) -> dict[int, list[str]]:
+    """Per rank, its parameters without a gradient that belong to module-list members and that some
+    other rank had a gradient for."""
+    everywhere = set.intersection(*(set(m) for m in missing.values())) if missing else set()
+    return {r: sorted(n for n in m if n not in everywhere and _list_member(n) is not None)
+            for r, m in missing.items()}
+
+
+def _reduction_never_launched(ctx: Context) -> Finding | None:
+    """The others wait in a gradient reduction of backward that the missing ranks never issued, and
+    those ranks' backward of that step left module-list members without gradients that the waiting
+    ranks had: a reducer with a fixed bucket layout (DDP without ``find_unused_parameters``) never
+    launches the bucket with the idle member's gradients. DDP then raises in the next forward, so the
+    rank dies: the finding explains the crash."""
+    div, view = ctx.div, ctx.view
+    present = ctx.present()
+    if not present or not div.missing or any(v.phase != "backward" for v in present.values()):
+        return None
+    step = min(v.step for v in present.values())
+    missing = {r: _missing_at(view, r, step) for r in (*present, *div.missing)}
+    idle = _idle_members(missing)
+    if not all(idle[r] for r in div.missing) or any(idle[r] for r in present):
+        return None
+    params = sorted({n for r in div.missing for n in idle[r]})
+    v = next(iter(present.values()))
+    evidence = [f"{names(sorted(present))} wait{'s' if len(present) == 1 else ''} in {v.op} #{div.seq} of group "
+                f"{div.group.label()}, a gradient reduction issued in step {step}'s backward ({v.short_site}), "
+                f"that {names(div.missing)} never issued",
+                f"{names(div.missing)} had no gradient, at the end of that backward, for "
+                f"{', '.join(params[:4])}{f' and {len(params) - 4} more' if len(params) > 4 else ''} (parameters "
+                f"of members of a module list) that {names(sorted(present))} had gradients for: those members "
+                "got no token there, and the reduction that carries their gradients was never launched"]
+    suggestion = Suggestion(v.call_site, v.function, _ADVICE)
+    return Finding(0.6, tuple(evidence), culprits=tuple(div.missing), suggestion=suggestion,
+                   fix_config={"expert-zero-term": {"lists": "auto"}}, explains_crash=True)
+
+
 def _reduced_per_parameter(ctx: Context) -> Finding | None:
     """Gradients reduced one parameter at a time by the job's own loop (or a reducer it drives), which
     skips parameters without a gradient: the ranks where a module-list member got no token issue that
@@ -189,9 +233,7 @@ def _reduced_per_parameter(ctx: Context) -> Finding | None:
     site = next(iter(sites))
     step = min(v.step for v in present.values())
     missing = {r: _missing_at(view, r, step) for r in present}
-    everywhere = set.intersection(*(set(m) for m in missing.values()))
-    idle = {r: {member for n in m if n not in everywhere and (member := _list_member(n)) is not None}
-            for r, m in missing.items()}
+    idle = _idle_members(missing)
     odd = sorted(r for r, members in idle.items() if members)
     kept = sorted(r for r in present if r not in odd)
     if not odd or not kept:
@@ -203,9 +245,8 @@ def _reduced_per_parameter(ctx: Context) -> Finding | None:
                 and e.call_site is not None and e.call_site.where == site]
 
     ref = shapes(kept[0])
-    skipped = {r: _skips_only(ref, shapes(r), [(missing[r][n],) for n in missing[r] if n not in missing[kept[0]]])
-               for r in odd}
-    params = sorted({n for r in odd for n in missing[r] if n not in everywhere})
+    skipped = {r: _skips_only(ref, shapes(r), [(missing[r][n],) for n in idle[r]]) for r in odd}
+    params = sorted({n for r in odd for n in idle[r]})
     score = 0.6
     evidence = [f"{names(odd)} had no gradient, at the end of step {step}'s backward, for "
                 f"{', '.join(params[:4])}{f' and {len(params) - 4} more' if len(params) > 4 else ''} (parameters "
@@ -229,7 +270,8 @@ _ADVICE = ("Make every expert take part every step: run all experts on all token
            "gradients and FSDP2 reduces the same buffers in the same order. Check the output matches the sparse path.")
 
 PATTERN = Pattern(
-    id="inactive-experts", title="Inactive experts under FSDP2", fixes=("expert-dense", "expert-zero-term"),
+    id="inactive-experts", title="Inactive experts (MoE gradients missing on some ranks)",
+    fixes=("expert-dense", "expert-zero-term"),
     desync=True,
     classify=classify, advice=_ADVICE,
 )
