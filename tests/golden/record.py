@@ -23,7 +23,8 @@ Paths in those files are kept as recorded (absolute paths of the temporary run d
 fixture scripts), as the corpus always held them: the tests compare call sites with ``endswith``.
 
 ``expected_report.json`` takes its truth from ``fixtures/<name>/expected.yaml``, never from
-moedoctor: ``pattern``, ``culprit_ranks``, ``fixes`` (``[fix]``), ``call_site``, and ``verdict``
+moedoctor: ``pattern``, ``culprit_ranks``, ``fixes`` (``[fix]``, then the registry's other fixes for the
+pattern), ``call_site``, and ``verdict``
 (``healthy`` for a control without a pattern; ``stuck`` for ``straggler`` / ``not-a-desync`` /
 ``rank-stopped``; ``desync`` for a hang; for a fixture whose ``failure`` is ``abort`` either
 ``crashed`` or ``desync``, as the job ended: ``desync`` when ``moedoctor run`` stopped it itself,
@@ -97,8 +98,18 @@ def truth(name: str, exit_code: int) -> dict:
     else:
         verdict = "desync"
     return {"verdict": verdict, "pattern": pattern, "culprit_ranks": list(y.get("culprit_ranks") or []),
-            "fixes": [y["fix"]] if y.get("fix") else [], "group_ranks": y.get("group_ranks"),
+            "fixes": _fixes(pattern, y.get("fix")), "group_ranks": y.get("group_ranks"),
             "call_site": y.get("call_site"), "failure": y.get("failure")}
+
+
+def _fixes(pattern: str | None, fix: str | None) -> list[str]:
+    """The fixture's fix first, then the other fixes the registry lists for its pattern (a product
+    fact, the order a report names them in), e.g. ``expert-zero-term`` after ``expert-dense``."""
+    if not fix:
+        return []
+    from moedoctor.fixes import fixes_for_pattern
+
+    return [fix, *(f.name for f in fixes_for_pattern(pattern or "") if f.name != fix)]
 
 
 def expected_exit(want: dict) -> tuple[int, ...]:
