@@ -40,8 +40,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--toggle", type=int, default=0, metavar="N",
-                        help="in one process, alternate blocks of N steps with the recorder's kernels "
-                        "registered and unregistered, and print both medians (no run-to-run noise)")
+                        help="in one process, alternate blocks of N steps with the whole recorder on and "
+                        "paused (kernels off the dispatcher, evidence hooks passing through), and print both "
+                        "medians (no run-to-run noise)")
+    parser.add_argument("--toggle-part", default="all", choices=["all", "kernels", "hooks"],
+                        help="what --toggle switches: the whole recorder, only its dispatcher kernels, or only "
+                        "its evidence hooks (to find where the time goes)")
+    parser.add_argument("--sync-debug", action="store_true",
+                        help="CUDA: torch.cuda.set_sync_debug_mode('error') around each measured step's "
+                        "work (not the timing's own synchronize): any host-device sync in it raises")
     args = parser.parse_args()
     if args.backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -63,33 +70,54 @@ def main() -> None:
         import tempfile
         from pathlib import Path
 
-        from moedoctor.recorder import install
+        from moedoctor.recorder.install import install, installed_recorder
 
-        recorder = install(Path(tempfile.mkdtemp(prefix="moedoctor-step-")))
+        # Under `moedoctor run` the recorder was installed at start-up, as users run it (native
+        # kernels, hooks in place before the model was built); else one is installed here.
+        recorder = installed_recorder() or install(Path(tempfile.mkdtemp(prefix="moedoctor-step-")))
     times, toggled = [], {True: [], False: []}
     for step in range(args.warmup + args.steps):
         recording = bool(args.toggle) and (step // args.toggle) % 2 == 0
         if recorder is not None and step % args.toggle == 0:
-            recorder.unregister_kernels()
-            if recording:
-                recorder.register_kernels()
+            if args.toggle_part == "all":
+                recorder.resume() if recording else recorder.pause()
+            elif args.toggle_part == "kernels":
+                recorder.register_kernels() if recording else recorder.unregister_kernels()
+            else:
+                recorder.paused = not recording
         sync()
         start = time.perf_counter()
+        checked = args.sync_debug and args.backend == "nccl" and step >= args.warmup
+        if checked:
+            torch.cuda.set_sync_debug_mode("error")
         loss = model(x).float().pow(2).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
+        if checked:
+            torch.cuda.set_sync_debug_mode("default")
         sync()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
             toggled[recording].append(times[-1])
     if dist.get_rank() == 0:
+        if args.sync_debug and args.backend == "nccl":
+            print(f"sync debug: {args.steps} steps ran under set_sync_debug_mode('error'), no host-device sync")
         seq = dist.group.WORLD._get_sequence_number_for_group()
         recorded = "recorded" if os.environ.get("MOEDOCTOR_RUN_DIR") else "plain"
         if args.toggle:
             on, off = statistics.median(toggled[True]), statistics.median(toggled[False])
-            print(f"toggled in-process every {args.toggle} steps: recorder off {off * 1e3:.3f} ms, "
+            native = getattr(recorder, "_native", None)
+            if native is not None:
+                calls, ns, gil, walk, write = native.kernel_time()
+                per = max(calls, 1) * 1e3
+                parts = (f" (taking the GIL {gil / per:.2f}, stack walk {walk / per:.2f}, "
+                         f"write {write / per:.2f})")
+                print(f"native kernel: {calls} collectives recorded, {ns / max(calls, 1) / 1e3:.2f} us each inside "
+                      "the kernel" + parts)
+            print(f"toggled in-process every {args.toggle} steps ({args.toggle_part}): "
+                  f"recorder off {off * 1e3:.3f} ms, "
                   f"on {on * 1e3:.3f} ms, added {(on - off) / off * 100:+.2f}% "
                   f"({len(toggled[True])} + {len(toggled[False])} steps)")
         print(f"{recorded}: backend={args.backend} world={dist.get_world_size()} dim={args.dim} "

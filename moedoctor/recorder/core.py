@@ -120,6 +120,9 @@ class Recorder:
         self._native: Any = None  # [native seam] NativeKernels while MOEDOCTOR_NATIVE=1 and it loaded
         self.step = 0
         self.optimizer_depth = 0
+        #: ``pause()``: no kernel in front of the collectives, every evidence hook passes straight
+        #: through (the benchmarks' in-process toggle of the whole recorder).
+        self.paused = False
         self.checkpoint: Phase | None = None
         self._fd: int | None = None
         self._lock = threading.Lock()
@@ -221,6 +224,16 @@ class Recorder:
                 lib = libraries[spec.namespace] = torch.library.Library(spec.namespace, "IMPL")
             lib.impl(spec.raw_name, self._kernel(spec), "BackendSelect", with_keyset=True)
         self._libraries = list(libraries.values())
+
+    def pause(self) -> None:
+        """Record nothing until ``resume()``: the kernels come off the dispatcher and the evidence
+        hooks pass through (they stay installed: torch offers no way to remove global hooks)."""
+        self.paused = True
+        self.unregister_kernels()
+
+    def resume(self) -> None:
+        self.register_kernels()
+        self.paused = False
 
     def unregister_kernels(self) -> None:
         if self._native is not None and self._native.registered:  # [native seam]

@@ -73,6 +73,8 @@ def _install_optimizer_hooks(recorder: Recorder, gradients: _Gradients) -> None:
 
     def pre_hook(optimizer, args, kwargs):
         recorder.optimizer_depth += 1
+        if recorder.paused:
+            return
         recorder.write_evidence("optimizer_step_begin", {"optimizer": type(optimizer).__name__})
         gradients.note(optimizer)
 
@@ -98,7 +100,8 @@ def _install_zero_grad_hook(recorder: Recorder) -> None:
             continue
 
         def zero_grad(self, *args, __original=original, **kwargs):
-            recorder.write_evidence("zero_grad", {"of": type(self).__name__})
+            if not recorder.paused:
+                recorder.write_evidence("zero_grad", {"of": type(self).__name__})
             return __original(self, *args, **kwargs)
 
         functools.update_wrapper(zero_grad, original)
@@ -190,6 +193,8 @@ def _install_norm_hooks(recorder: Recorder) -> None:
     @functools.wraps(original)
     def get_total_norm(*args, **kwargs):
         total = original(*args, **kwargs)
+        if recorder.paused:
+            return total
         site = callsite.first_frame(callsite.attribute(2).site_key)
         value = _local_value(total)
         step = recorder.step
@@ -219,6 +224,8 @@ def _install_backward_hook(recorder: Recorder, gradients: _Gradients) -> None:
 
     @functools.wraps(original)
     def backward(*args, **kwargs):
+        if recorder.paused:
+            return original(*args, **kwargs)
         root = args[0] if args else kwargs.get("tensors")
         if isinstance(root, torch.Tensor) and root.numel() == 1 and type(root) is torch.Tensor:
             _record_loss(recorder, root.detach(), ordinal[0])

@@ -279,6 +279,11 @@ class NativeKernels:
 
     # -- the progress thread and coverage ------------------------------------------------------
 
+    def kernel_time(self) -> tuple[int, ...]:
+        """(collectives recorded, nanoseconds spent recording them, of which taking the GIL, walking
+        the stack, writing the record) since the module loaded."""
+        return tuple(int(x) for x in self._m.kernel_time())
+
     def poll(self) -> list[int]:
         """Event ids seen complete since the last poll, sorted."""
         return self._m.poll()

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 14 on the GPU machine: the whole recorder's cost measured inside one process, where launch
+# noise cannot hide it. Under `moedoctor run` with its defaults (native kernels built), each FSDP2 loop
+# (benchmarks/fsdp_step_overhead.py --toggle) alternates blocks of steps with the recorder on and
+# paused (Recorder.pause: kernels off the dispatcher, evidence hooks passing through); then the cost
+# per collective on NCCL over many iterations (benchmarks/collective_cost.py), with the native
+# kernel's own time split into taking the GIL, walking the stack and writing the record, and the
+# kernels and the hooks toggled alone on the largest loop; then every step of the
+# largest loop under torch.cuda.set_sync_debug_mode("error"), plain and recorded (no host-device sync
+# may be added). Output in $OUT/recorder_toggle.log, summary lines printed.
+set -u
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+for tool in py-spy ninja; do
+  command -v $tool >/dev/null || pip install -q --target /tmp/site .whl/${tool/-/_}-*.whl >/dev/null 2>&1
+done
+export PATH=/tmp/site/bin:$PATH PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+backend=${BACKEND:-nccl}; steps=${STEPS:-80}; block=${BLOCK:-5}; nproc=${NPROC:-2}
+sizes=${SIZES:-"2048:8:8192 1024:16:2048 512:48:1024"}
+out=${OUT:-/tmp/out}; mkdir -p "$out"; log="$out/recorder_toggle.log"; : > "$log"
+launch="python3 -m torch.distributed.run --standalone --nproc_per_node $nproc"
+md="python3 -m moedoctor run --run-dir /tmp/tg --force --"
+for size in $sizes; do
+  IFS=: read -r dim layers tokens <<< "$size"
+  echo "== $size" | tee -a "$log"
+  $md $launch benchmarks/fsdp_step_overhead.py --backend "$backend" --dim "$dim" --layers "$layers" \
+    --tokens "$tokens" --steps "$steps" --warmup 5 --toggle "$block" >> "$log" 2>&1
+  grep -E "^(native|toggled|recorded|plain)" "$log" | tail -3
+done
+IFS=: read -r dim layers tokens <<< "${sizes##* }"
+for part in kernels hooks; do  # where the time goes: the dispatcher kernels alone, the evidence hooks alone
+  echo "== ${sizes##* } $part only" | tee -a "$log"
+  $md $launch benchmarks/fsdp_step_overhead.py --backend "$backend" --dim "$dim" --layers "$layers" \
+    --tokens "$tokens" --steps "$steps" --warmup 5 --toggle "$block" --toggle-part $part >> "$log" 2>&1
+  grep -E "^(toggled|native)" "$log" | tail -2
+done
+echo "== collective cost" | tee -a "$log"
+$md $launch benchmarks/collective_cost.py --backend "$backend" >> "$log" 2>&1; grep -E "^(collective cost|native)" "$log" | tail -2
+IFS=: read -r dim layers tokens <<< "${sizes##* }"
+for mode in plain recorded; do
+  echo "== sync debug $mode" | tee -a "$log"
+  cmd="$launch benchmarks/fsdp_step_overhead.py --backend $backend --dim $dim --layers $layers --tokens $tokens --steps 10 --warmup 3 --sync-debug"
+  if [ $mode = recorded ]; then $md $cmd >> "$log" 2>&1; else $cmd >> "$log" 2>&1; fi
+  echo "exit $?"; grep -E "^sync debug|synchroniz|Error" "$log" | tail -3
+done
