@@ -276,6 +276,11 @@ class Recorder:
         self._thread = threading.Thread(target=self._progress_loop, name="moedoctor-progress", daemon=True)
         self._thread.start()
 
+    def flush(self) -> None:
+        """Write what the native kernel buffered (``os._exit``'s wrapper calls it: no atexit runs)."""
+        if self._native is not None and self._fd is not None:  # [native seam]
+            self._native.flush()
+
     def close(self, reason: str) -> None:
         """Write the coverage record and stop the progress thread (once)."""
         if self._fd is None or self._stop.is_set():
@@ -482,10 +487,13 @@ class Recorder:
     # -- output ----------------------------------------------------------------------------------
 
     def _write(self, data: bytes) -> None:
-        """Append to the trace; a failed write (disk full, read-only, quota) stops the recording."""
+        """Append to the trace; a failed write (disk full, read-only, quota) stops the recording.
+        The native kernel's buffered records go first, so the file keeps the order records were made in."""
         fd = self._fd
         if fd is None:
             return
+        if self._native is not None:  # [native seam]
+            self._native.flush()
         try:
             while data:
                 written = os.write(fd, data)

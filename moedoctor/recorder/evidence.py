@@ -110,10 +110,11 @@ def _install_zero_grad_hook(recorder: Recorder) -> None:
 
 
 def _params_without_grad(optimizer) -> frozenset[tuple[str, tuple[int, ...]]]:
-    """(name, local shape) of each parameter of ``optimizer`` without a gradient."""
+    """(name, local shape) of each parameter of ``optimizer`` that requires a gradient and has none
+    (a frozen parameter has none by design: progressive unfreezing is not a routing question)."""
     missing = [(group_index, index, param)
                for group_index, group in enumerate(optimizer.param_groups)
-               for index, param in enumerate(group["params"]) if param.grad is None]
+               for index, param in enumerate(group["params"]) if param.grad is None and param.requires_grad]
     if not missing:
         return frozenset()
     names = _ModuleRegistry.parameter_names(missing[0][2])

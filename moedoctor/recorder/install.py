@@ -61,5 +61,23 @@ def install(run_dir: Path, max_events: int | None = None):
     if dist.is_initialized():
         recorder.open()
     atexit.register(lambda: recorder.close("exit") if dist.is_initialized() else None)
+    _flush_before_os_exit(recorder)
     _recorder = recorder
     return recorder
+
+
+def _flush_before_os_exit(recorder) -> None:
+    """``os._exit`` skips atexit: the native kernel's buffered records are written first."""
+    original = os._exit
+    if getattr(original, "__moedoctor__", False):
+        return
+
+    def _exit(status):
+        try:
+            recorder.flush()
+        except Exception:  # noqa: BLE001 - exiting must not fail because of the recorder
+            pass
+        original(status)
+
+    _exit.__moedoctor__ = True  # type: ignore[attr-defined]
+    os._exit = _exit

@@ -301,6 +301,9 @@ class _Run:
         if procs.job_processes(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id)):
             self._stop()  # the launcher is gone but left workers behind: they must not outlive us
         self.tracker.poll()
+        if hang is None and self.node.hang is not None and self.node.hang.trigger == "no-trace" \
+                and self.tracker.last_progress() is not None:
+            self.node.hang = None  # a slow start, diagnosed early, that went on to record: not a hang
         exit_code = 128 - code if code < 0 else code  # killed by signal N -> 128 + N, as shells say
         self._finish(Status.HANG if hang else Status.FINISHED, code, hang)
         return RunResult(Outcome.HANG if hang else Outcome.FINISHED, exit_code, code, self.dir, hang,
@@ -465,10 +468,14 @@ class _Run:
             return None
 
     def _startup_quiet(self) -> bool:
-        """--hang-timeout has passed since the last rank's recorder loaded. Before any has, the ranks
-        may still be importing torch (slow on a busy node): only the startup timeout applies then."""
+        """--hang-timeout has passed since the last rank's recorder loaded, every rank process of this
+        node having loaded one. Before that, some ranks may still be importing torch (slow on a busy
+        node) while the others wait for them: only the startup timeout applies then."""
         loaded = recorder_markers(self.dir.control)
-        return bool(loaded) and time.time() - max(loaded.values()) >= self.config.hang_timeout
+        local = procs.rank_processes(procs.job_processes(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id)))
+        if not loaded or any(rank not in loaded for rank in local):
+            return False
+        return time.time() - max(loaded.values()) >= self.config.hang_timeout
 
     def _why_no_trace(self, ranks: list[int]) -> str:
         """Why no rank has a trace: the recorder's install markers say whether it loaded."""

@@ -224,3 +224,13 @@ def test_two_nodes_share_one_run_dir(tmp_path):
     assert sorted(p.name for p in (run_dir / "stacks").iterdir()) == ["rank-0.json", "rank-1.json"]
     assert {r["rank"]: r["waiting_in"].split()[0] for r in m["hang"]["ranks"]} == {
         0: "all_reduce", 1: "stuck_elsewhere"}
+
+
+def test_a_rank_slow_to_import_torch_is_not_a_hang(tmp_path):
+    """Rank 0 imports torch 6 s after rank 1 (hang timeout 2 s): the start-up allowance covers it, so
+    no early diagnosis is recorded, and the healthy job's report says healthy."""
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, "slow_import.py", "--hang-timeout", "2", timeout=90)
+    assert result.returncode == 0, result.tail()
+    assert manifest(run_dir)["hang"] is None, result.tail()
+    assert json.loads((run_dir / "report.json").read_text())["verdict"] == "healthy", result.tail()

@@ -256,6 +256,11 @@ class NativeKernels:
     def set_fd(self, fd: int | None) -> None:
         self._m.set_fd(-1 if fd is None else fd)
 
+    def flush(self) -> None:
+        """Write the records the kernel buffered (it writes them itself every 2 ms, and from the
+        handler of the signals that end a process)."""
+        self._m.flush()
+
     def write_error(self) -> int:
         """The errno of the kernel's first failed write (0: none); it has stopped writing since."""
         return self._m.write_error()

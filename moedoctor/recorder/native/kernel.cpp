@@ -25,6 +25,7 @@
 #include <Python.h>
 #include <frameobject.h>
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,12 +35,14 @@
 #include <charconv>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -183,6 +186,103 @@ static void write_all(int target, const char* data, size_t size) {
     data += n;
     size -= static_cast<size_t>(n);
   }
+}
+
+// -- buffered records ------------------------------------------------------------------------------
+// The kernels append records to one buffer instead of a write(2) each (about 8 us inside FSDP2's
+// steps on an H200 host). It reaches the file: every FLUSH_EVERY from a writer thread of ours (no
+// GIL), before every record the Python side writes (so the file keeps the order records were made
+// in), when it is full, at close, from os._exit's wrapper, and from a handler of the signals that end
+// a process (SIGABRT: Gloo aborts a rank within milliseconds of a size mismatch; SIGSEGV, SIGBUS,
+// SIGTERM), which then hands the signal to whatever handled it before. Only SIGKILL loses the last
+// FLUSH_EVERY of records.
+static constexpr size_t BUFFER_CAPACITY = 1 << 20;
+static constexpr auto FLUSH_EVERY = std::chrono::milliseconds(2);
+static char* const buffer = new char[BUFFER_CAPACITY];
+static std::atomic<size_t> buffered{0};
+static std::mutex buffer_mu;
+static std::once_flag writer_started;
+static struct sigaction previous_action[NSIG];
+static const int fatal_signals[] = {SIGABRT, SIGSEGV, SIGBUS, SIGTERM};
+
+static void flush_locked() {  // buffer_mu held
+  const size_t n = buffered.load();
+  const int target = S.fd.load();
+  if (n > 0 && target >= 0) write_all(target, buffer, n);
+  buffered.store(0);
+}
+
+static void flush_buffer() {
+  std::lock_guard<std::mutex> guard(buffer_mu);
+  flush_locked();
+}
+
+static void append_record(const char* data, size_t size) {
+  std::lock_guard<std::mutex> guard(buffer_mu);
+  if (buffered.load() + size > BUFFER_CAPACITY) flush_locked();
+  if (size > BUFFER_CAPACITY) {
+    const int target = S.fd.load();
+    if (target >= 0) write_all(target, data, size);
+    return;
+  }
+  const size_t n = buffered.load();
+  std::memcpy(buffer + n, data, size);
+  buffered.store(n + size);
+}
+
+static void on_ending_signal(int sig, siginfo_t* info, void* context) {
+  // Write what is buffered unless another thread is in the middle of it (then it lands anyway,
+  // or, if this thread was interrupted while holding the lock, the last records are lost).
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    if (buffer_mu.try_lock()) {
+      const size_t n = buffered.load();
+      const int target = S.fd.load();
+      if (n > 0 && target >= 0) {
+        size_t done = 0;
+        while (done < n) {
+          ssize_t w = ::write(target, buffer + done, n - done);
+          if (w <= 0) break;
+          done += static_cast<size_t>(w);
+        }
+      }
+      buffered.store(0);
+      buffer_mu.unlock();
+      break;
+    }
+    usleep(100);
+  }
+  const struct sigaction& before = previous_action[sig];
+  if (before.sa_flags & SA_SIGINFO) {
+    if (before.sa_sigaction != nullptr) {
+      before.sa_sigaction(sig, info, context);
+      return;
+    }
+  } else if (before.sa_handler == SIG_IGN) {
+    return;
+  } else if (before.sa_handler != SIG_DFL && before.sa_handler != nullptr) {
+    before.sa_handler(sig);
+    return;
+  }
+  sigaction(sig, &before, nullptr);  // the default action: end the process as it would have
+  raise(sig);
+}
+
+static void start_writer() {
+  std::call_once(writer_started, [] {
+    std::thread([] {
+      for (;;) {
+        std::this_thread::sleep_for(FLUSH_EVERY);
+        if (buffered.load(std::memory_order_relaxed) > 0) flush_buffer();
+      }
+    }).detach();
+    for (int sig : fatal_signals) {
+      struct sigaction action {};
+      action.sa_sigaction = on_ending_signal;
+      action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+      sigemptyset(&action.sa_mask);
+      sigaction(sig, &action, &previous_action[sig]);
+    }
+  });
 }
 
 static std::string py_error_text() {
@@ -523,7 +623,7 @@ static GroupState& intern_group(const std::string& name, int target) {
   append_int(record, state.id);
   record += ',';
   record.append(fragment, 1, std::string::npos);
-  write_all(target, record.data(), record.size());
+  append_record(record.data(), record.size());
   S.group_names.push_back(name);
   return S.groups.emplace(name, std::move(state)).first->second;
 }
@@ -552,7 +652,7 @@ static int intern_site(const SiteKey& key, int target) {
   append_int(record, id);
   record += ',';
   record.append(fragment, 1, std::string::npos);
-  write_all(target, record.data(), record.size());
+  append_record(record.data(), record.size());
   S.sites.emplace(key, id);
   return id;
 }
@@ -718,7 +818,7 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
   if (S.written >= S.max_events) {
     if (S.dropped++ == 0) {
       std::string cap = take_bytes(call_helper("cap_record", nullptr));
-      write_all(target, cap.data(), cap.size());
+      append_record(cap.data(), cap.size());
     }
     return -1;
   }
@@ -754,7 +854,7 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
   line += extra;
   line += "}\n";
   mark = std::chrono::steady_clock::now();
-  write_all(target, line.data(), line.size());
+  append_record(line.data(), line.size());
   write_ns.fetch_add(since_ns(mark), std::memory_order_relaxed);
   return event;
 }
@@ -880,7 +980,19 @@ static void register_kernels(const std::vector<py::tuple>& entries) {
 
 static void unregister_kernels() { S.libraries.clear(); }
 
-static void set_fd(int value) { S.fd.store(value); }
+static void set_fd(int value) {
+  if (value < 0) {
+    flush_buffer();  // a recorder that stops writes what it has (a failed write drops it instead)
+  }
+  S.fd.store(value);
+  if (value >= 0) start_writer();
+}
+
+// Before the Python side writes a record of its own, and at close: the buffer reaches the file first.
+static void flush() {
+  py::gil_scoped_release no_gil;
+  flush_buffer();
+}
 static int write_error() { return write_errno.load(); }
 static void set_step(int64_t value) { S.step = value; }
 static void set_optimizer_depth(int64_t value) { S.optimizer_depth = value; }
@@ -1048,6 +1160,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unregister_kernels", &unregister_kernels);
   m.def("set_fd", &set_fd);
   m.def("write_error", &write_error);
+  m.def("flush", &flush);
   m.def("set_step", &set_step);
   m.def("set_optimizer_depth", &set_optimizer_depth);
   m.def("set_checkpoint", &set_checkpoint);
