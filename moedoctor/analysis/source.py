@@ -384,6 +384,92 @@ def decision_branch(stack: tuple[str, ...], others: tuple[tuple[str, ...], ...] 
     return unconfirmed
 
 
+def collection_decision(stack: tuple[str, ...]) -> Branch | None:
+    """When the call runs once per item of a collection the job filled earlier (``for name, s in
+    self.shadow.items():`` around it), the ``if`` that decided, where the collection was filled, whether
+    an item went in: an earlier ``if`` in the filling loop whose body ``continue``s (``runs_when``
+    False: the item is left out when it is true), or an ``if`` around the filling statement
+    (``runs_when`` True). The collection is an attribute of ``self`` (filled anywhere in the file:
+    ``self.shadow[k] = ...``, ``self.keys.append(k)``) or a local name filled in the same function.
+    Rank tests and settings are passed over, as in ``decision_branch``. Such a decision is made before
+    any rank issues the per-item collectives, so no stack at the divergence shows it."""
+    for frame in frames(stack):
+        defs = [n for n in _function_at(frame.file, frame.line) if not isinstance(n, ast.ClassDef)]
+        tree = _tree(frame.file)
+        if not defs or tree is None:
+            continue
+        loops = sorted((n for n in ast.walk(defs[-1]) if isinstance(n, (ast.For, ast.AsyncFor))
+                        and n.lineno <= frame.line <= (n.end_lineno or n.lineno)), key=lambda n: -n.lineno)
+        for loop in loops:
+            collection = _collection(loop.iter)
+            if collection is None:
+                continue
+            scope = tree if collection.startswith("self.") else defs[-1]
+            branch = _filled_under_if(scope, collection, frame.file, loop)
+            if branch is not None:
+                return branch
+    return None
+
+
+def _collection(node: ast.expr) -> str | None:
+    """``self.shadow`` for ``self.shadow.items()`` / ``sorted(self.shadow)`` / ``list(x.keys())``, ``out``
+    for a local name; None for anything else (a call's result, a module's attribute)."""
+    while True:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.args \
+                and node.func.attr in ("items", "keys", "values"):
+            node = node.func.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args \
+                and node.func.id in ("sorted", "list", "tuple", "enumerate", "reversed"):
+            node = node.args[0]
+        else:
+            break
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return f"self.{node.attr}"
+    if isinstance(node, ast.Name):
+        return node.id
+    return None
+
+
+_FILLERS = ("append", "add", "setdefault", "insert", "extend", "update")
+
+
+def _fills(stmt: ast.AST, collection: str) -> bool:
+    """Does the statement put an item into ``collection`` (``c[k] = v``, ``c.append(v)``, ...)?"""
+    if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+        return any(isinstance(t, ast.Subscript) and _segment(t.value) == collection for t in targets)
+    for node in ast.walk(stmt):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _FILLERS
+                and _segment(node.func.value) == collection):
+            return True
+    return False
+
+
+def _filled_under_if(scope: ast.AST, collection: str, path: str, reader: ast.AST) -> Branch | None:
+    for loop in ast.walk(scope):
+        if not isinstance(loop, (ast.For, ast.AsyncFor)) or loop is reader:
+            continue
+        fills = [stmt for stmt in ast.walk(loop) if isinstance(stmt, ast.stmt) and _fills(stmt, collection)]
+        if not fills:
+            continue
+        fill = fills[0]
+        guards = []
+        for node in ast.walk(loop):
+            if not isinstance(node, ast.If) or _configuration(node.test):
+                continue
+            test = Enclosing("if", path, node.lineno, _segment(node.test))
+            if _reads_rank(test):
+                continue
+            side = _side(node, fill.lineno)
+            if side == "body":
+                guards.append((node.lineno, Branch(path, node.lineno, test.text, True)))
+            elif side == "after" and node.body and isinstance(node.body[-1], ast.Continue) and not node.orelse:
+                guards.append((node.lineno, Branch(path, node.lineno, test.text, False)))
+        if guards:
+            return max(guards, key=lambda g: g[0])[1]  # the nearest to the filling statement
+    return None
+
+
 def _loop_end(function: ast.AST, node: ast.If) -> int | None:
     """The last line of the innermost loop around ``node`` when its body leaves by ``continue`` or
     ``break`` (a rank past that line left the loop: the other side of the branch)."""

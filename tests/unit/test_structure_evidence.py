@@ -296,3 +296,46 @@ def test_a_reducer_that_never_launched_an_idle_experts_bucket_explains_the_crash
     assert report.culprit_ranks == [1] and report.fix_config == {"expert-zero-term": {"lists": "auto"}}
     bare = analyze(job(False))
     assert bare.verdict.value == "crashed" and bare.pattern is None and bare.culprit_ranks == [1], bare.summary
+
+
+EMA = textwrap.dedent("""\
+    import torch.distributed as dist
+
+    class Shadow:
+        def __init__(self, model, skip_empty):
+            self.shadow = {}
+            for name, p in model.named_parameters():
+                if skip_empty and p.numel() == 0:
+                    continue
+                self.shadow[name] = p.detach().clone()
+            self.ranked = []
+            for name, p in model.named_parameters():
+                if dist.get_rank() == 0:
+                    self.ranked.append(name)
+
+        def state_dict(self):
+            for name, s in self.shadow.items():
+                dist.all_gather_object([None, None], s.shape)
+            for name in self.ranked:
+                dist.all_gather_object([None, None], name)
+
+    def export(tensors):
+        out = {}
+        for key, t in tensors.items():
+            if t.numel():
+                out[key] = t
+        for key in sorted(out):
+            dist.all_gather_object([None, None], key)
+    """)
+
+
+def test_the_if_that_filled_the_per_key_collection_is_the_decision(tmp_path):
+    from moedoctor.analysis.source import collection_decision
+
+    path = tmp_path / "ema.py"
+    path.write_text(EMA)
+    shadow = collection_decision(_stack(path, (17, "state_dict"), (40, "main")))
+    assert (shadow.line, shadow.runs_when) == (7, False) and "numel() == 0" in shadow.test
+    local = collection_decision(_stack(path, (27, "export")))
+    assert (local.line, local.runs_when) == (24, True)
+    assert collection_decision(_stack(path, (19, "state_dict"))) is None  # filled under a rank test: a guard

@@ -22,7 +22,10 @@ Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 6 variants of `uneven-dte
 split torch.save, TP export loop): 6/6 after the change. Confusions seen before it: per-key loops
 whose phase is not a save (an export, a pre-save check) named `rank-conditional-collective`; a loop
 exit on another group of a wait-for cycle named `collective-order-inversion`; and this pattern
-claimed a rank-conditional DCP save from its checkpoint phase alone.
+claimed a rank-conditional DCP save from its checkpoint phase alone. The fix reaches 3 of the 6 by
+structure (``fix_config``: the per-key ``if`` from the stacks, ``ctx.decision()``, or, when the key set
+was filled earlier, the ``if`` that decided what went in, ``source.collection_decision``); the other
+three fill their key sets through another function's return value or a ``state_dict()``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from collections import Counter
 
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+from moedoctor.analysis.source import collection_decision
 from moedoctor.analysis.steps import cycle_loop_exit, loop_exit
 from moedoctor.events import Phase
 
@@ -113,12 +117,21 @@ def classify(ctx: Context) -> Finding | None:
                    if e.call_site and e.call_site.where == loop_site), None)
         suggestion = Suggestion(loop_site, fn, _ADVICE)
     fix_config = None
-    branch = ctx.decision()
+    branch, filled = ctx.decision(), False
+    if branch is None and loop_site:
+        # Decided earlier, when the per-key collection was filled: no stack at the divergence shows it.
+        branch = next((b for r in sorted(ctx.present()) if (b := collection_decision(ctx.stack(r))) is not None), None)
+        filled = branch is not None
     if branch is not None and score >= 0.35:
         # Walk the same keys: an item is skipped only where every rank would skip it.
         agree = "any" if branch.runs_when else "all"
-        evidence.append(f"the per-key decision is `if {branch.test}:` ({branch.short}): the ranks went different ways "
-                        "on the same key (a rank-local test: an empty or pruned local shard)")
+        if filled:
+            evidence.append(f"the per-key loop walks a collection filled earlier; what went in was decided by "
+                            f"`if {branch.test}:` ({branch.short}), a rank-local test (an empty or pruned local "
+                            "shard): the ranks filled it with different keys")
+        else:
+            evidence.append(f"the per-key decision is `if {branch.test}:` ({branch.short}): the ranks went different "
+                            "ways on the same key (a rank-local test: an empty or pruned local shard)")
         fix_config = {"key-manifest-checkpoint": {"branch": {"file": branch.file, "line": branch.line, "agree": agree,
                                                              "test": branch.test}}}
         suggestion = Suggestion(f"{branch.file}:{branch.line}", None, _ADVICE)
