@@ -192,10 +192,10 @@ static void write_all(int target, const char* data, size_t size) {
 // The kernels append records to one buffer instead of a write(2) each (about 8 us inside FSDP2's
 // steps on an H200 host). It reaches the file: every FLUSH_EVERY from a writer thread of ours (no
 // GIL), before every record the Python side writes (so the file keeps the order records were made
-// in), when it is full, at close, from os._exit's wrapper, and from a handler of the signals that end
-// a process (SIGABRT: Gloo aborts a rank within milliseconds of a size mismatch; SIGSEGV, SIGBUS,
-// SIGTERM), which then hands the signal to whatever handled it before. Only SIGKILL loses the last
-// FLUSH_EVERY of records.
+// in), when it is full, at close, from os._exit's wrapper, and from a handler of the signals a crash
+// ends a process with (SIGABRT: Gloo aborts a rank within milliseconds of a size mismatch; SIGSEGV,
+// SIGBUS), which then hands the signal to whatever handled it before. SIGTERM (how launchers and
+// moedoctor stop a job) is left alone: SIGTERM and SIGKILL may lose the last FLUSH_EVERY of records.
 static constexpr size_t BUFFER_CAPACITY = 1 << 20;
 static constexpr auto FLUSH_EVERY = std::chrono::milliseconds(2);
 static char* const buffer = new char[BUFFER_CAPACITY];
@@ -203,7 +203,7 @@ static std::atomic<size_t> buffered{0};
 static std::mutex buffer_mu;
 static std::once_flag writer_started;
 static struct sigaction previous_action[NSIG];
-static const int fatal_signals[] = {SIGABRT, SIGSEGV, SIGBUS, SIGTERM};
+static const int fatal_signals[] = {SIGABRT, SIGSEGV, SIGBUS};
 
 static void flush_locked() {  // buffer_mu held
   const size_t n = buffered.load();
