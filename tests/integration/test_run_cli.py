@@ -32,6 +32,12 @@ def moedoctor_run(run_dir: Path, script: str, *options: str, script_args: tuple[
     return run_command(cmd, timeout)
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """In the child: SIGINT to its default, as in a terminal. A suite started in the background of a
+    non-interactive shell inherits SIGINT ignored, and Python then installs no KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def survivors(run_dir: Path) -> list[int]:
     """Live (non-zombie) processes started for this run: their environment names its run dir."""
     mark = f"MOEDOCTOR_RUN_DIR={run_dir.resolve()}".encode()
@@ -136,7 +142,7 @@ def test_ctrl_c_stops_the_whole_job(tmp_path):
            *torchrun_command(JOBS / "skip_collective.py", NPROC)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=job_env(), cwd=REPO,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_ctrl_c_as_in_a_terminal)
     try:
         deadline = time.monotonic() + 30
         job_log = run_dir / "job.log"
@@ -164,7 +170,7 @@ def test_keep_alive_diagnoses_and_leaves_the_job_running(tmp_path):
            "--keep-alive", "--no-stacks", "--", *torchrun_command(JOBS / "skip_collective.py", NPROC)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=job_env(), cwd=REPO,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_ctrl_c_as_in_a_terminal)
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and "Next: moedoctor analyze" not in log.read_text():
