@@ -19,6 +19,7 @@ from moedoctor.events import CallSite, CollectiveEvent, Coverage, Evidence, Grou
 from moedoctor.runner.manifest import HangRecord, RankExit
 from moedoctor.runner.procs import ProcessState
 from moedoctor.runner.stacks import Frame, StackDump
+from moedoctor.trace import schema
 from moedoctor.trace.reader import RankTrace
 
 WORLD = Group("0", "default_pg", (0, 1))
@@ -170,18 +171,8 @@ def encode_trace(builder: TraceBuilder) -> bytes:
             sids[key] = len(sids)
             lines.append({"k": "s", "id": sids[key], "file": key[0], "line": key[1], "fn": key[2],
                           "stack": list(e.call_site.stack)})
-        rec = {"k": "c", "i": e.event_id, "g": gids[e.group.name], "seq": e.seq, "s": sids[key], "t": e.time,
-               "op": e.op, "raw": e.raw_op, "in": [list(s) for s in e.in_shapes],
-               "out": [list(s) for s in e.out_shapes], "dt": list(e.dtypes), "async": e.async_op, "th": e.thread,
-               "ph": e.phase.value, "step": e.step}
-        if e.out_splits is not None:
-            rec["sp"] = [list(e.in_splits or ()), list(e.out_splits)]
-        if e.root is not None:
-            rec["root"] = e.root
-        if e.module:
-            rec["mod"] = e.module
-        if e.peer is not None:
-            rec["peer"], rec["pseq"] = e.peer, e.p2p_seq
+        rec = schema.record_of(e, gids[e.group.name], sids[key])
+        rec.pop("red", None)  # written as an annotation below, as the Python kernels do for c10d ops
         lines.append(rec)
         if e.reduce_op:
             lines.append({"k": "a", "i": e.event_id, "red": e.reduce_op})

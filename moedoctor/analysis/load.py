@@ -15,22 +15,20 @@ and loads only those windows and each file's tail (``RunData.windowed``).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moedoctor.analysis.completion import fuse_flight_recorder
 from moedoctor.analysis.model import Verdict
 from moedoctor.errors import EXIT_USAGE, MoedoctorError, reading
-from moedoctor.events import CallSite, CollectiveEvent, Coverage, Evidence
 from moedoctor.run_records import (
     HangRecord, RankExit, StackDump, hang_of, load_manifest, read_stack_dump, supervisor_alive,
 )
 from moedoctor.trace.format import STOPPED, read_statuses, recorder_markers, stopped_line
 from moedoctor.trace.reader import (
-    MAX_DIM, MAX_DIMS, MAX_HEADER_BYTES, MAX_RECORD_BYTES, MAX_STRING, MAX_TENSORS, MAX_WORLD_SIZE,
-    Annotation, Completion, RankTrace, TraceError, TraceFile, bounded_int, fold, trace_paths,
+    MAX_HEADER_BYTES, MAX_RECORD_BYTES, RankTrace, TraceError, TraceFile, bounded_int, fold, trace_paths,
 )
+from moedoctor.trace.schema import MAX_STRING, MAX_WORLD_SIZE
 
 #: Above this many bytes of trace files the streaming path is used (see ``moedoctor.analysis.scan``).
 STREAM_THRESHOLD = 64 << 20
@@ -333,7 +331,7 @@ class TraceFolder:
             self.trace.problems.append(f"{self.tf.path.name}: last record truncated (byte {offset})")
             return False
         try:
-            item = _checked(self.tf.parse_line(line))
+            item = self.tf.parse_line(line)  # type-checked by the schema
         except Exception as e:  # noqa: BLE001 - any damage in one record costs that record only
             self.bad += 1
             if self.bad <= self.MAX_NOTED:
@@ -347,7 +345,7 @@ class TraceFolder:
     def finish(self) -> RankTrace:
         if self.bad > self.MAX_NOTED:
             self.trace.problems.append(f"{self.tf.path.name}: {self.bad - self.MAX_NOTED} more corrupt records")
-        self.trace.groups = {g.name: g for g in self.tf.groups.values() if _is_group(g)}
+        self.trace.groups = {g.name: g for g in self.tf.groups.values()}
         self.trace.capped = self.tf.capped
         return self.trace
 
@@ -358,99 +356,6 @@ def _int(x) -> bool:
 
 def _str(x) -> bool:
     return isinstance(x, str) and len(x) <= MAX_STRING
-
-
-def _opt_str(x) -> bool:
-    return x is None or _str(x)
-
-
-def _num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-_GOOD_SHAPES: set = set()
-_GOOD_STRINGS: set = set()
-
-
-def _shapes(x) -> bool:
-    try:
-        if x in _GOOD_SHAPES:  # shapes repeat: check each distinct one once
-            return True
-    except TypeError:
-        return False
-    ok = isinstance(x, tuple) and len(x) <= MAX_TENSORS and all(
-        isinstance(s, tuple) and len(s) <= MAX_DIMS and all(_int(d) and 0 <= d <= MAX_DIM for d in s) for s in x)
-    if ok and len(_GOOD_SHAPES) < 100_000:
-        _GOOD_SHAPES.add(x)
-    return ok
-
-
-def _strs(x) -> bool:
-    try:
-        if x in _GOOD_STRINGS:
-            return True
-    except TypeError:
-        return False
-    ok = isinstance(x, tuple) and len(x) <= MAX_TENSORS and all(_str(d) for d in x)
-    if ok and len(_GOOD_STRINGS) < 10_000:
-        _GOOD_STRINGS.add(x)
-    return ok
-
-
-_GOOD_GROUPS: set = set()
-
-
-def _is_group(g) -> bool:
-    try:
-        if g in _GOOD_GROUPS:
-            return True
-    except TypeError:
-        return False
-    ok = (_str(g.name) and _str(g.desc) and isinstance(g.ranks, tuple) and len(g.ranks) <= MAX_WORLD_SIZE
-          and all(_int(r) and 0 <= r < MAX_WORLD_SIZE for r in g.ranks))
-    if ok and len(_GOOD_GROUPS) < 10_000:
-        _GOOD_GROUPS.add(g)
-    return ok
-
-
-def _checked(item):
-    """The record if its fields have the types ``moedoctor.events`` promises; raises otherwise."""
-    if item is None:
-        return None
-    if isinstance(item, CollectiveEvent):
-        ok = (_int(item.event_id) and _num(item.time) and _int(item.seq) and _str(item.op)
-              and _str(item.raw_op) and _shapes(item.in_shapes) and _shapes(item.out_shapes)
-              and _strs(item.dtypes) and _opt_str(item.reduce_op)
-              and _int(item.step) and _opt_str(item.module)
-              and (item.peer is None or _int(item.peer)) and (item.p2p_seq is None or _int(item.p2p_seq))
-              and _is_group(item.group) and _str(item.thread)
-              and (item.call_site is None or _site_ok(item.call_site)))
-        if not ok:
-            raise TypeError("collective record of the wrong types")
-        return item
-    if isinstance(item, Completion):
-        if not (_num(item.time) and all(_int(i) for i in item.event_ids)):
-            raise TypeError("completion record of the wrong types")
-        return item
-    if isinstance(item, Annotation):
-        if not (_int(item.event_id) and isinstance(item.reduce_op, (str, type(None)))):
-            raise TypeError("annotation record of the wrong types")
-        return item
-    if isinstance(item, Evidence):
-        if not (isinstance(item.kind, str) and _int(item.step) and _num(item.time) and isinstance(item.data, dict)):
-            raise TypeError("evidence record of the wrong types")
-        return item
-    if isinstance(item, Coverage):
-        if not (_int(item.dropped) and all(isinstance(g.group, str) and _int(g.recorded)
-                                           and (g.backend is None or _int(g.backend)) for g in item.groups)):
-            raise TypeError("coverage record of the wrong types")
-        return item
-    raise TypeError(f"unknown record {type(item).__name__}")
-
-
-def _site_ok(site: CallSite) -> bool:
-    return (_str(site.file) and _int(site.line) and _str(site.function) and isinstance(site.stack, tuple)
-            and len(site.stack) <= 64 and all(_str(f) for f in site.stack))
 
 
 def last_sequences(traces: list[RankTrace]) -> tuple[dict[int, dict[str, int]], dict[int, dict[tuple[str, int], int]]]:

@@ -34,6 +34,7 @@ from operator import eq, itemgetter
 from pathlib import Path
 
 from moedoctor.analysis.load import RunData, TraceFolder, last_sequences, read_rank_trace
+from moedoctor.trace import schema
 from moedoctor.trace.reader import RankTrace, TraceError, TraceFile
 
 #: Sequence numbers per hash chunk.
@@ -48,14 +49,12 @@ TAIL_RECORDS = 256
 #: Bytes loaded past a window's last collective (its completions and annotations come a little later).
 SLACK = 64 << 10
 
-# One pass over the file: every record starts with {"k":"; collective records (written by hand by the
-# recorder, moedoctor/recorder/core.py, in this key order) give their group, p2p sequence number (p2p
-# records carry "pseq" between "seq" and "s") and signature; group and call-site definitions are
-# captured whole.
-_RECORDS = re.compile(
-    rb'\{"k":"(?:c","i":\d+,"g":(\d+),"seq":\d+,(?:"pseq":(\d+),)?"s":[^,]*,"t":[^,]*,"op":"([^"]*)",'
-    rb'"raw":"[^"]*","in":(\[[^"]*\]),"out":\[[^"]*\],"dt":(\[[^\]]*\])|([gs]",[^\n]*))')
-_P2P = re.compile(rb'"g":(\d+),"seq":\d+,"pseq":(\d+),[^\n]*?"peer":(\d+)')
+# One pass over the file: every record starts with {"k":"; collective records (keys in the order of
+# moedoctor.trace.schema.COLLECTIVE, which both recorders follow) give their group, p2p sequence
+# number and signature; group and call-site definitions are captured whole.
+_RECORDS = re.compile(b"(?:" + schema.line_pattern("dt", ("g", "pseq", "op", "in", "dt"))
+                      + rb')|\{"k":"([gs]",[^\n]*)')
+_P2P = re.compile(schema.line_pattern("peer", ("g", "pseq", "peer"), strings=("th", "mod")))
 _SIGNATURE = itemgetter(2, 3, 4)   # op, input shapes, dtypes: what CollectiveEvent.signature() compares
 
 

@@ -37,6 +37,7 @@ from moedoctor.events import Phase
 from moedoctor.recorder import callsite
 from moedoctor.recorder.ops import OpSpec, all_specs
 from moedoctor.trace import format as fmt
+from moedoctor.trace.schema import encode_collective
 
 DEFAULT_MAX_EVENTS = 2_000_000
 _REDUCE_NAMES = {int(v): k.lower() for k, v in ReduceOp.RedOpType.__members__.items()}  # type: ignore[call-overload]
@@ -97,6 +98,7 @@ def _traced(tensor: torch.Tensor) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PHASES = {phase: f'"{phase.value}"' for phase in Phase}  # as JSON
 
 
 def _is_nccl(pg) -> bool:
@@ -349,38 +351,33 @@ class Recorder:
             return None, -1  # torch.compile tracing the collective with fake tensors: nothing is sent
         attribution = callsite.attribute(3)
         outputs = _tensors(self._arg(spec, spec.outputs, args, kwargs))
-        extra = ""
+        reduce_op = counts = splits = root = module = peer_json = None
         if spec.reduce_op is not None and spec.namespace != "c10d":
             # c10d passes a TorchScript ReduceOp whose .op() costs more than this whole record:
             # the progress thread resolves it (see _poll_pending).
-            extra = f',"red":"{self._reduce_name(self._arg(spec, spec.reduce_op, args, kwargs))}"'
+            reduce_op = f'"{self._reduce_name(self._arg(spec, spec.reduce_op, args, kwargs))}"'
         if len(inputs) > MAX_SHAPES or len(outputs) > MAX_SHAPES:
-            extra += f',"n":[{len(inputs)},{len(outputs)}]'
+            counts = f"[{len(inputs)},{len(outputs)}]"
         if spec.out_splits is not None:
             ins = self._arg(spec, spec.in_splits, args, kwargs, ())
             outs = self._arg(spec, spec.out_splits, args, kwargs, ())
-            extra += f',"sp":[[{",".join(map(str, map(int, ins)))}],[{",".join(map(str, map(int, outs)))}]]'
+            splits = f'[[{",".join(map(str, map(int, ins)))}],[{",".join(map(str, map(int, outs)))}]]'
         if spec.root is not None:
-            root = self._global_rank(group_name, self._arg(spec, spec.root, args, kwargs))
-            extra += f',"root":{"null" if root is None else root}'
+            root_rank = self._global_rank(group_name, self._arg(spec, spec.root, args, kwargs))
+            root = "null" if root_rank is None else root_rank
         if attribution.fsdp_module is not None:
-            extra += f',"mod":{_json_str(attribution.fsdp_module)}'
+            module = _json_str(attribution.fsdp_module)
         peer = None
         if spec.peer is not None:
             peer = self._global_rank(group_name, self._arg(spec, spec.peer, args, kwargs))
-            extra += f',"peer":{"null" if peer is None else peer}'
+            peer_json = "null" if peer is None else peer
         index = spec.async_op
         is_async = spec.namespace != "c10d" or (
             args[index] if index is not None and index < count else kwargs.get("async_op", True))
         thread = _thread_names.get(get_ident())
         if thread is None:
             thread = _thread_names[get_ident()] = _json_str(threading.current_thread().name)
-        body = (
-            f'"t":{time.time():.6f},"op":"{spec.op}","raw":"{spec.qualified}",'
-            f'"in":{_shapes(inputs)},"out":{_shapes(outputs)},"dt":{_dtypes(inputs)},'
-            f'"async":{"true" if is_async else "false"},"th":{thread},'
-            f'"ph":"{self._phase(attribution).value}","step":{self.step}{extra}}}\n'
-        )
+        now, phase = f"{time.time():.6f}", _PHASES[self._phase(attribution)]
         site_key = attribution.site_key
         with self._lock:
             gid = self._group_ids.get(group_name)
@@ -391,18 +388,23 @@ class Recorder:
                 sid = self._site_id(site_key)
             event_id = self._next_event
             self._next_event += 1
+            pseq = None
             if spec.peer is not None:
                 key = (group_name, peer)
                 pseq = self._p2p_seq[key] = self._p2p_seq.get(key, 0) + 1
                 self._count_p2p(group_name)
-                seq: object = f'{self._seq.get(group_name, 0)},"pseq":{pseq}'  # collectives before it; not advanced
+                seq = self._seq.get(group_name, 0)  # collectives before it; not advanced
             else:
                 seq = self._seq[group_name] = self._seq.get(group_name, 0) + 1
             if self._written >= self.max_events:
                 self._drop()
                 return None, gid
             self._written += 1
-            self._write(f'{{"k":"c","i":{event_id},"g":{gid},"seq":{seq},"s":{sid},{body}'.encode())
+            self._write(encode_collective(
+                event_id, gid, seq, sid, now, spec.op_json, spec.qualified_json, _shapes(inputs), _shapes(outputs),
+                _dtypes(inputs), "true" if is_async else "false", thread, phase, self.step, p2p_seq=pseq,
+                reduce_op=reduce_op, counts=counts, splits=splits, root=root, module=module, peer=peer_json,
+            ).encode())
         return event_id, gid
 
     def _phase(self, attribution: callsite.Attribution) -> Phase:

@@ -5,7 +5,7 @@ Argument positions are read from each op's schema once, so the hot path indexes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -75,6 +75,14 @@ class OpSpec:
     root: int | None = None          # rooted ops (broadcast, reduce, gather, scatter): the root's group rank
     in_splits: int | None = None     # all_to_all_single: rows sent to each member
     out_splits: int | None = None    # all_to_all_single: rows received from each member
+
+    #: The op's and the dispatcher op's names as JSON text, for the record.
+    op_json: str = field(init=False)
+    qualified_json: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "op_json", f'"{self.op}"')
+        object.__setattr__(self, "qualified_json", f'"{self.qualified}"')
 
     @property
     def qualified(self) -> str:

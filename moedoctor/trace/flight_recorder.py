@@ -23,7 +23,8 @@ from pathlib import Path
 import moedoctor
 from moedoctor.events import CallSite, CollectiveEvent, Group, Phase, TraceHeader
 from moedoctor.trace import safe_pickle
-from moedoctor.trace.reader import MAX_DIM, MAX_DIMS, MAX_STRING, MAX_TENSORS, RankTrace, TraceError, short
+from moedoctor.trace.reader import RankTrace, TraceError, short
+from moedoctor.trace.schema import MAX_DIM, MAX_DIMS, MAX_STRING, MAX_TENSORS
 from moedoctor.wording import rank_numbers
 
 FORMAT_NAME = "pytorch-flight-recorder"

@@ -15,18 +15,20 @@ from pathlib import Path
 
 from moedoctor.errors import errno_text
 
-FORMAT_NAME = "moedoctor-trace"
-FORMAT_VERSION = 1
+from moedoctor.trace import schema
+from moedoctor.trace.schema import FORMAT_NAME, FORMAT_VERSION
 
-#: Record kinds.
-GROUP = "g"
-SITE = "s"
-COLLECTIVE = "c"
-DONE = "d"
-ANNOTATE = "a"
-EVIDENCE = "e"
-COVERAGE = "v"
-CAP = "cap"
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION"]
+
+#: Record kinds (their keys: ``moedoctor.trace.schema``).
+GROUP = schema.GROUP.kind
+SITE = schema.SITE.kind
+COLLECTIVE = schema.COLLECTIVE.kind
+DONE = schema.DONE.kind
+ANNOTATE = schema.ANNOTATE.kind
+EVIDENCE = schema.EVIDENCE.kind
+COVERAGE = schema.COVERAGE.kind
+CAP = schema.CAP.kind
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=str).encode
 

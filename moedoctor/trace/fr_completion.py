@@ -35,6 +35,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from moedoctor.trace import schema
 from moedoctor.trace.flight_recorder import _completed, _group_key, _last_completed, normalize_op
 
 #: Where a completion came from, as the analysis names it.
@@ -325,10 +326,8 @@ def _p2p_entry(index, group: str, event) -> FrEntry | None:
 # ---------------------------------------------------------------------------------------------
 # Run time: the recorder's progress thread following its own trace
 
-#: A collective record as both recorders write it (fields in this order); others go through json.
-_C_RECORD = re.compile(
-    rb'\{"k":"c","i":(\d+),"g":(\d+),"seq":(\d+)(,"pseq":\d+)?,[^\n]*?"op":"([^"\\]*)","raw":"([^"\\]*)",'
-    rb'"in":(\[[^"]*?\]),"out"[^\n]*?"th":("(?:[^"\\\n]|\\.)*")')
+#: A collective record as both recorders write it (keys in the schema's order); others go through json.
+_C_RECORD = re.compile(schema.line_pattern("th", ("i", "g", "seq", "pseq", "op", "raw", "in", "th"), strings=("th",)))
 
 
 @dataclass(slots=True)

@@ -13,26 +13,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moedoctor.events import (
-    CallSite, CollectiveEvent, Coverage, Evidence, Group, GroupCoverage, Phase, TraceHeader,
+    CallSite, CollectiveEvent, Coverage, Evidence, Group, GroupCoverage, TraceHeader,
 )
 from moedoctor.trace import format as fmt
+from moedoctor.trace import schema
+from moedoctor.trace.schema import MAX_WORLD_SIZE
 
 
 #: What a corrupt record line raises in ``TraceFile.parse_line``.
 RECORD_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError)
 
-#: Bounds on what a trace may claim: beyond them it is damage (or hostile), not a job.
-MAX_WORLD_SIZE = 1 << 20
+#: Bounds on what a header may claim (the records' bounds are the schema's).
 MAX_HEADER_BYTES = 64 << 10
 #: A record line longer than this is skipped as corrupt without being parsed (a real one is < 10 KB).
 MAX_RECORD_BYTES = 1 << 20
-#: Longest string field kept in a record (op names, threads, files, group names).
-MAX_STRING = 4096
-#: Per collective record: tensors per list, dimensions per shape, and the size of one dimension.
-MAX_TENSORS = 4096
-MAX_DIMS = 64
-MAX_DIM = (1 << 63) - 1
-
 
 def short(value) -> str:
     """A value for a message, bounded: the repr of a small scalar, else only its type (never the
@@ -172,33 +166,26 @@ class TraceFile:
     def _parse(self, rec: dict, rank: int):
         kind = rec["k"]
         if kind == fmt.COLLECTIVE:
-            site = rec.get("s")
-            return CollectiveEvent(
-                rank=rank, event_id=rec["i"], time=rec["t"], group=self.groups[rec["g"]],
-                seq=rec["seq"], op=rec["op"], raw_op=rec["raw"],
-                in_shapes=tuple(tuple(s) for s in rec["in"]),
-                out_shapes=tuple(tuple(s) for s in rec["out"]),
-                dtypes=tuple(rec["dt"]), reduce_op=rec.get("red"), async_op=bool(rec["async"]),
-                thread=rec["th"], call_site=None if site is None else self._sites[site],
-                phase=Phase(rec["ph"]), step=rec["step"], module=rec.get("mod"),
-                peer=rec.get("peer"), p2p_seq=rec.get("pseq"), root=rec.get("root"),
-                in_splits=None if "sp" not in rec else tuple(rec["sp"][0]),
-                out_splits=None if "sp" not in rec else tuple(rec["sp"][1]),
-            )
+            return schema.decode_collective(rec, rank, self.groups, self._sites)
         if kind == fmt.DONE:
-            ids = rec["i"]
-            return Completion(tuple(ids) if isinstance(ids, list) else (ids,), rec["t"], rec.get("src"))
+            v = schema.decode(schema.DONE, rec)
+            return Completion(v["event_ids"], v["time"], v.get("source"))
         if kind == fmt.ANNOTATE:
-            return Annotation(rec["i"], rec.get("red"))
+            v = schema.decode(schema.ANNOTATE, rec)
+            return Annotation(v["event_id"], v["reduce_op"])
         if kind == fmt.GROUP:
-            self.groups[rec["id"]] = Group(rec["name"], rec.get("desc", ""), tuple(rec["ranks"]))
+            v = schema.decode(schema.GROUP, rec)
+            self.groups[v["id"]] = Group(v["name"], v.get("desc", ""), tuple(v["ranks"]))
         elif kind == fmt.SITE:
-            self._sites[rec["id"]] = CallSite(rec["file"], rec["line"], rec["fn"], tuple(rec.get("stack", ())))
+            v = schema.decode(schema.SITE, rec)
+            self._sites[v["id"]] = CallSite(v["file"], v["line"], v["function"], v.get("stack", ()))
         elif kind == fmt.EVIDENCE:
-            return Evidence(rank, rec["t"], rec["kind"], rec["step"], rec.get("data", {}))
+            v = schema.decode(schema.EVIDENCE, rec)
+            return Evidence(rank, v["time"], v["kind"], v["step"], v.get("data", {}))
         elif kind == fmt.COVERAGE:
-            groups = tuple(GroupCoverage(name, recorded, backend) for name, recorded, backend in rec["groups"])
-            return Coverage(rank, rec["t"], rec["reason"], groups, rec.get("dropped", 0))
+            v = schema.decode(schema.COVERAGE, rec)
+            groups = tuple(GroupCoverage(name, recorded, backend) for name, recorded, backend in v["groups"])
+            return Coverage(rank, v["time"], v["reason"], groups, v.get("dropped", 0))
         elif kind == fmt.CAP:
             self.capped = True
         return None

@@ -77,6 +77,19 @@ def phase_two(recorder, subgroup):
     dist.recv(torch.ones(2), 1)
     dist.send(torch.ones(2), 1, group=subgroup)
     dist.all_reduce(torch.ones(5), group=subgroup)
+    fsdp_unit()
+
+
+def fsdp_unit():
+    """One FSDP2 unit's forward: its all-gather carries the unit's name ("mod")."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    mesh = init_device_mesh("cpu", (2,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(torch.ones(2, 4))
 
 
 def main() -> None:

@@ -79,6 +79,26 @@ def test_native_records_match_python_records(native_built, tmp_path):
                                                "c10d::_allgather_base_", "c10d::alltoall_base_", "c10d::barrier"}
 
 
+def test_both_kernels_write_what_the_schema_says(native_built, tmp_path):
+    """The C++ writer cannot import moedoctor.trace.schema: its every record kind, and every key of the
+    collective record, is checked against the schema here (the Python writer's too)."""
+    from moedoctor.trace import schema
+
+    for kernels, extra in (("native", ()), ("python", ()), ("native", ("--max-events", "5"))):
+        run_dir = tmp_path / f"{kernels}{len(extra)}"
+        run_fake_ops(run_dir, kernels, *extra)
+        lines = (run_dir / "traces" / "rank-00000.jsonl").read_text().splitlines()
+        recs = [json.loads(line) for line in lines]
+        assert schema.problems(recs[0]) == []
+        bad = {line: schema.problems(rec) for line, rec in zip(lines[1:], recs[1:], strict=True) if schema.problems(rec)}
+        assert not bad, bad
+        kinds = {r["k"] for r in recs[1:]}
+        assert kinds >= {"g", "s", "c", "e", "v"} | ({"cap"} if extra else set()), kinds  # fake works never complete: no "d"
+        if not extra:
+            keys = set().union(*(r for r in recs[1:] if r["k"] == "c"))
+            assert keys == {"k"} | {k.key for k in schema.COLLECTIVE.keys}, keys
+
+
 def test_switching_kernels_hands_the_counters_over(native_built, tmp_path):
     result = run_fake_ops(tmp_path / "switch", "switch")
     assert "switched native=True" in result.stdout
