@@ -112,6 +112,7 @@ class CollectiveEvent:
     root: int | None = None                     # rooted ops: the root's global rank
     in_splits: tuple[int, ...] | None = None    # all_to_all_single: rows sent to each group member
     out_splits: tuple[int, ...] | None = None   # all_to_all_single: rows received from each member
+    device: str | None = None                   # the first input tensor's device: "cpu", "cuda:0"
 
     @property
     def is_p2p(self) -> bool:

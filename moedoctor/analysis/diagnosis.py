@@ -85,6 +85,8 @@ def analyze(run: RunData) -> Report:
     if verdict != Verdict.HEALTHY and (pattern is None or pattern.id != "rank-stopped"):
         evidence.extend(stopped_line(view, r, state) for r, state in list(view.frozen_ranks.items())[:8])
     evidence.extend(_death_evidence(view, died))
+    if verdict != Verdict.HEALTHY:
+        evidence.extend(_shared_gpus(view))
     if pattern is not None and pattern.id == "unknown-desync" and len(candidates) > 1:
         evidence.extend(f"candidate {c.pattern} ({c.score:.2f}): {'; '.join(c.evidence)}"
                         for c in candidates if c.pattern != "unknown-desync")
@@ -224,6 +226,19 @@ def _death_evidence(view: RunView, died: list[int]) -> list[str]:
         else:
             out.append(f"rank {r} exited with status {code}")
     return out
+
+
+def _shared_gpus(view: RunView) -> list[str]:
+    """Ranks of one host that issued their collectives on the same GPU (a job that never called
+    ``torch.cuda.set_device``): NCCL refuses or hangs on it, whatever the code does next."""
+    by_gpu: dict[tuple[str, str], list[int]] = {}
+    for trace in view.run.traces:
+        device = next((e.device for e in trace.events if e.device and e.device != "cpu"), None)
+        if device is not None:
+            by_gpu.setdefault((trace.header.host, device), []).append(trace.rank)
+    return [f"{names(ranks)} on host {host} issued their collectives on the same GPU, {device}: each rank needs "
+            "its own (torch.cuda.set_device(local_rank) before init_process_group)"
+            for (host, device), ranks in sorted(by_gpu.items()) if len(ranks) > 1]
 
 
 def _collective_count(run: RunData) -> int:

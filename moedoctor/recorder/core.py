@@ -75,6 +75,18 @@ def _dtypes(tensors: list[torch.Tensor]) -> str:
     return "[" + ",".join(f'"{n}"' for n in names) + "]"
 
 
+_devices: dict[torch.device, str] = {}
+
+
+def _device(tensor: torch.Tensor) -> str:
+    """The tensor's device as JSON text: ``"cpu"``, ``"cuda:0"``."""
+    device = tensor.device
+    encoded = _devices.get(device)
+    if encoded is None:
+        encoded = _devices[device] = _json_str(str(device))
+    return encoded
+
+
 def _tensors(value) -> list[torch.Tensor]:
     """The tensors in an op argument: a tensor, a list of them, or a list of lists (all_gather)."""
     if isinstance(value, torch.Tensor):
@@ -378,6 +390,7 @@ class Recorder:
         if thread is None:
             thread = _thread_names[get_ident()] = _json_str(threading.current_thread().name)
         now, phase = f"{time.time():.6f}", _PHASES[self._phase(attribution)]
+        device = _device(inputs[0]) if inputs else None
         site_key = attribution.site_key
         with self._lock:
             gid = self._group_ids.get(group_name)
@@ -404,6 +417,7 @@ class Recorder:
                 event_id, gid, seq, sid, now, spec.op_json, spec.qualified_json, _shapes(inputs), _shapes(outputs),
                 _dtypes(inputs), "true" if is_async else "false", thread, phase, self.step, p2p_seq=pseq,
                 reduce_op=reduce_op, counts=counts, splits=splits, root=root, module=module, peer=peer_json,
+                device=device,
             ).encode())
         return event_id, gid
 

@@ -242,6 +242,9 @@ COLLECTIVE = Record("c", "a collective or p2p op, written before it is issued", 
     Key("mod", "module", STR, required=False,
         doc="fully qualified name of the FSDP2 unit whose hook issued it, when one did"),
     Key("peer", "peer", INT, required=False, doc="p2p only: the peer's global rank"),
+    Key("dev", "device", STR, required=False,
+        doc="device of the first input tensor, as torch prints it (`cpu`, `cuda:0`); absent without one "
+            "(added in 0.1.2)"),
 ))
 
 DONE = Record("d", "completions", (

@@ -133,3 +133,17 @@ def test_a_cycle_closed_by_a_collective_only_one_rank_issues_is_not_named_an_inv
     assert report.pattern != "collective-order-inversion", report.summary
     assert any("never issued a collective from train.py:77" in e for e in report.evidence + [
         x for c in report.candidates for x in c.evidence]), report.evidence
+
+
+@pytest.mark.parametrize("devices, shared", [(("cuda:0", "cuda:0"), True), (("cuda:0", "cuda:1"), False),
+                                             (("cpu", "cpu"), False), ((None, None), False)])
+def test_ranks_of_one_host_on_one_gpu_are_said(devices, shared):
+    import dataclasses
+
+    run = SCENARIOS["straggler"][0]()
+    for trace, device in zip(run.traces, devices, strict=True):
+        trace.events[:] = [dataclasses.replace(e, device=device) for e in trace.events]
+    report = analyze(run)
+    lines = [line for line in report.evidence if "same GPU" in line]
+    assert lines == (["ranks 0,1 on host host issued their collectives on the same GPU, cuda:0: each rank needs its "
+                      "own (torch.cuda.set_device(local_rank) before init_process_group)"] if shared else [])

@@ -371,6 +371,7 @@ struct TensorSide {
   size_t count = 0;
   std::string shapes = "[]";
   std::string dtypes = "[]";
+  std::string device;  // the first tensor's, as torch prints it ("cpu", "cuda:0"); empty without one
 };
 
 static void describe_tensors(const c10::IValue& value, TensorSide& side) {
@@ -395,6 +396,7 @@ static void describe_tensors(const c10::IValue& value, TensorSide& side) {
     }
   }
   if (kept == 0) return;
+  side.device = tensors[0]->device().str();
   std::string& shapes = side.shapes;
   shapes.clear();
   shapes += '[';
@@ -814,6 +816,11 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
       extra += ",\"mod\":";
       extra += attribution.module_json;
     }
+  }
+  if (!inputs.device.empty()) {
+    extra += ",\"dev\":\"";
+    extra += inputs.device;
+    extra += '"';
   }
   if (S.written >= S.max_events) {
     if (S.dropped++ == 0) {
