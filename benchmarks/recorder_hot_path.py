@@ -39,7 +39,7 @@ def main() -> None:
     from moedoctor.recorder import install
 
     recorder = install(Path(tempfile.mkdtemp(prefix="moedoctor-hot-")))
-    recorder._completed = lambda work: True  # fake works never say so; real ones do
+    recorder._progress.completed = lambda work: True  # fake works never say so; real ones do
     recorder.unregister_kernels()
     tensor = torch.ones(8)
 

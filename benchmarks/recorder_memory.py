@@ -41,7 +41,7 @@ def main() -> None:
     from moedoctor.recorder import install
 
     recorder = install(Path(tempfile.mkdtemp(prefix="moedoctor-memory-")))
-    recorder._completed = lambda work: True  # fake works never say so; real ones do
+    recorder._progress.completed = lambda work: True  # fake works never say so; real ones do
     if recorder._native is not None:
         recorder._native.assume_completed()
     kind = "native" if recorder._native is not None else "python"

@@ -22,7 +22,6 @@ import socket
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from threading import get_ident
@@ -30,12 +29,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup, ReduceOp, Work
+from torch._C._distributed_c10d import ProcessGroup, ReduceOp
 
 import moedoctor
 from moedoctor.events import Phase
 from moedoctor.recorder import callsite
 from moedoctor.recorder.ops import OpSpec, all_specs
+from moedoctor.recorder.progress import Progress
+from moedoctor.recorder.writer import TraceWriter
 from moedoctor.trace import format as fmt
 from moedoctor.trace.schema import encode_collective
 
@@ -120,8 +121,6 @@ def _is_nccl(pg) -> bool:
         return False
 
 MAX_SHAPES = 64  # tensors described per side of one collective; the rest are counted, not listed
-MAX_PENDING = 4096  # collectives watched for completion; a backend whose works never report it
-#                    (e.g. the fake backend) must not make each poll slower than the last
 
 
 class Recorder:
@@ -138,8 +137,11 @@ class Recorder:
         #: through (the benchmarks' in-process toggle of the whole recorder).
         self.paused = False
         self.checkpoint: Phase | None = None
-        self._fd: int | None = None
         self._lock = threading.Lock()
+        self._writer = TraceWriter(events=self._events_recorded, on_stop=self._stopped_writing)
+        self._write = self._writer.write
+        self._progress = Progress(self, poll_interval)
+        self._fresh = self._progress.fresh  # the kernels hand the progress thread their Work here
         self._next_event = 0
         self._written = 0
         self._dropped = 0
@@ -148,29 +150,20 @@ class Recorder:
         self._seq: dict[str, int] = {}
         self._p2p_seq: dict[tuple, int] = {}
         self._sites: dict[tuple, int] = {}
-        self._fresh: deque[tuple[int, int, object, object]] = deque()  # (event, group, Work, ReduceOp)
-        self._pending: deque[tuple[int, int, object]] = deque()  # (event, group, Work) not yet complete
-        self._last_done: dict[int, int] = {}  # group id -> latest event id seen complete
-        self._deferred: deque[tuple[Callable, Callable]] = deque()  # evidence waiting on the GPU
         self._rank = -1
         self._errors = 0
-        self._snapshot_seen = 0.0
         self._libraries: list[torch.library.Library] = []
-        self._stop = threading.Event()
         self._inside = threading.local()
-        self._thread: threading.Thread | None = None
-        self._poll_lock = threading.Lock()  # the progress thread and close() both poll
-        self._fr_poller: Any = None  # recorder/fr_poller.py's, once made; False where it is off or failed
-        self._trace_path: Path | None = None
-        self._status_fd: int | None = None  # traces/rank-N.status, reserved at open (trace/format.py)
-        self._stop_lock = threading.Lock()
-        self.stopped: str | None = None  # why recording stopped (a write of ours failed); None while it runs
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     @property
     def is_open(self) -> bool:
-        return self._fd is not None
+        return self._writer.fd is not None
+
+    @property
+    def _fd(self) -> int | None:
+        return self._writer.fd
 
     # -- [native seam] state the hot path reads: forwarded to the native kernel when it is active ---
 
@@ -214,6 +207,7 @@ class Recorder:
             try:
                 if native.available():
                     self._native = native.NativeKernels(self)
+                    self._writer.before_write = self._native.flush
             except Exception as e:  # never fail the job: the Python kernels record it
                 native.reason = f"{type(e).__name__}: {e}"
             if self._native is None:
@@ -263,19 +257,8 @@ class Recorder:
             return
         rank, world = dist.get_rank(), dist.get_world_size()
         self._rank = rank
-        traces = self.run_dir / "traces"
-        path = self._trace_path = traces / fmt.trace_file_name(rank)
-        try:
-            traces.mkdir(parents=True, exist_ok=True)
-            try:
-                self._status_fd = fmt.reserve_status(traces, rank, os.getpid())
-            except OSError:
-                self._status_fd = None  # a failure is then said on stderr only
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            self.stop_recording(e)
+        if not self._writer.open(self.run_dir / "traces", rank):
             return
-        self._fd = fd
         if self._native is not None:  # [native seam]
             self._native.set_fd(self._fd)
         header = {
@@ -287,8 +270,7 @@ class Recorder:
         self._write(fmt.encode(header))
         if self._fd is None:  # the header could not be written: recording stopped already
             return
-        self._thread = threading.Thread(target=self._progress_loop, name="moedoctor-progress", daemon=True)
-        self._thread.start()
+        self._progress.start()
 
     def flush(self) -> None:
         """Write what the native kernel buffered (``os._exit``'s wrapper calls it: no atexit runs)."""
@@ -297,15 +279,9 @@ class Recorder:
 
     def close(self, reason: str) -> None:
         """Write the coverage record and stop the progress thread (once)."""
-        if self._fd is None or self._stop.is_set():
+        if self._fd is None or self._progress.stopping:
             return
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2.0)
-        self._check_native_writes()
-        self._run_deferred(wait=True)
-        self._poll_pending()
-        self._poll_flight_recorder(final=True)
+        self._progress.finish()
         self.write_coverage(reason)
 
     # -- the hot path ----------------------------------------------------------------------------
@@ -366,8 +342,8 @@ class Recorder:
         reduce_op = counts = splits = root = module = peer_json = None
         if spec.reduce_op is not None and spec.namespace != "c10d":
             # c10d passes a TorchScript ReduceOp whose .op() costs more than this whole record:
-            # the progress thread resolves it (see _poll_pending).
-            reduce_op = f'"{self._reduce_name(self._arg(spec, spec.reduce_op, args, kwargs))}"'
+            # the progress thread resolves it (recorder/progress.py).
+            reduce_op = f'"{self.reduce_name(self._arg(spec, spec.reduce_op, args, kwargs))}"'
         if len(inputs) > MAX_SHAPES or len(outputs) > MAX_SHAPES:
             counts = f"[{len(inputs)},{len(outputs)}]"
         if spec.out_splits is not None:
@@ -438,7 +414,7 @@ class Recorder:
         return Phase.OTHER
 
     @staticmethod
-    def _reduce_name(value) -> str | None:
+    def reduce_name(value) -> str | None:
         if isinstance(value, str):
             return value.lower()
         try:
@@ -502,49 +478,19 @@ class Recorder:
 
     # -- output ----------------------------------------------------------------------------------
 
-    def _write(self, data: bytes) -> None:
-        """Append to the trace; a failed write (disk full, read-only, quota) stops the recording.
-        The native kernel's buffered records go first, so the file keeps the order records were made in."""
-        fd = self._fd
-        if fd is None:
-            return
-        if self._native is not None:  # [native seam]
-            self._native.flush()
-        try:
-            while data:
-                written = os.write(fd, data)
-                data = data[written:]
-        except OSError as e:
-            self.stop_recording(e)
+    @property
+    def stopped(self) -> str | None:
+        """Why recording stopped (a write of ours failed); None while it runs."""
+        return self._writer.stopped
 
     def stop_recording(self, error: OSError) -> None:
-        """A write of ours failed: write nothing more (the job goes on), and say so once, in this
-        rank's status file (rewritten in bytes reserved at open, so a full disk still takes it) or,
-        where even that fails, on stderr. The trace's descriptor stays open: a native kernel may be
-        writing to it right now, and a closed number could be reused by the job."""
-        with self._stop_lock:
-            if self.stopped is not None:
-                return
-            self._fd = None  # the kernels, the progress thread and the evidence hooks check it
-            if self._native is not None:  # [native seam]
-                self._native.set_fd(None)
-            self._fresh.clear()
-            self._pending.clear()
-            self._deferred.clear()
-            file = self._trace_path.name if self._trace_path is not None else "its trace"
-            events = self._events_recorded()
-            status = {"rank": self._rank, "errno": error.errno, "error": error.strerror or str(error),
-                      "file": file, "events": events}
-            self.stopped = fmt.stopped_line(status)
-            try:
-                if self._status_fd is None:
-                    raise OSError("no status file")
-                fmt.stop_status(self._status_fd, self._rank, os.getpid(), error, file, events)
-            except OSError:
-                try:
-                    print(f"moedoctor: {self.stopped}", file=sys.stderr, flush=True)
-                except Exception:  # noqa: BLE001 - a closed stderr: nothing left to tell it with
-                    pass
+        """A write of ours failed: write nothing more; the job goes on (``TraceWriter.stop``)."""
+        self._writer.stop(error)
+
+    def _stopped_writing(self) -> None:
+        if self._native is not None:  # [native seam]
+            self._native.set_fd(None)
+        self._progress.clear()
 
     def _events_recorded(self) -> int:
         """Collectives and p2p ops recorded so far (on either kernel)."""
@@ -571,18 +517,7 @@ class Recorder:
 
     def defer(self, ready: Callable[[], bool], emit: Callable[[], None]) -> None:
         """Have the progress thread call ``emit`` once ``ready()`` is true (a GPU value has landed)."""
-        self._deferred.append((ready, emit))
-
-    def _run_deferred(self, wait: bool = False) -> None:
-        for _ in range(len(self._deferred)):
-            ready, emit = self._deferred.popleft()
-            try:
-                if wait or ready():
-                    emit()
-                else:
-                    self._deferred.append((ready, emit))
-            except Exception:
-                pass  # a value we could not read is evidence we do not have
+        self._progress.defer(ready, emit)
 
     def write_coverage(self, reason: str) -> None:
         """Compare each group's recorded count with the backend's own sequence counter (NCCL's
@@ -609,147 +544,3 @@ class Recorder:
         self._errors += 1
         if self._errors <= 3:
             self.write_evidence("recorder_error", {"op": spec.qualified, "error": repr(error)})
-
-    # -- the progress thread ---------------------------------------------------------------------
-
-    def _progress_loop(self) -> None:
-        snapshot_file = self.run_dir / "control" / "snapshot"
-        next_control = 0.0
-        failures = 0
-        while not self._stop.wait(self.poll_interval) and self._fd is not None:
-            try:
-                self._check_native_writes()
-                self._poll_pending()
-                self._run_deferred()
-                self._poll_flight_recorder()
-                now = time.monotonic()
-                if now >= next_control:
-                    next_control = now + 0.5
-                    self._answer_snapshot(snapshot_file)
-            except Exception as e:  # noqa: BLE001 - this thread must outlive any trouble of ours
-                failures += 1
-                if failures <= 3:
-                    self.write_evidence("recorder_error", {"op": "progress thread", "error": repr(e)[:500]})
-
-    def _check_native_writes(self) -> None:
-        """[native seam] The C++ kernel stops writing on its first failed write and keeps the errno."""
-        if self._native is not None:
-            number = self._native.write_error()
-            if number:
-                self.stop_recording(OSError(number, os.strerror(number)))
-
-    def _poll_flight_recorder(self, final: bool = False) -> None:
-        """Completion from PyTorch's Flight Recorder for the collectives whose ``Work`` is not
-        watched (NCCL collectives without ``async_op``, functional collectives): about once a
-        second, off the training thread (``moedoctor/recorder/fr_poller.py``)."""
-        poller = self._fr_poller
-        if poller is None:
-            if self._fd is None:
-                return
-            try:
-                from moedoctor.recorder import fr_poller
-
-                poller = self._fr_poller = fr_poller.FlightRecorderPoller(self) if fr_poller.enabled() else False
-            except Exception as e:  # the traces suffice without it
-                poller = self._fr_poller = False
-                self.write_evidence("recorder_error", {"op": "flight recorder completion", "error": repr(e)})
-        if not poller:
-            return
-        try:
-            with self._poll_lock:
-                poller.poll(final)
-        except Exception as e:  # never again: a poller that failed once would fail every second
-            self._fr_poller = False
-            self.write_evidence("recorder_error", {"op": "flight recorder completion", "error": repr(e)})
-
-    def _poll_pending(self) -> None:
-        with self._poll_lock:
-            if self._native is not None:  # [native seam] native works; Python ones left by a switch
-                done = self._native.poll()
-                if done:
-                    with self._lock:
-                        self._write(fmt.encode({"k": fmt.DONE, "t": time.time(), "i": done}))
-            self._poll_pending_locked()
-
-    def _poll_pending_locked(self) -> None:
-        """Write which tracked collectives completed since the last poll, in one record.
-
-        A work counts as complete when it says so, or when a later collective of its group has
-        completed: one group's collectives run in issue order (some works, such as Gloo's emulated
-        reduce-scatter, never report completion themselves).
-
-        A c10d collective still running at its first poll also gets its reduce op resolved and
-        written (``ReduceOp.op()`` is too slow for the hot path): these are the collectives a hang
-        diagnosis looks at; ones that completed within a poll interval keep ``reduce_op`` null."""
-        done: list[int] = []
-        annotations: list[bytes] = []
-        last_done = self._last_done
-        # The kernels append on the right while this pops on the left; deque makes both thread-safe.
-        for _ in range(len(self._fresh)):
-            event_id, group_id, work, reduce_op = self._fresh.popleft()
-            if isinstance(work, torch.ScriptObject):  # c10d ops hand back the TorchScript wrapper
-                work = Work.unbox(work)
-            if self._completed(work):
-                done.append(event_id)
-                last_done[group_id] = max(event_id, last_done.get(group_id, -1))
-                continue
-            if reduce_op is not None:
-                annotations.append(fmt.encode({"k": fmt.ANNOTATE, "i": event_id, "red": self._reduce_name(reduce_op)}))
-            self._pending.append((event_id, group_id, work))
-        still = []
-        for _ in range(len(self._pending)):
-            item = self._pending.popleft()
-            if self._completed(item[2]):
-                done.append(item[0])
-                last_done[item[1]] = max(item[0], last_done.get(item[1], -1))
-            else:
-                still.append(item)
-        for event_id, group_id, work in still:
-            if event_id < last_done.get(group_id, -1):
-                done.append(event_id)
-            else:
-                self._pending.append((event_id, group_id, work))
-        while len(self._pending) > MAX_PENDING:
-            self._pending.popleft()  # the oldest: its completion stays unknown
-        if done or annotations:
-            if done:
-                annotations.append(fmt.encode({"k": fmt.DONE, "t": time.time(), "i": sorted(done)}))
-            with self._lock:
-                self._write(b"".join(annotations))
-
-    @staticmethod
-    def _completed(work) -> bool:
-        try:
-            return work.is_completed()
-        except Exception:  # a work that failed (its rank is going down): never completed
-            return False
-
-    def _answer_snapshot(self, snapshot_file: Path) -> None:
-        try:
-            requested = snapshot_file.stat().st_mtime
-        except OSError:
-            return
-        if requested > self._snapshot_seen:
-            self._snapshot_seen = requested
-            self.write_coverage("snapshot")
-            self._dump_flight_recorder()
-
-    def _dump_flight_recorder(self) -> None:
-        """Write PyTorch's own Flight Recorder buffer of this rank (on by default since torch 2.10)
-        to ``RUN_DIR/flight_recorder/fr_rank_<rank>``, so a hang can also be read the way
-        Flight Recorder tools read it, and compared."""
-        c10d = torch._C._distributed_c10d
-        # NCCL keeps its own buffer; the generic one (Gloo's) is empty on an NCCL job.
-        names = ("_dump_nccl_trace", "_dump_fr_trace") if dist.get_backend() == "nccl" else ("_dump_fr_trace",)
-        dump = next((getattr(c10d, n) for n in names if hasattr(c10d, n)), None)
-        if dump is None:
-            return
-        try:
-            data = dump()
-            folder = self.run_dir / "flight_recorder"
-            folder.mkdir(exist_ok=True)
-            tmp = folder / f".fr_rank_{self._rank}.tmp"
-            tmp.write_bytes(data if isinstance(data, bytes) else data.encode())
-            tmp.rename(folder / f"fr_rank_{self._rank}")
-        except Exception as e:  # an old torch, or Flight Recorder disabled: the traces suffice
-            self.write_evidence("recorder_error", {"op": "flight recorder dump", "error": repr(e)})

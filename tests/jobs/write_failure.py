@@ -46,7 +46,7 @@ def main() -> None:
         total += x
         recorder.write_evidence("loss", {"index": step, "value": 1.0})
     time.sleep(0.5)  # the progress thread polls every 50 ms
-    progress = recorder._thread
+    progress = recorder._progress.thread
     print(json.dumps({
         "native": recorder._native is not None and recorder._native.registered,
         "stopped": recorder.stopped, "steps": args.steps, "total": total.item(),

@@ -213,7 +213,7 @@ class NativeKernels:
     """The native kernels of one recorder: registration, state hand-over, polling, counters."""
 
     def __init__(self, recorder) -> None:
-        from moedoctor.recorder import callsite, core
+        from moedoctor.recorder import callsite, core, progress
 
         module = load()
         if module is None:
@@ -229,7 +229,7 @@ class NativeKernels:
             "INTERNAL": callsite.INTERNAL, "MODULE_CALL": callsite.MODULE_CALL,
             "FSDP_GROUP": callsite.FSDP_GROUP, "CKPT_SAVE": callsite.CKPT_SAVE, "CKPT_LOAD": callsite.CKPT_LOAD,
             "MAX_SHAPES": core.MAX_SHAPES, "MAX_STACK": callsite.MAX_STACK, "MAX_WALK": callsite.MAX_WALK,
-            "MAX_PENDING": core.MAX_PENDING, "max_events": recorder.max_events,
+            "MAX_PENDING": progress.MAX_PENDING, "max_events": recorder.max_events,
         }
         module.configure(_Helper(recorder), constants, _dtype_names(module), reduce_names)
         self.sync_phase()

@@ -1021,7 +1021,7 @@ static bool completed(const PendingWork& item) {
   }
 }
 
-// The ids of the tracked collectives seen complete since the last poll (Recorder._poll_pending's
+// The ids of the tracked collectives seen complete since the last poll (Progress._poll_pending_locked's
 // rules: the Work says so, or a later collective of its group has completed).
 static std::vector<int64_t> poll_completed() {
   std::vector<int64_t> done;
