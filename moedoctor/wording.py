@@ -12,15 +12,22 @@ def rank_names(ranks: Iterable[int], *, ranges: bool = False) -> str:
         return "no rank"
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
-    if not ranges:
-        return "ranks " + ",".join(map(str, ranks))
-    out, start = [], None
+    return "ranks " + (rank_ranges(ranks) if ranges else ",".join(map(str, ranks)))
+
+
+def rank_ranges(ranks: Iterable[int], limit: int | None = None) -> str:
+    """``0-3,8``: runs of consecutive ranks; past ``limit`` runs, ``... and 4 more ranges``."""
+    ranks = sorted(ranks)
+    out: list[str] = []
+    start = None
     for i, r in enumerate(ranks):
         start = r if start is None else start
         if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
             out.append(str(start) if start == r else f"{start}-{r}")
             start = None
-    return "ranks " + ",".join(out)
+    if limit is not None and len(out) > limit:
+        return ",".join(out[:limit]) + f" and {len(out) - limit} more ranges"
+    return ",".join(out)
 
 
 def rank_numbers(ranks: Iterable[int], limit: int = 8) -> str:

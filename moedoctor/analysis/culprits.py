@@ -58,8 +58,7 @@ def find_culprits(view: RunView, div: Divergence | None, edges: list[WaitEdge],
                         "earlier collectives", "none")
 
 
-def _names(ranks) -> str:
-    return rank_names(ranks)
+_names = rank_names
 
 
 def _missing(view: RunView, div: Divergence, edges: list[WaitEdge]) -> Culprits:

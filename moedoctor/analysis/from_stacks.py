@@ -33,10 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moedoctor.analysis.load import GpuSnapshot
-from moedoctor.analysis.model import RankSummary, Report, Suggestion, Verdict
-from moedoctor.analysis.patterns import by_id, names
-from moedoctor.analysis.patterns.rank_stopped import advice as stopped_advice
-from moedoctor.process_state import FROZEN_STATES, ProcessState
+from moedoctor.analysis.model import RankSummary, Report, Verdict
+from moedoctor.analysis import patterns
+from moedoctor.analysis.patterns import names
+from moedoctor.process_state import FROZEN_STATES
 from moedoctor.run_records import Frame, StackDump, is_library_frame
 
 SOURCE_KIND = "stacks"
@@ -65,7 +65,7 @@ class RankStack:
 
     def where(self) -> str:
         f = self.user_frame
-        return "no frame of the job's own code" if f is None else f"{f.function} ({_short(f.file)}:{f.line})"
+        return "no frame of the job's own code" if f is None else str(f)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,26 +133,13 @@ def report_from_stacks(stacks: dict[int, StackDump], *, source: str, world_size:
     culprits: list[int] = []
     reasoning = "the stacks do not single out a rank"
     suggestion = None
-    if frozen:
-        pattern = by_id("rank-stopped")
-        verdict = Verdict.STUCK
-        culprits = sorted(frozen)
-        reasoning = f"{names(culprits)}: the process does not run"
-        others = [c for c in inside if not set(c.ranks) <= set(frozen)]
-        waiting = sorted(r for c in others for r in c.ranks if r not in frozen)
-        by_why: dict[str, list[int]] = {}
-        for r, why in frozen.items():
-            by_why.setdefault(why, []).append(r)
-        summary = (f"{pattern.title}: " + "; ".join(
-                       f"{names(rs)}'s process{'' if len(rs) == 1 else 'es'} {'is' if len(rs) == 1 else 'are'} {why}"
-                       for why, rs in by_why.items())
-                   + (f", while {names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {_ops(others)}"
-                      if waiting else "")
-                   + ". Not a code desync: no change to the collectives applies.")
-        first = culprits[0]
-        dump = stacks.get(first)
-        state = dump.process if dump is not None and dump.process is not None else ProcessState(letters[first])
-        suggestion = Suggestion(None, None, stopped_advice(state, first, dump))
+    found = None if not classes and not frozen else patterns.from_stacks(
+        patterns.StackContext(stacks, inside, outside, frozen, letters))
+    if found is not None:
+        pattern, finding = found
+        verdict = Verdict.DESYNC if pattern.desync else Verdict.STUCK
+        summary, culprits, reasoning, suggestion = (finding.summary, finding.culprits, finding.reasoning,
+                                                    finding.suggestion)
     elif not classes:
         verdict = Verdict.STUCK
         summary = "No rank's stack could be read: nothing to conclude (see Incomplete data)."
@@ -162,38 +149,6 @@ def report_from_stacks(stacks: dict[int, StackDump], *, source: str, world_size:
                    "own code, so this is not a collective hang (if the job makes no progress, the stacks show "
                    "where it is stuck).")
         reasoning = "no rank waits in a collective"
-    elif outside:
-        pattern = by_id("straggler")
-        verdict = Verdict.STUCK
-        culprits = sorted(r for c in outside for r in c.ranks)
-        waiting = sorted(r for c in inside for r in c.ranks)
-        odd = outside[0].stack
-        summary = (f"{pattern.title}: {names(culprits)} {'is' if len(culprits) == 1 else 'are'} in {odd.where()}, "
-                   f"outside any collective, while {names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} "
-                   f"in {_ops(inside)}.")
-        reasoning = f"{names(culprits)}: outside any collective while the others wait in one"
-        f = odd.user_frame
-        suggestion = Suggestion(None if f is None else f"{f.file}:{f.line}", None if f is None else f.function,
-                                f"{names(culprits)} {'is' if len(culprits) == 1 else 'are'} stuck in "
-                                f"{odd.where()}, not in a collective. " + pattern.advice)
-    elif len({c.stack.collective for c in inside}) > 1 or len({_site(c.stack) for c in inside}) > 1:
-        pattern = by_id("unknown-desync")
-        verdict = Verdict.DESYNC
-        differ = "different collectives" if len({c.stack.collective for c in inside}) > 1 else \
-            f"{inside[0].stack.collective} from different call sites"
-        summary = (f"Code desync: ranks wait in {differ} ("
-                   + " vs ".join(f"{names(c.ranks)} in {c.stack.waits_in} from {c.stack.where()}" for c in inside)
-                   + "). Which pattern it is needs the sequence of collectives: run the job under moedoctor "
-                   "run, or with Flight Recorder dumps.")
-        if len(inside) > 1 and len(inside[0].ranks) > len(inside[1].ranks):
-            culprits = sorted(r for c in inside[1:] for r in c.ranks)
-            reasoning = f"{names(culprits)}: the odd ones out (the other ranks agree)"
-        else:
-            reasoning = "undetermined: no majority among the ranks' collectives"
-        suggestion = Suggestion(None, None, "The ranks issued different collectives: find the branch, loop count "
-                                "or size that depends on rank-local data on the way to these call sites, and make "
-                                "the collective unconditional and identical on every rank of the group. To name the "
-                                "pattern and the first diverging collective, record the job with moedoctor run.")
     else:
         verdict = Verdict.STUCK
         s = inside[0].stack
@@ -252,19 +207,6 @@ def _collective(frames: tuple[Frame, ...]) -> tuple[str | None, str | None]:
 
 def _key(frames: tuple[Frame, ...]) -> tuple[str, ...]:
     return tuple(f"{f.file}:{f.function}" if is_library_frame(f) else f"{f.file}:{f.function}:{f.line}" for f in frames)
-
-
-def _site(s: RankStack) -> str | None:
-    f = s.user_frame
-    return None if f is None else f"{f.file}:{f.line}"
-
-
-def _ops(classes: list[StackClass]) -> str:
-    return " / ".join(dict.fromkeys(f"{c.stack.waits_in} (from {c.stack.where()})" for c in classes))
-
-
-def _short(path: str) -> str:
-    return path.rsplit("/", 1)[-1]
 
 
 def _gpu_lines(gpus: list[GpuSnapshot]) -> list[str]:

@@ -29,6 +29,7 @@ from moedoctor.trace.reader import (
     MAX_HEADER_BYTES, MAX_RECORD_BYTES, RankTrace, TraceError, TraceFile, bounded_int, fold, trace_paths,
 )
 from moedoctor.trace.schema import MAX_STRING, MAX_WORLD_SIZE
+from moedoctor.wording import rank_ranges
 
 #: Above this many bytes of trace files the streaming path is used (see ``moedoctor.analysis.scan``).
 STREAM_THRESHOLD = 64 << 20
@@ -134,7 +135,7 @@ def load_run(path: Path | str, *, stream_above: int = STREAM_THRESHOLD, workers:
             loaded = recorder_markers(path / "control")
             run.incomplete.append(
                 "no trace files in traces/: " + (
-                    f"the recorder was loaded in rank(s) {_ranges(sorted(loaded))}, but no rank created its default "
+                    f"the recorder was loaded in rank(s) {rank_ranges(loaded, 20)}, but no rank created its default "
                     "process group (init_process_group / init_device_mesh never returned)" if loaded else
                     "the recorder was not loaded in any rank, or no rank started (is moedoctor's bootstrap on the "
                     "job's Python path?)"))
@@ -205,7 +206,7 @@ def _note_world(run: RunData, note_other_ranks: bool) -> None:
     if run.world_size:
         absent = absent_ranks(run)
         if absent and (run.traces or run.kind != SourceKind.RUN_DIR or note_other_ranks):
-            run.incomplete.append(f"no trace of rank{'s' if len(absent) > 1 else ''} {_ranges(absent)}"
+            run.incomplete.append(f"no trace of rank{'s' if len(absent) > 1 else ''} {rank_ranges(absent, 20)}"
                                   f" (of world size {run.world_size})")
 
 
@@ -235,7 +236,7 @@ def evidence_problem(run: RunData) -> str | None:
         return f"{run.path}: the world size is unknown, so a healthy verdict has no evidence{context}"
     absent = absent_ranks(run)
     if absent:
-        return (f"{run.path}: no readable trace of rank{'s' if len(absent) > 1 else ''} {_ranges(absent)} "
+        return (f"{run.path}: no readable trace of rank{'s' if len(absent) > 1 else ''} {rank_ranges(absent, 20)} "
                 f"(world size {run.world_size}): healthy cannot be told{context}")
     if run.recording_stopped:
         first = run.recording_stopped[min(run.recording_stopped)]
@@ -258,19 +259,6 @@ def verdict_problem(run: RunData, verdict: Verdict) -> str | None:
 
 def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _ranges(ranks: list[int], limit: int = 20) -> str:
-    out, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    if len(out) > limit:
-        return ",".join(out[:limit]) + f" and {len(out) - limit} more ranges"
-    return ",".join(out)
 
 
 # ---- traces -------------------------------------------------------------------------------------

@@ -605,5 +605,4 @@ def _what_is_missing(dumps: list[_Dump], traces: list[RankTrace], ranks: list[in
     return notes
 
 
-def _ranks_text(ranks: list[int]) -> str:
-    return rank_numbers(ranks)
+_ranks_text = rank_numbers

@@ -123,6 +123,33 @@ class Context:
                                                          DivergenceKind.P2P, DivergenceKind.CONTRACT)
 
 
+@dataclass
+class StackContext:
+    """What a pattern sees of a job that left only its ranks' stacks (``analysis.from_stacks``): the
+    ranks grouped by identical stack (``StackClass``), those inside a collective and those outside,
+    the ranks whose process does not run (state letter), and every rank's dump."""
+
+    stacks: dict                   # rank -> StackDump
+    inside: list                   # StackClass, waiting in a collective
+    outside: list                  # StackClass, outside any collective
+    frozen: dict[int, str]         # rank -> why its process does not run
+    letters: dict[int, str]        # rank -> its process state letter
+
+    def ops(self, classes) -> str:
+        """The collectives ``classes`` wait in, and from where."""
+        return " / ".join(dict.fromkeys(f"{c.stack.waits_in} (from {c.stack.where()})" for c in classes))
+
+
+@dataclass(frozen=True)
+class StackFinding:
+    """What a pattern concludes from stacks alone."""
+
+    summary: str
+    culprits: list[int]
+    reasoning: str
+    suggestion: Suggestion | None
+
+
 @dataclass(frozen=True)
 class Pattern:
     id: str
@@ -131,10 +158,23 @@ class Pattern:
     desync: bool                   # a code desync (verdict desync), or a hang of another kind (stuck)
     classify: Callable[[Context], Finding | None]
     advice: str                    # what to change, when the finding brings no suggestion of its own
+    #: The pattern's reading of a job known only by its stacks (``moedoctor triage``, or a run that
+    #: recorded nothing); None where stacks alone cannot show it. The registry's order decides.
+    from_stacks: Callable[[StackContext], StackFinding | None] | None = None
 
 
 def registry() -> list[Pattern]:
     return [importlib.import_module(f"{__name__}.{m}").PATTERN for m in MODULES]
+
+
+def from_stacks(ctx: StackContext) -> tuple[Pattern, StackFinding] | None:
+    """The first pattern, in the registry's order, that reads the stacks as its own."""
+    for pattern in registry():
+        if pattern.from_stacks is not None:
+            finding = pattern.from_stacks(ctx)
+            if finding is not None:
+                return pattern, finding
+    return None
 
 
 def by_id(pattern_id: str) -> Pattern:
@@ -151,8 +191,7 @@ def classify_all(ctx: Context) -> list[tuple[Pattern, Finding]]:
     return sorted(found, key=lambda pf: (-pf[1].score, pf[0].id))
 
 
-def names(ranks) -> str:
-    return rank_names(ranks)
+names = rank_names  # the patterns' word for a list of ranks
 
 
 def verb(ranks, singular: str, plural: str) -> str:

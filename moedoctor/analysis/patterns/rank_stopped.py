@@ -28,7 +28,7 @@ kernel log (``dmesg``: hung task, Xid, NFS "server not responding") and the devi
 from __future__ import annotations
 
 from moedoctor.analysis.model import DivergenceKind, Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+from moedoctor.analysis.patterns import Context, Finding, Pattern, StackContext, StackFinding, names
 from moedoctor.analysis.waitfor import chain_roots
 from moedoctor.process_state import ProcessState
 
@@ -126,7 +126,31 @@ def advice(state: ProcessState | None, rank: int | None = None, dump=None) -> st
             "detach the debugger. Changing the collectives would be wrong.")
 
 
+def from_stacks(ctx: StackContext) -> StackFinding | None:
+    """A rank whose process does not run, wherever its stack is (in every reading of ``/proc``
+    around its dump): the others wait for it."""
+    if not ctx.frozen:
+        return None
+    culprits = sorted(ctx.frozen)
+    others = [c for c in ctx.inside if not set(c.ranks) <= set(ctx.frozen)]
+    waiting = sorted(r for c in others for r in c.ranks if r not in ctx.frozen)
+    by_why: dict[str, list[int]] = {}
+    for r, why in ctx.frozen.items():
+        by_why.setdefault(why, []).append(r)
+    summary = (f"{PATTERN.title}: " + "; ".join(
+                   f"{names(rs)}'s process{'' if len(rs) == 1 else 'es'} {'is' if len(rs) == 1 else 'are'} {why}"
+                   for why, rs in by_why.items())
+               + (f", while {names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {ctx.ops(others)}"
+                  if waiting else "")
+               + ". Not a code desync: no change to the collectives applies.")
+    first = culprits[0]
+    dump = ctx.stacks.get(first)
+    state = dump.process if dump is not None and dump.process is not None else ProcessState(ctx.letters[first])
+    return StackFinding(summary, culprits, f"{names(culprits)}: the process does not run",
+                        Suggestion(None, None, advice(state, first, dump)))
+
+
 PATTERN = Pattern(
     id="rank-stopped", title="A rank does not run (stopped, or stuck in the kernel)", fixes=(), desync=False,
-    classify=classify, advice=advice(None),
+    classify=classify, advice=advice(None), from_stacks=from_stacks,
 )

@@ -24,7 +24,7 @@ Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 5 variants of `straggler/
 from __future__ import annotations
 
 from moedoctor.analysis.model import DivergenceKind, Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+from moedoctor.analysis.patterns import Context, Finding, Pattern, StackContext, StackFinding, names
 
 
 def classify(ctx: Context) -> Finding | None:
@@ -94,6 +94,25 @@ _ADVICE = ("Find out why it does not return (a hung read, a data loader worker, 
            "changing the collectives would be wrong. Bound the wait (a timeout and a retry on the read) and "
            "log which input it was on.")
 
+def from_stacks(ctx: StackContext) -> StackFinding | None:
+    """Some ranks inside a collective, others outside any: the ones outside are where the others
+    wait for them."""
+    if not ctx.inside or not ctx.outside:
+        return None
+    culprits = sorted(r for c in ctx.outside for r in c.ranks)
+    waiting = sorted(r for c in ctx.inside for r in c.ranks)
+    odd = ctx.outside[0].stack
+    be = "is" if len(culprits) == 1 else "are"
+    summary = (f"{PATTERN.title}: {names(culprits)} {be} in {odd.where()}, outside any collective, while "
+               f"{names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {ctx.ops(ctx.inside)}.")
+    f = odd.user_frame
+    suggestion = Suggestion(None if f is None else f"{f.file}:{f.line}", None if f is None else f.function,
+                            f"{names(culprits)} {be} stuck in {odd.where()}, not in a collective. " + PATTERN.advice)
+    return StackFinding(summary, culprits, f"{names(culprits)}: outside any collective while the others wait in one",
+                        suggestion)
+
+
 PATTERN = Pattern(
     id="straggler", title="Straggler (not a desync)", fixes=(), desync=False, classify=classify, advice=_ADVICE,
+    from_stacks=from_stacks,
 )

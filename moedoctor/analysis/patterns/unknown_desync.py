@@ -17,7 +17,7 @@ Fix: none to name; read the side-by-side table around the divergence.
 from __future__ import annotations
 
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+from moedoctor.analysis.patterns import Context, Finding, Pattern, StackContext, StackFinding, names
 from moedoctor.analysis.source import rank_guard
 from moedoctor.analysis.steps import CLOSING, RESTART, loop_exit, omission
 
@@ -85,6 +85,37 @@ def structure_account(ctx: Context) -> list[str]:
 _ADVICE = ("Make this collective unconditional and identical on every rank of the group: compare the call sites "
            "in the table above and find the rank-dependent branch, loop count or size between them.")
 
+def from_stacks(ctx: StackContext) -> StackFinding | None:
+    """Ranks inside different collectives, or the same one from different call sites: a code desync,
+    whose pattern needs the sequence of collectives."""
+    inside = ctx.inside
+    if len({c.stack.collective for c in inside}) <= 1 and len({_site(c.stack) for c in inside}) <= 1:
+        return None
+    differ = "different collectives" if len({c.stack.collective for c in inside}) > 1 else \
+        f"{inside[0].stack.collective} from different call sites"
+    summary = (f"Code desync: ranks wait in {differ} ("
+               + " vs ".join(f"{names(c.ranks)} in {c.stack.waits_in} from {c.stack.where()}" for c in inside)
+               + "). Which pattern it is needs the sequence of collectives: run the job under moedoctor "
+               "run, or with Flight Recorder dumps.")
+    culprits: list[int] = []
+    if len(inside) > 1 and len(inside[0].ranks) > len(inside[1].ranks):
+        culprits = sorted(r for c in inside[1:] for r in c.ranks)
+        reasoning = f"{names(culprits)}: the odd ones out (the other ranks agree)"
+    else:
+        reasoning = "undetermined: no majority among the ranks' collectives"
+    suggestion = Suggestion(None, None, "The ranks issued different collectives: find the branch, loop count "
+                            "or size that depends on rank-local data on the way to these call sites, and make "
+                            "the collective unconditional and identical on every rank of the group. To name the "
+                            "pattern and the first diverging collective, record the job with moedoctor run.")
+    return StackFinding(summary, culprits, reasoning, suggestion)
+
+
+def _site(stack) -> str | None:
+    f = stack.user_frame
+    return None if f is None else f"{f.file}:{f.line}"
+
+
 PATTERN = Pattern(
     id="unknown-desync", title="Unknown desync", fixes=(), desync=True, classify=classify, advice=_ADVICE,
+    from_stacks=from_stacks,
 )
