@@ -85,8 +85,9 @@ def internal_error_line(e: BaseException, limit: int = 300) -> str:
     text = " ".join(text[:limit].split()) + ("..." if len(text) > limit else "")
     where = file_of(e)
     where = f" while reading {where[:500]}" if where else ""
-    return (f"internal error{where}: {type(e).__name__}: {text} (a bug in moedoctor; "
-            "MOEDOCTOR_DEBUG=1 shows the traceback)")
+    return (
+        f"internal error{where}: {type(e).__name__}: {text} (a bug in moedoctor; MOEDOCTOR_DEBUG=1 shows the traceback)"
+    )
 
 
 def errno_text(number) -> str:

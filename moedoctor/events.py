@@ -23,11 +23,23 @@ class Phase(str, Enum):
 
 
 #: Normalized collective names: the vocabulary the analyzer compares across ranks.
-COLLECTIVE_OPS = frozenset({
-    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "all_to_all", "gather",
-    "scatter", "reduce", "all_reduce_coalesced", "all_gather_coalesced", "reduce_scatter_coalesced",
-    "monitored_barrier",
-})
+COLLECTIVE_OPS = frozenset(
+    {
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "broadcast",
+        "barrier",
+        "all_to_all",
+        "gather",
+        "scatter",
+        "reduce",
+        "all_reduce_coalesced",
+        "all_gather_coalesced",
+        "reduce_scatter_coalesced",
+        "monitored_barrier",
+    }
+)
 P2P_OPS = frozenset({"send", "recv"})
 #: Variable-size collectives: their sizes are checked pairwise (``analysis.contracts``), not compared.
 CONTRACT_OPS = frozenset({"all_to_all", "gather", "scatter"})
@@ -109,10 +121,10 @@ class CollectiveEvent:
     peer: int | None = None
     p2p_seq: int | None = None
     completed: float | None = None
-    root: int | None = None                     # rooted ops: the root's global rank
-    in_splits: tuple[int, ...] | None = None    # all_to_all_single: rows sent to each group member
-    out_splits: tuple[int, ...] | None = None   # all_to_all_single: rows received from each member
-    device: str | None = None                   # the first input tensor's device: "cpu", "cuda:0"
+    root: int | None = None  # rooted ops: the root's global rank
+    in_splits: tuple[int, ...] | None = None  # all_to_all_single: rows sent to each group member
+    out_splits: tuple[int, ...] | None = None  # all_to_all_single: rows received from each member
+    device: str | None = None  # the first input tensor's device: "cpu", "cuda:0"
 
     @property
     def is_p2p(self) -> bool:

@@ -7,9 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: Process states in which the process does not run at all, and what each means.
-FROZEN_STATES = {"T": "stopped (state T: a SIGSTOP, a job-control stop, or a debugger holds it)",
-                 "t": "stopped by a tracer (state t: a debugger holds it)",
-                 "D": "in uninterruptible sleep (state D: stuck in a kernel or driver call)"}
+FROZEN_STATES = {
+    "T": "stopped (state T: a SIGSTOP, a job-control stop, or a debugger holds it)",
+    "t": "stopped by a tracer (state t: a debugger holds it)",
+    "D": "in uninterruptible sleep (state D: stuck in a kernel or driver call)",
+}
 
 
 #: Every state letter Linux shows in /proc/PID/stat, and "?" for a process gone.
@@ -28,7 +30,7 @@ class ProcessState:
 
     samples: str
     wchan: str | None = None
-    seconds: float = 0.0          # from the first reading to the last
+    seconds: float = 0.0  # from the first reading to the last
 
     @property
     def state(self) -> str:
@@ -71,7 +73,12 @@ class ProcessState:
         samples = raw.get("samples") or raw.get("state")
         wchan = raw.get("wchan")
         seconds = raw.get("seconds") or 0.0
-        if not isinstance(samples, str) or not samples or set(samples) - _STATE_LETTERS \
-                or not isinstance(wchan, (str, type(None))) or not isinstance(seconds, (int, float)):
+        if (
+            not isinstance(samples, str)
+            or not samples
+            or set(samples) - _STATE_LETTERS
+            or not isinstance(wchan, (str, type(None)))
+            or not isinstance(seconds, (int, float))
+        ):
             raise ValueError(f"not a process state record: {raw!r:.80}")
         return cls(samples=samples, wchan=wchan or None, seconds=float(seconds))

@@ -44,8 +44,8 @@ class StackDump:
     error: str | None = None
     main_thread: tuple[Frame, ...] = ()
     threads: dict[str, tuple[Frame, ...]] = field(default_factory=dict)
-    process: ProcessState | None = None   # its /proc state around the dump (None: not recorded)
-    write_error: str | None = None        # its file could not be written (disk full): kept in memory only
+    process: ProcessState | None = None  # its /proc state around the dump (None: not recorded)
+    write_error: str | None = None  # its file could not be written (disk full): kept in memory only
 
     @property
     def frozen(self) -> str | None:
@@ -80,11 +80,15 @@ def parse_stack_dump(record: dict, path: Path | None) -> StackDump:
         process = ProcessState.from_dict(raw) if isinstance(raw, dict) else None
     except ValueError:
         process = None  # a damaged state record costs the state, not the stack
-    dump = StackDump(rank=int(record["rank"]), pid=int(record["pid"]), path=path, error=record.get("error"),
-                     process=process)
+    dump = StackDump(
+        rank=int(record["rank"]), pid=int(record["pid"]), path=path, error=record.get("error"), process=process
+    )
     for thread in record.get("threads") or ():
-        frames = tuple(Frame(f.get("name", "?"), f.get("filename", "?"), int(f.get("line") or 0))
-                       for f in thread.get("frames", ()) if str(f.get("filename", "")).endswith(".py"))
+        frames = tuple(
+            Frame(f.get("name", "?"), f.get("filename", "?"), int(f.get("line") or 0))
+            for f in thread.get("frames", ())
+            if str(f.get("filename", "")).endswith(".py")
+        )
         name = thread.get("thread_name") or str(thread.get("os_thread_id"))
         if name in dump.threads:
             name = f"{name} #{thread.get('os_thread_id')}"
@@ -95,6 +99,7 @@ def parse_stack_dump(record: dict, path: Path | None) -> StackDump:
 
 
 # ---- the manifest's rank exits and hang record -----------------------------------------------------
+
 
 @dataclass
 class RankExit:
@@ -167,12 +172,17 @@ def hang_of(manifest: dict) -> HangRecord | None:
     raw = manifest.get("hang")
     if not raw:
         return None
-    ranks = [RankAtHang(**{**r, "last": LastCollective(**r["last"]) if r.get("last") else None})
-             for r in raw["ranks"]]
+    ranks = [RankAtHang(**{**r, "last": LastCollective(**r["last"]) if r.get("last") else None}) for r in raw["ranks"]]
     fields = {k: raw[k] for k in ("detected_at", "host", "hang_timeout", "idle_seconds", "stopped")}
-    return HangRecord(**fields, ranks=ranks, gpu_file=raw.get("gpu_file"), trigger=raw.get("trigger", "hang"),
-                      finding=raw.get("finding"), detection_latency_s=raw.get("detection_latency_s"),
-                      lags=list(raw.get("lags") or ()))
+    return HangRecord(
+        **fields,
+        ranks=ranks,
+        gpu_file=raw.get("gpu_file"),
+        trigger=raw.get("trigger", "hang"),
+        finding=raw.get("finding"),
+        detection_latency_s=raw.get("detection_latency_s"),
+        lags=list(raw.get("lags") or ()),
+    )
 
 
 # ---- supervisor locks --------------------------------------------------------------------------

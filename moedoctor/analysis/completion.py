@@ -34,8 +34,10 @@ def fuse_flight_recorder(run) -> None:
             return
         fr = read_flight_recorder(folder)
     except Exception as e:  # noqa: BLE001 - the traces are still analyzed without it
-        run.incomplete.append(f"flight_recorder/: not read ({type(e).__name__}: {str(e)[:120]}); completion of "
-                              "collectives whose Work was not observed stays unknown")
+        run.incomplete.append(
+            f"flight_recorder/: not read ({type(e).__name__}: {str(e)[:120]}); completion of "
+            "collectives whose Work was not observed stays unknown"
+        )
         return
     dumps = {t.rank: t for t in fr.traces}
     notes: list[str] = []
@@ -59,12 +61,16 @@ def apply_fusion(trace, fusion, notes: list[str] | None = None) -> int:
     trace.fr_unknown |= fusion.unknown
     if notes is not None:
         for group, seq in sorted(fusion.misaligned.items()):
-            notes.append(f"rank {trace.rank}, group {group}: Flight Recorder's collective #{seq} is not the trace's "
-                         "(the sequence numbers disagree from there: a backend op the recorder does not see, or one "
-                         f"it counts that Flight Recorder does not); completion from #{seq} on stays unknown")
+            notes.append(
+                f"rank {trace.rank}, group {group}: Flight Recorder's collective #{seq} is not the trace's "
+                "(the sequence numbers disagree from there: a backend op the recorder does not see, or one "
+                f"it counts that Flight Recorder does not); completion from #{seq} on stays unknown"
+            )
         for group, seq in sorted(fusion.contradicted.items()):
-            notes.append(f"rank {trace.rank}, group {group}: Flight Recorder shows #{seq} completed after an earlier "
-                         "collective it shows pending; not believed (its CUDA event may not have been recorded yet)")
+            notes.append(
+                f"rank {trace.rank}, group {group}: Flight Recorder shows #{seq} completed after an earlier "
+                "collective it shows pending; not believed (its CUDA event may not have been recorded yet)"
+            )
     return len(fusion.done)
 
 
@@ -84,8 +90,8 @@ class CompletionStats:
     provable: int = 0
     events: int = 0
     by_source: dict[str, int] = field(default_factory=dict)
-    pending: int = 0     # Flight Recorder showed them issued and not completed
-    unknown: int = 0     # neither observed nor decided
+    pending: int = 0  # Flight Recorder showed them issued and not completed
+    unknown: int = 0  # neither observed nor decided
 
     def fraction(self) -> float | None:
         return self.observed / self.provable if self.provable else None
@@ -97,11 +103,17 @@ class CompletionStats:
     def to_dict(self, windowed: bool = False) -> dict:
         """``windowed``: the traces were loaded only around the divergence (large runs), and so
         are these counts."""
-        return {"observed": self.observed, "provable": self.provable, "events": self.events,
-                "fraction": None if self.fraction() is None else round(self.fraction(), 4),
-                "by_source": dict(sorted(self.by_source.items())), "pending": self.pending,
-                "unknown": self.unknown, "scope": "windows" if windowed else "all",
-                "summary": self.sentence() + (" (in the windows loaded around the divergence)" if windowed else "")}
+        return {
+            "observed": self.observed,
+            "provable": self.provable,
+            "events": self.events,
+            "fraction": None if self.fraction() is None else round(self.fraction(), 4),
+            "by_source": dict(sorted(self.by_source.items())),
+            "pending": self.pending,
+            "unknown": self.unknown,
+            "scope": "windows" if windowed else "all",
+            "summary": self.sentence() + (" (in the windows loaded around the divergence)" if windowed else ""),
+        }
 
 
 def completion_stats(traces) -> CompletionStats:

@@ -36,8 +36,10 @@ class Breach:
     expected: int
 
     def line(self) -> str:
-        return (f"rank {self.receiver} expects {self.expected} element(s) from rank {self.sender}, "
-                f"which sends it {self.sent}")
+        return (
+            f"rank {self.receiver} expects {self.expected} element(s) from rank {self.sender}, "
+            f"which sends it {self.sent}"
+        )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

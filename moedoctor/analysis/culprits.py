@@ -25,26 +25,31 @@ from moedoctor.analysis.waitfor import chain_roots
 from moedoctor.events import CollectiveEvent
 from moedoctor.wording import rank_names
 
-_END = object()       # the rank's previous step ended here: no collective was due
-_UNKNOWN = object()   # no earlier step to compare with
+_END = object()  # the rank's previous step ended here: no collective was due
+_UNKNOWN = object()  # no earlier step to compare with
 
 
 @dataclass(frozen=True)
 class Culprits:
     ranks: tuple[int, ...]
     reasoning: str
-    rule: str   # "missing", "extra", "minority", "own-steps", "own-period", "cycle", "none"
+    rule: str  # "missing", "extra", "minority", "own-steps", "own-period", "cycle", "none"
 
 
-def find_culprits(view: RunView, div: Divergence | None, edges: list[WaitEdge],
-                  cycle: list[WaitEdge] | None) -> Culprits:
+def find_culprits(
+    view: RunView, div: Divergence | None, edges: list[WaitEdge], cycle: list[WaitEdge] | None
+) -> Culprits:
     if cycle:
         return _cycle_culprits(view, cycle)
     if div is None:
         return Culprits((), "no divergence between ranks", "none")
     if div.kind == DivergenceKind.STALLED:
-        return Culprits((), f"every rank of group {div.group.label()} is inside the same collective "
-                            f"#{div.seq}: no rank broke the sequence", "none")
+        return Culprits(
+            (),
+            f"every rank of group {div.group.label()} is inside the same collective "
+            f"#{div.seq}: no rank broke the sequence",
+            "none",
+        )
     if div.kind == DivergenceKind.MISSING or (div.kind == DivergenceKind.P2P and div.missing):
         return _missing(view, div, edges)
     found = _minority(div)
@@ -54,8 +59,11 @@ def find_culprits(view: RunView, div: Divergence | None, edges: list[WaitEdge],
         found = rule(view, div)
         if found is not None:
             return found
-    return Culprits((), "undetermined: the ranks split evenly and none of them broke a pattern of its own "
-                        "earlier collectives", "none")
+    return Culprits(
+        (),
+        "undetermined: the ranks split evenly and none of them broke a pattern of its own earlier collectives",
+        "none",
+    )
 
 
 _names = rank_names
@@ -66,9 +74,13 @@ def _missing(view: RunView, div: Divergence, edges: list[WaitEdge]) -> Culprits:
     op = next(v for v in div.per_rank.values() if v is not None)
     if all(view.finished(r) for r in div.missing):
         # The others ended normally: the collective they never issued is the extra one.
-        return Culprits(tuple(present), f"{_names(present)} issued {op.op} #{div.seq} of group {div.group.label()} "
-                                        f"after {_names(div.missing)} had finished normally: an extra collective "
-                                        "the others never issue", "extra")
+        return Culprits(
+            tuple(present),
+            f"{_names(present)} issued {op.op} #{div.seq} of group {div.group.label()} "
+            f"after {_names(div.missing)} had finished normally: an extra collective "
+            "the others never issue",
+            "extra",
+        )
     roots = chain_roots(edges, div.missing)
     group = div.group.name
     lasts = []
@@ -77,18 +89,25 @@ def _missing(view: RunView, div: Divergence, edges: list[WaitEdge]) -> Culprits:
             continue
         n = view.last_seq(r, group)
         e = view.event(r, group, n)
-        state = "" if e is None else ((", completed" if e.completed is not None else ", not completed")
-                                      + view.completion_note(r, e))
-        lasts.append(f"{_names([r])}'s last collective there is #{n}{state}" if n
-                     else f"{_names([r])} issued none there")
-    why = (f"{_names(div.missing)} never issued {op.op} #{div.seq} of group {div.group.label()} that "
-           f"{_names(present)} {'waits' if len(present) == 1 else 'wait'} in")
+        state = (
+            ""
+            if e is None
+            else ((", completed" if e.completed is not None else ", not completed") + view.completion_note(r, e))
+        )
+        lasts.append(
+            f"{_names([r])}'s last collective there is #{n}{state}" if n else f"{_names([r])} issued none there"
+        )
+    why = (
+        f"{_names(div.missing)} never issued {op.op} #{div.seq} of group {div.group.label()} that "
+        f"{_names(present)} {'waits' if len(present) == 1 else 'wait'} in"
+    )
     if lasts:
         why += " (" + "; ".join(lasts) + ")"
     if set(roots) != set(div.missing):
         chain = [e for e in edges if e.rank in div.missing]
-        via = "; ".join(f"rank {e.rank} waits in {e.op} #{e.seq} of group {e.group} for {_names(e.waits_for)}"
-                        for e in chain)
+        via = "; ".join(
+            f"rank {e.rank} waits in {e.op} #{e.seq} of group {e.group} for {_names(e.waits_for)}" for e in chain
+        )
         return Culprits(tuple(roots), f"{why}; {via}: the waits end at {_names(roots)}", "missing")
     return Culprits(tuple(div.missing), why, "missing")
 
@@ -102,9 +121,13 @@ def _minority(div: Divergence) -> Culprits | None:
         return None
     culprits = tuple(sorted(r for c in div.classes[1:] for r in c))
     rep = div.per_rank[top[0]]
-    return Culprits(culprits, f"{len(top)} of {members} ranks issued {rep.op if rep else 'nothing'} at #{div.seq} "
-                              f"of group {div.group.label()}; {_names(culprits)} broke the sequence every other "
-                              "rank follows", "minority")
+    return Culprits(
+        culprits,
+        f"{len(top)} of {members} ranks issued {rep.op if rep else 'nothing'} at #{div.seq} "
+        f"of group {div.group.label()}; {_names(culprits)} broke the sequence every other "
+        "rank follows",
+        "minority",
+    )
 
 
 def expected_by_steps(view: RunView, rank: int, group: str, seq: int):
@@ -148,10 +171,14 @@ def _own_steps(view: RunView, div: Divergence) -> Culprits | None:
     due = "no collective (its step had ended)" if expected is _END else _op_text(expected)
     did = "nothing" if actual is None else _op_text(actual)
     its = "its" if len(broke) == 1 else "their"
-    return Culprits(tuple(broke), f"{_names(broke)} broke the per-step pattern of {its} own earlier steps: "
-                                  f"collective {k + 1} of step {current} on group {div.group.label()} "
-                                  f"is {did} where step {ref_step} had {due}; {_names(kept)} kept to "
-                                  f"{'its' if len(kept) == 1 else 'their'} pattern", "own-steps")
+    return Culprits(
+        tuple(broke),
+        f"{_names(broke)} broke the per-step pattern of {its} own earlier steps: "
+        f"collective {k + 1} of step {current} on group {div.group.label()} "
+        f"is {did} where step {ref_step} had {due}; {_names(kept)} kept to "
+        f"{'its' if len(kept) == 1 else 'their'} pattern",
+        "own-steps",
+    )
 
 
 def _op_text(e: CollectiveEvent) -> str:
@@ -197,10 +224,14 @@ def _own_period(view: RunView, div: Divergence) -> Culprits | None:
     _, p, ops = verdicts[broke[0]]
     actual = view.event(broke[0], group, div.seq)
     its = "its" if len(broke) == 1 else "their"
-    return Culprits(tuple(broke), f"{_names(broke)} broke the repeating pattern of {its} "
-                                  f"own recent collectives on group {div.group.label()} (period {p}: "
-                                  f"{', '.join(ops[-p:])}): {'nothing' if actual is None else actual.op} where "
-                                  f"{ops[-p]} was due; {_names(kept)} kept to it", "own-period")
+    return Culprits(
+        tuple(broke),
+        f"{_names(broke)} broke the repeating pattern of {its} "
+        f"own recent collectives on group {div.group.label()} (period {p}: "
+        f"{', '.join(ops[-p:])}): {'nothing' if actual is None else actual.op} where "
+        f"{ops[-p]} was due; {_names(kept)} kept to it",
+        "own-period",
+    )
 
 
 def broke_own_order(view: RunView, rank: int, group: str, seq: int) -> bool | None:
@@ -229,8 +260,16 @@ def _cycle_culprits(view: RunView, cycle: list[WaitEdge]) -> Culprits:
     kept = sorted(r for r, v in verdicts.items() if v is False)
     groups = sorted({e.group for e in cycle})
     if broke and kept:
-        return Culprits(tuple(broke), f"{_names(broke)} issued the collectives of groups {', '.join(groups)} in an "
-                                      f"order {'its' if len(broke) == 1 else 'their'} own earlier steps did not; "
-                                      f"{_names(kept)} kept to the earlier order", "cycle")
-    return Culprits(tuple(ranks), f"{_names(ranks)} wait for each other across groups {', '.join(groups)}: "
-                                  "they issue these groups' collectives in opposite orders", "cycle")
+        return Culprits(
+            tuple(broke),
+            f"{_names(broke)} issued the collectives of groups {', '.join(groups)} in an "
+            f"order {'its' if len(broke) == 1 else 'their'} own earlier steps did not; "
+            f"{_names(kept)} kept to the earlier order",
+            "cycle",
+        )
+    return Culprits(
+        tuple(ranks),
+        f"{_names(ranks)} wait for each other across groups {', '.join(groups)}: "
+        "they issue these groups' collectives in opposite orders",
+        "cycle",
+    )

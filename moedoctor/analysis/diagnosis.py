@@ -22,7 +22,16 @@ from moedoctor.analysis.from_stacks import report_from_stacks
 from moedoctor.analysis.load import RunData, SourceKind
 from moedoctor.analysis.matching import all_divergences, stalled
 from moedoctor.analysis.model import (
-    AlignedRow, Candidate, Divergence, DivergenceKind, OpView, RankSummary, Report, Suggestion, Verdict, WaitEdge,
+    AlignedRow,
+    Candidate,
+    Divergence,
+    DivergenceKind,
+    OpView,
+    RankSummary,
+    Report,
+    Suggestion,
+    Verdict,
+    WaitEdge,
 )
 from moedoctor.analysis.patterns import THRESHOLD, TIE, Context, Finding, Pattern, by_id, classify_all, names
 from moedoctor.analysis.patterns.not_a_desync import not_established
@@ -41,8 +50,9 @@ def analyze(run: RunData) -> Report:
     if not run.traces and any(d.error is None for d in run.stacks.values()):
         # Nothing was recorded (the job hung before its first process group, or the recorder did not
         # load): the stacks are the evidence, as for a job triaged from outside.
-        return report_from_stacks(run.stacks, source=str(run.path), world_size=run.world_size, gpus=run.gpus,
-                                  incomplete=run.incomplete)
+        return report_from_stacks(
+            run.stacks, source=str(run.path), world_size=run.world_size, gpus=run.gpus, incomplete=run.incomplete
+        )
     view = RunView(run)
     incomplete = list(dict.fromkeys(run.incomplete + view.conflicts))
     divs = all_divergences(view)
@@ -51,8 +61,10 @@ def analyze(run: RunData) -> Report:
     hang = _hang(view, edges)
     if view.finished_cleanly:
         for d in [d for d in divs if d.kind == DivergenceKind.MISSING or d.missing]:
-            incomplete.append(f"group {d.group.name}: {names(d.missing)}'s trace ends before #{d.seq} although the "
-                              "job finished cleanly (trace cut short)")
+            incomplete.append(
+                f"group {d.group.name}: {names(d.missing)}'s trace ends before #{d.seq} although the "
+                "job finished cleanly (trace cut short)"
+            )
             divs.remove(d)
     primary = _primary(view, divs, edges, cycle, hang)
     culprits = find_culprits(view, primary, edges, cycle)
@@ -88,26 +100,46 @@ def analyze(run: RunData) -> Report:
     if verdict != Verdict.HEALTHY:
         evidence.extend(_shared_gpus(view))
     if pattern is not None and pattern.id == "unknown-desync" and len(candidates) > 1:
-        evidence.extend(f"candidate {c.pattern} ({c.score:.2f}): {'; '.join(c.evidence)}"
-                        for c in candidates if c.pattern != "unknown-desync")
+        evidence.extend(
+            f"candidate {c.pattern} ({c.score:.2f}): {'; '.join(c.evidence)}"
+            for c in candidates
+            if c.pattern != "unknown-desync"
+        )
     fixes = list(pattern.fixes) if pattern else []
     verify = f"moedoctor verify --fix {fixes[0]} --run {run.path}" if fixes else None
     suggestion = _suggestion(pattern, finding, primary, culprit_ranks) if pattern else None
     return Report(
-        source=str(run.path), source_kind=run.kind, verdict=verdict,
+        source=str(run.path),
+        source_kind=run.kind,
+        verdict=verdict,
         summary=_summary(view, verdict, pattern, primary, culprit_ranks, cycle, died, finding, candidates),
-        pattern=pattern.id if pattern else None, pattern_title=pattern.title if pattern else None,
-        culprit_ranks=culprit_ranks, culprit_reasoning=reasoning, divergence=primary, wait_for=edges, cycle=cycle,
-        evidence=evidence, candidates=candidates, fixes=fixes, verify_command=verify, suggestion=suggestion,
+        pattern=pattern.id if pattern else None,
+        pattern_title=pattern.title if pattern else None,
+        culprit_ranks=culprit_ranks,
+        culprit_reasoning=reasoning,
+        divergence=primary,
+        wait_for=edges,
+        cycle=cycle,
+        evidence=evidence,
+        candidates=candidates,
+        fixes=fixes,
+        verify_command=verify,
+        suggestion=suggestion,
         fix_config=finding.fix_config if finding is not None and fixes else None,
-        groups=divs, ranks=_rank_summaries(view), alignment=_alignment(view, primary, culprit_ranks)[0],
-        alignment_ranks=_alignment(view, primary, culprit_ranks)[1], incomplete=incomplete,
-        world_size=run.world_size, traced_ranks=view.ranks, collectives=_collective_count(run),
+        groups=divs,
+        ranks=_rank_summaries(view),
+        alignment=_alignment(view, primary, culprit_ranks)[0],
+        alignment_ranks=_alignment(view, primary, culprit_ranks)[1],
+        incomplete=incomplete,
+        world_size=run.world_size,
+        traced_ranks=view.ranks,
+        collectives=_collective_count(run),
         completion=completion_stats(run.traces).to_dict(windowed=run.windowed),
     )
 
 
 # ---- what happened ------------------------------------------------------------------------------
+
 
 def _hang(view: RunView, edges: list[WaitEdge]) -> bool:
     if view.hang_declared:
@@ -116,19 +148,26 @@ def _hang(view: RunView, edges: list[WaitEdge]) -> bool:
         return False
     if edges:
         return True
-    return any(view.last_event[r] is not None and view.last_event[r].completed is None and view.completion_tracked(r)
-               for r in view.ranks)
+    return any(
+        view.last_event[r] is not None and view.last_event[r].completed is None and view.completion_tracked(r)
+        for r in view.ranks
+    )
 
 
-def _primary(view: RunView, divs: list[Divergence], edges: list[WaitEdge], cycle: list[WaitEdge] | None,
-             hang: bool) -> Divergence | None:
+def _primary(
+    view: RunView, divs: list[Divergence], edges: list[WaitEdge], cycle: list[WaitEdge] | None, hang: bool
+) -> Divergence | None:
     if cycle:
         groups = [e.group for e in cycle]
         found = [d for d in divs if d.group.name in groups]
         if found:
             return min(found, key=lambda d: (groups.index(d.group.name), d.earliest))
-    mismatches = [d for d in divs if d.kind in (DivergenceKind.MISMATCH, DivergenceKind.CONTRACT)
-                  or (d.kind == DivergenceKind.P2P and not d.missing)]
+    mismatches = [
+        d
+        for d in divs
+        if d.kind in (DivergenceKind.MISMATCH, DivergenceKind.CONTRACT)
+        or (d.kind == DivergenceKind.P2P and not d.missing)
+    ]
     if mismatches:
         return min(mismatches, key=lambda d: (d.earliest, d.group.name))
     missing = [d for d in divs if d.missing]
@@ -148,8 +187,12 @@ STRUCTURAL_PATTERNS = frozenset({"shape-mismatch", "collective-order-inversion",
 
 def _choose(ctx: Context, died: list[int]) -> tuple[Pattern | None, Finding | None, list[Candidate]]:
     div = ctx.div
-    if div is not None and div.kind == DivergenceKind.MISSING and ctx.culprits.ranks and all(
-            ctx.view.died(r) for r in ctx.culprits.ranks):
+    if (
+        div is not None
+        and div.kind == DivergenceKind.MISSING
+        and ctx.culprits.ranks
+        and all(ctx.view.died(r) for r in ctx.culprits.ranks)
+    ):
         # The ranks the others wait for died: a crash, not a desync pattern, unless a pattern's own
         # evidence says why they stopped issuing collectives before they died.
         explained = [(p, f) for p, f in classify_all(ctx) if f.explains_crash and f.score >= THRESHOLD]
@@ -217,8 +260,10 @@ def _death_evidence(view: RunView, died: list[int]) -> list[str]:
         code = view.exit_code(r)
         sig = _signal_name(code)
         if sig == "SIGABRT":
-            out.append(f"rank {r} died of SIGABRT (exit {code}): Gloo aborts a rank when the sizes of a collective "
-                       "differ across ranks")
+            out.append(
+                f"rank {r} died of SIGABRT (exit {code}): Gloo aborts a rank when the sizes of a collective "
+                "differ across ranks"
+            )
         elif sig in ("SIGTERM", "SIGKILL"):
             out.append(f"rank {r} was killed with {sig} (exit {code}), as the launcher does once another rank failed")
         elif sig:
@@ -236,9 +281,12 @@ def _shared_gpus(view: RunView) -> list[str]:
         device = next((e.device for e in trace.events if e.device and e.device != "cpu"), None)
         if device is not None:
             by_gpu.setdefault((trace.header.host, device), []).append(trace.rank)
-    return [f"{names(ranks)} on host {host} issued their collectives on the same GPU, {device}: each rank needs "
-            "its own (torch.cuda.set_device(local_rank) before init_process_group)"
-            for (host, device), ranks in sorted(by_gpu.items()) if len(ranks) > 1]
+    return [
+        f"{names(ranks)} on host {host} issued their collectives on the same GPU, {device}: each rank needs "
+        "its own (torch.cuda.set_device(local_rank) before init_process_group)"
+        for (host, device), ranks in sorted(by_gpu.items())
+        if len(ranks) > 1
+    ]
 
 
 def _collective_count(run: RunData) -> int:
@@ -247,12 +295,23 @@ def _collective_count(run: RunData) -> int:
 
 # ---- how to say it ------------------------------------------------------------------------------
 
-def _summary(view: RunView, verdict: Verdict, pattern: Pattern | None, div: Divergence | None, culprits: list[int],
-             cycle: list[WaitEdge] | None, died: list[int], finding: Finding | None,
-             candidates: Sequence[Candidate] = ()) -> str:
+
+def _summary(
+    view: RunView,
+    verdict: Verdict,
+    pattern: Pattern | None,
+    div: Divergence | None,
+    culprits: list[int],
+    cycle: list[WaitEdge] | None,
+    died: list[int],
+    finding: Finding | None,
+    candidates: Sequence[Candidate] = (),
+) -> str:
     if verdict == Verdict.HEALTHY:
-        return (f"Healthy: {_collective_count(view.run)} collectives on {len(view.groups)} group(s) agree across "
-                f"{len(view.ranks)} rank(s) and nothing is stuck.")
+        return (
+            f"Healthy: {_collective_count(view.run)} collectives on {len(view.groups)} group(s) agree across "
+            f"{len(view.ranks)} rank(s) and nothing is stuck."
+        )
     prefix = ""
     if died:
         first = _first_deaths(view, died)
@@ -274,30 +333,34 @@ def _summary(view: RunView, verdict: Verdict, pattern: Pattern | None, div: Dive
     if div.kind == DivergenceKind.STALLED:
         v = next(iter(div.per_rank.values()))
         if pattern is not None and pattern.id == "not-a-desync":
-            return (f"{prefix}{title}every rank of group {div.group.label()} is inside the same {v.op} #{div.seq} "
-                    f"({v.short_site}) with matching shapes and none completed it: suspect the hardware or "
-                    "network, not the code.")
+            return (
+                f"{prefix}{title}every rank of group {div.group.label()} is inside the same {v.op} #{div.seq} "
+                f"({v.short_site}) with matching shapes and none completed it: suspect the hardware or "
+                "network, not the code."
+            )
         if pattern is None:
             found = next((Finding(c.score, c.evidence) for c in candidates if c.pattern == "not-a-desync"), None)
             why = not_established(found) or "no pattern's evidence was sufficient"
-            return (f"{prefix}Stuck, cause not established: every rank of group {div.group.label()} issued the same "
-                    f"{v.op} #{div.seq} ({v.short_site}) last and none was seen completing it, but {why}; neither "
-                    "a hardware or network fault nor a desync can be named from this run (see Evidence).")
+            return (
+                f"{prefix}Stuck, cause not established: every rank of group {div.group.label()} issued the same "
+                f"{v.op} #{div.seq} ({v.short_site}) last and none was seen completing it, but {why}; neither "
+                "a hardware or network fault nor a desync can be named from this run (see Evidence)."
+            )
     if div.kind == DivergenceKind.CONTRACT:
         v = next(x for x in div.per_rank.values() if x is not None)
         more = f" (and {len(div.breaches) - 1} more pair(s))" if len(div.breaches) > 1 else ""
         blame = f"; culprit {names(culprits)}" if culprits else "; culprit undetermined"
-        return (f"{prefix}{title}every rank issued {v.op} {where} ({v.short_site}), but {div.breaches[0]}{more}"
-                f"{blame}.")
+        return f"{prefix}{title}every rank issued {v.op} {where} ({v.short_site}), but {div.breaches[0]}{more}{blame}."
     if pattern is not None and pattern.id == "straggler":
         r = culprits[0] if culprits else div.missing[0]
         frame = view.stack_frame(r)
-        stuck = (f" is stuck in {frame}" if frame
-                 else " never arrives (no stack shows where it is)")
+        stuck = f" is stuck in {frame}" if frame else " never arrives (no stack shows where it is)"
         waiting = [x for x, v in div.per_rank.items() if v is not None]
         v = div.per_rank[waiting[0]]
-        return (f"{prefix}{title}rank {r}{stuck}, outside any collective, while {names(waiting)} "
-                f"{'waits' if len(waiting) == 1 else 'wait'} in {v.op} {where}.")
+        return (
+            f"{prefix}{title}rank {r}{stuck}, outside any collective, while {names(waiting)} "
+            f"{'waits' if len(waiting) == 1 else 'wait'} in {v.op} {where}."
+        )
     parts: list[str] = []
     same_op = len({v.op for v in div.per_rank.values() if v is not None}) == 1
     for cls in div.classes[:3]:
@@ -316,16 +379,20 @@ def _stopped_summary(view: RunView, div: Divergence | None, stopped: list[int]) 
     for r in stopped:
         state = view.process(r)
         by_state.setdefault(state.frozen if state is not None else None, []).append(r)
-    text = "; ".join(f"{names(ranks)}'s process{'' if len(ranks) == 1 else 'es'} "
-                     f"{'is' if len(ranks) == 1 else 'are'} {FROZEN_STATES[frozen] if frozen else 'not running'}"
-                     for frozen, ranks in by_state.items())
+    text = "; ".join(
+        f"{names(ranks)}'s process{'' if len(ranks) == 1 else 'es'} "
+        f"{'is' if len(ranks) == 1 else 'are'} {FROZEN_STATES[frozen] if frozen else 'not running'}"
+        for frozen, ranks in by_state.items()
+    )
     if div is not None:
         waiting = sorted(r for r, v in div.per_rank.items() if v is not None and r not in stopped)
         if waiting:
             v = div.per_rank[waiting[0]]
             site = f" ({v.short_site})" if v.short_site else ""
-            text += (f", while {names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {v.op} #{div.seq} of "
-                     f"group {div.group.label()}{site}")
+            text += (
+                f", while {names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {v.op} #{div.seq} of "
+                f"group {div.group.label()}{site}"
+            )
     return text + ". Not a code desync: no change to the collectives applies."
 
 
@@ -350,15 +417,26 @@ def _rank_summaries(view: RunView) -> list[RankSummary]:
         last = view.last_event.get(r)
         frame = view.stack_frame(r)
         dump = view.stack(r)
-        stack = (f"{frame}" if frame
-                 else (f"unavailable: {dump.error.split('. ')[0]}" if dump is not None and dump.error else None))
+        stack = (
+            f"{frame}"
+            if frame
+            else (f"unavailable: {dump.error.split('. ')[0]}" if dump is not None and dump.error else None)
+        )
         m = view.run.manifest
         exit_ = m.exits.get(r) if m is not None else None
-        out.append(RankSummary(
-            rank=r, last=OpView.of(last) if last else None, group=last.group.name if last else None,
-            waiting=last is not None and last.completed is None, stack=stack, in_collective=view.in_distributed(r),
-            exit_code=exit_.exit_code if exit_ else None, exit_source=exit_.source if exit_ else None,
-            process_state=None if dump is None or dump.process is None else dump.process.summary))
+        out.append(
+            RankSummary(
+                rank=r,
+                last=OpView.of(last) if last else None,
+                group=last.group.name if last else None,
+                waiting=last is not None and last.completed is None,
+                stack=stack,
+                in_collective=view.in_distributed(r),
+                exit_code=exit_.exit_code if exit_ else None,
+                exit_source=exit_.source if exit_ else None,
+                process_state=None if dump is None or dump.process is None else dump.process.summary,
+            )
+        )
     return out
 
 
@@ -389,8 +467,11 @@ def _alignment(view: RunView, div: Divergence | None, culprits: list[int]) -> tu
         events = {r: maps.get(r, {}).get(seq) for r in maps}
         if not any(events.values()):
             continue
-        sigs = {r: (e.signature(), e.reduce_op) if e is not None else None for r, e in events.items()
-                if e is not None or (div.kind != DivergenceKind.P2P and view.never_reached(r, group, seq))}
+        sigs = {
+            r: (e.signature(), e.reduce_op) if e is not None else None
+            for r, e in events.items()
+            if e is not None or (div.kind != DivergenceKind.P2P and view.never_reached(r, group, seq))
+        }
         counts: dict = {}
         for s in sigs.values():
             key = None if s is None else s[0]
@@ -400,8 +481,11 @@ def _alignment(view: RunView, div: Divergence | None, culprits: list[int]) -> tu
             diverging = frozenset(columns)
         else:
             tied = list(counts.values()).count(counts[majority]) > 1 if counts else False
-            diverging = frozenset(r for r, s in sigs.items() if r in columns and len(counts) > 1
-                                  and ((s[0] if s else None) != majority or tied))
+            diverging = frozenset(
+                r
+                for r, s in sigs.items()
+                if r in columns and len(counts) > 1 and ((s[0] if s else None) != majority or tied)
+            )
         rows.append(AlignedRow(seq, {r: OpView.of(events[r]) if events.get(r) else None for r in columns}, diverging))
     return rows, columns
 

@@ -52,10 +52,10 @@ class RankStack:
     """What one rank's main thread shows."""
 
     rank: int
-    collective: str | None   # the innermost torch.distributed function it waits in (None: outside any)
-    api: str | None          # the outermost distributed_c10d function of that chain (what the job called)
+    collective: str | None  # the innermost torch.distributed function it waits in (None: outside any)
+    api: str | None  # the outermost distributed_c10d function of that chain (what the job called)
     user_frame: Frame | None
-    key: tuple[str, ...]     # the normalized stack, for grouping
+    key: tuple[str, ...]  # the normalized stack, for grouping
 
     @property
     def waits_in(self) -> str | None:
@@ -102,9 +102,15 @@ def classify_stacks(stacks: dict[int, StackDump]) -> list[StackClass]:
     return sorted(classes, key=lambda c: (-len(c.ranks), c.ranks[0]))
 
 
-def report_from_stacks(stacks: dict[int, StackDump], *, source: str, world_size: int | None = None,
-                       gpus: list[GpuSnapshot] | None = None, states: dict[int, str] | None = None,
-                       incomplete: list[str] | None = None) -> Report:
+def report_from_stacks(
+    stacks: dict[int, StackDump],
+    *,
+    source: str,
+    world_size: int | None = None,
+    gpus: list[GpuSnapshot] | None = None,
+    states: dict[int, str] | None = None,
+    incomplete: list[str] | None = None,
+) -> Report:
     """The verdict the stacks allow, as a ``Report`` the usual renderers print.
 
     ``states`` maps a rank to its process state letter (``/proc/PID/stat``); ``world_size`` the
@@ -118,12 +124,13 @@ def report_from_stacks(stacks: dict[int, StackDump], *, source: str, world_size:
             incomplete.append(f"rank {rank}: no stack ({dump.error or 'py-spy showed no main thread'})")
     if world_size and len(read) < world_size:
         absent = sorted(set(range(world_size)) - set(read))
-        incomplete.append(f"no stack of {names(absent)} (of world size {world_size}): on another node, or "
-                          "unreadable; run moedoctor triage on each node")
+        incomplete.append(
+            f"no stack of {names(absent)} (of world size {world_size}): on another node, or "
+            "unreadable; run moedoctor triage on each node"
+        )
     letters = _frozen(stacks, states)
     frozen = {r: FROZEN_STATES[letter] for r, letter in letters.items()}
-    evidence = [c.describe() + (f" [{len(c.ranks)} of {len(read)} ranks]" if len(classes) > 1 else "")
-                for c in classes]
+    evidence = [c.describe() + (f" [{len(c.ranks)} of {len(read)} ranks]" if len(classes) > 1 else "") for c in classes]
     evidence.extend(f"rank {r}'s process is {why}" for r, why in frozen.items())
     evidence.extend(_gpu_lines(gpus or []))
 
@@ -133,37 +140,67 @@ def report_from_stacks(stacks: dict[int, StackDump], *, source: str, world_size:
     culprits: list[int] = []
     reasoning = "the stacks do not single out a rank"
     suggestion = None
-    found = None if not classes and not frozen else patterns.from_stacks(
-        patterns.StackContext(stacks, inside, outside, frozen, letters))
+    found = (
+        None
+        if not classes and not frozen
+        else patterns.from_stacks(patterns.StackContext(stacks, inside, outside, frozen, letters))
+    )
     if found is not None:
         pattern, finding = found
         verdict = Verdict.DESYNC if pattern.desync else Verdict.STUCK
-        summary, culprits, reasoning, suggestion = (finding.summary, finding.culprits, finding.reasoning,
-                                                    finding.suggestion)
+        summary, culprits, reasoning, suggestion = (
+            finding.summary,
+            finding.culprits,
+            finding.reasoning,
+            finding.suggestion,
+        )
     elif not classes:
         verdict = Verdict.STUCK
         summary = "No rank's stack could be read: nothing to conclude (see Incomplete data)."
     elif not inside:
         verdict = Verdict.HEALTHY
-        summary = (f"No rank waits in a collective: {names(read)} {'is' if len(read) == 1 else 'are'} in the job's "
-                   "own code, so this is not a collective hang (if the job makes no progress, the stacks show "
-                   "where it is stuck).")
+        summary = (
+            f"No rank waits in a collective: {names(read)} {'is' if len(read) == 1 else 'are'} in the job's "
+            "own code, so this is not a collective hang (if the job makes no progress, the stacks show "
+            "where it is stuck)."
+        )
         reasoning = "no rank waits in a collective"
     else:
         verdict = Verdict.STUCK
         s = inside[0].stack
         whom = names(read) if len(read) > 1 else f"the only rank seen ({names(read)})"
-        summary = (f"Stuck in one collective: {whom} {'waits' if len(read) == 1 else 'wait'} in {s.waits_in} from "
-                   f"{s.where()}. Not a code desync between these ranks: suspect the hardware or network, or a "
-                   "peer elsewhere" + (" (another node)" if world_size and len(read) < world_size else "")
-                   + " (the stacks alone do not show shapes or completion: run the job under moedoctor run to tell).")
+        summary = (
+            f"Stuck in one collective: {whom} {'waits' if len(read) == 1 else 'wait'} in {s.waits_in} from "
+            f"{s.where()}. Not a code desync between these ranks: suspect the hardware or network, or a "
+            "peer elsewhere"
+            + (" (another node)" if world_size and len(read) < world_size else "")
+            + " (the stacks alone do not show shapes or completion: run the job under moedoctor run to tell)."
+        )
     return Report(
-        source=source, source_kind=SOURCE_KIND, verdict=verdict, summary=summary,
-        pattern=pattern.id if pattern else None, pattern_title=pattern.title if pattern else None,
-        culprit_ranks=culprits, culprit_reasoning=reasoning, divergence=None, wait_for=[], cycle=None,
-        evidence=evidence, candidates=[], fixes=[], verify_command=None, suggestion=suggestion, groups=[],
-        ranks=_summaries(stacks), alignment=[], alignment_ranks=[], incomplete=incomplete,
-        world_size=world_size, traced_ranks=[], collectives=0,
+        source=source,
+        source_kind=SOURCE_KIND,
+        verdict=verdict,
+        summary=summary,
+        pattern=pattern.id if pattern else None,
+        pattern_title=pattern.title if pattern else None,
+        culprit_ranks=culprits,
+        culprit_reasoning=reasoning,
+        divergence=None,
+        wait_for=[],
+        cycle=None,
+        evidence=evidence,
+        candidates=[],
+        fixes=[],
+        verify_command=None,
+        suggestion=suggestion,
+        groups=[],
+        ranks=_summaries(stacks),
+        alignment=[],
+        alignment_ranks=[],
+        incomplete=incomplete,
+        world_size=world_size,
+        traced_ranks=[],
+        collectives=0,
     )
 
 
@@ -183,6 +220,7 @@ def _frozen(stacks: dict[int, StackDump], states: dict[int, str]) -> dict[int, s
 
 
 # ---- reading a stack ----------------------------------------------------------------------------
+
 
 def _is_distributed(frame: Frame) -> bool:
     return any(m in frame.file for m in _DISTRIBUTED_MARKERS)
@@ -232,9 +270,20 @@ def _summaries(stacks: dict[int, StackDump]) -> list[RankSummary]:
             out.append(RankSummary(rank, None, None, False, stack, None, None, None, state))
             continue
         where = s.where() if s.user_frame else str(dump.main_thread[0])
-        out.append(RankSummary(rank, None, None, s.collective is not None,
-                               f"{s.waits_in} <- {where}" if s.collective else where,
-                               s.collective is not None, None, None, state))
+        out.append(
+            RankSummary(
+                rank,
+                None,
+                None,
+                s.collective is not None,
+                f"{s.waits_in} <- {where}" if s.collective else where,
+                s.collective is not None,
+                None,
+                None,
+                state,
+            )
+        )
     return out
+
 
 __all__ = ["RankStack", "StackClass", "classify_stacks", "read_rank_stack", "report_from_stacks", "SOURCE_KIND"]

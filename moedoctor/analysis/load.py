@@ -22,11 +22,24 @@ from moedoctor.analysis.completion import fuse_flight_recorder
 from moedoctor.analysis.model import Verdict
 from moedoctor.errors import EXIT_USAGE, MoedoctorError, reading
 from moedoctor.run_records import (
-    HangRecord, RankExit, StackDump, hang_of, load_manifest, read_stack_dump, supervisor_alive,
+    HangRecord,
+    RankExit,
+    StackDump,
+    hang_of,
+    load_manifest,
+    read_stack_dump,
+    supervisor_alive,
 )
 from moedoctor.trace.format import STOPPED, read_statuses, recorder_markers, stopped_line
 from moedoctor.trace.reader import (
-    MAX_HEADER_BYTES, MAX_RECORD_BYTES, RankTrace, TraceError, TraceFile, bounded_int, fold, trace_paths,
+    MAX_HEADER_BYTES,
+    MAX_RECORD_BYTES,
+    RankTrace,
+    TraceError,
+    TraceFile,
+    bounded_int,
+    fold,
+    trace_paths,
 )
 from moedoctor.trace.schema import MAX_STRING, MAX_WORLD_SIZE
 from moedoctor.wording import rank_ranges
@@ -45,10 +58,10 @@ class SourceKind:
 class GpuDevice:
     index: int
     name: str | None
-    utilization: int | None          # percent, GPU
+    utilization: int | None  # percent, GPU
     memory_used: int | None
     memory_total: int | None
-    ecc_uncorrected: int | None      # volatile uncorrected ECC errors
+    ecc_uncorrected: int | None  # volatile uncorrected ECC errors
     retired_pending: bool | None
     remapped_failure: bool | None
     processes: int
@@ -66,6 +79,7 @@ class GpuSnapshot:
 
 #: Arguments of the recorded launch command kept (bounded analysis).
 MAX_COMMAND_ARGS = 4096
+
 
 @dataclass
 class ManifestInfo:
@@ -121,8 +135,9 @@ def load_run(path: Path | str, *, stream_above: int = STREAM_THRESHOLD, workers:
     if not path.exists():
         raise MoedoctorError(f"{path}: no such file or directory", EXIT_USAGE)
     if path.is_file():
-        return _finish(RunData(path=path, kind=SourceKind.TRACES, traces=[]), [path], stream_above, workers,
-                       note_other_ranks=True)
+        return _finish(
+            RunData(path=path, kind=SourceKind.TRACES, traces=[]), [path], stream_above, workers, note_other_ranks=True
+        )
     if not path.is_dir():
         raise MoedoctorError(f"{path}: not a file or directory", EXIT_USAGE)
     if (path / "manifest.json").exists() or (path / "traces").is_dir():
@@ -134,11 +149,15 @@ def load_run(path: Path | str, *, stream_above: int = STREAM_THRESHOLD, workers:
         if not paths:
             loaded = recorder_markers(path / "control")
             run.incomplete.append(
-                "no trace files in traces/: " + (
+                "no trace files in traces/: "
+                + (
                     f"the recorder was loaded in rank(s) {rank_ranges(loaded, 20)}, but no rank created its default "
-                    "process group (init_process_group / init_device_mesh never returned)" if loaded else
-                    "the recorder was not loaded in any rank, or no rank started (is moedoctor's bootstrap on the "
-                    "job's Python path?)"))
+                    "process group (init_process_group / init_device_mesh never returned)"
+                    if loaded
+                    else "the recorder was not loaded in any rank, or no rank started (is moedoctor's bootstrap on the "
+                    "job's Python path?)"
+                )
+            )
         run = _finish(run, paths, stream_above, workers)
         fuse_flight_recorder(run)  # completion the recorder could not observe, from the hang's dumps
         return run
@@ -148,8 +167,9 @@ def load_run(path: Path | str, *, stream_above: int = STREAM_THRESHOLD, workers:
     return _load_flight_recorder(path)
 
 
-def _finish(run: RunData, paths: list[Path], stream_above: int, workers: int | None,
-            note_other_ranks: bool = False) -> RunData:
+def _finish(
+    run: RunData, paths: list[Path], stream_above: int, workers: int | None, note_other_ranks: bool = False
+) -> RunData:
     total = sum(_size(p) for p in paths)
     if total > stream_above:
         from moedoctor.analysis.scan import load_windowed
@@ -166,8 +186,9 @@ def _finish(run: RunData, paths: list[Path], stream_above: int, workers: int | N
     for t in run.traces:
         if t.capped:
             run.open_ended.add(t.rank)
-            run.incomplete.append(f"rank {t.rank}: the trace stopped at the event cap (--max-events); later "
-                                  "collectives are not recorded")
+            run.incomplete.append(
+                f"rank {t.rank}: the trace stopped at the event cap (--max-events); later collectives are not recorded"
+            )
     for folder in sorted({p.parent for p in paths}):
         for rank, status in read_statuses(folder).items():
             if status["state"] == STOPPED:  # a write of the recorder's failed (disk full): it stopped there
@@ -189,8 +210,10 @@ def _dedupe_and_sort(run: RunData) -> None:
     seen: dict[int, RankTrace] = {}
     for t in run.traces:
         if t.rank in seen:
-            run.incomplete.append(f"{t.path.name}: rank {t.rank} already read from {seen[t.rank].path.name}; "
-                                  "left out (traces of two runs in one folder?)")
+            run.incomplete.append(
+                f"{t.path.name}: rank {t.rank} already read from {seen[t.rank].path.name}; "
+                "left out (traces of two runs in one folder?)"
+            )
             continue
         seen[t.rank] = t
     run.traces = [seen[r] for r in sorted(seen)]
@@ -206,8 +229,10 @@ def _note_world(run: RunData, note_other_ranks: bool) -> None:
     if run.world_size:
         absent = absent_ranks(run)
         if absent and (run.traces or run.kind != SourceKind.RUN_DIR or note_other_ranks):
-            run.incomplete.append(f"no trace of rank{'s' if len(absent) > 1 else ''} {rank_ranges(absent, 20)}"
-                                  f" (of world size {run.world_size})")
+            run.incomplete.append(
+                f"no trace of rank{'s' if len(absent) > 1 else ''} {rank_ranges(absent, 20)}"
+                f" (of world size {run.world_size})"
+            )
 
 
 def absent_ranks(run: RunData) -> list[int]:
@@ -225,23 +250,30 @@ def evidence_problem(run: RunData) -> str | None:
     context = f" ({_clip(first_problem, 200)})" if first_problem else ""
     if not run.traces:
         m = run.manifest
-        if (m is not None and m.status in ("finished", "interrupted") and run.kind == SourceKind.RUN_DIR
-                and not recorder_markers(run.path / "control")):
+        if (
+            m is not None
+            and m.status in ("finished", "interrupted")
+            and run.kind == SourceKind.RUN_DIR
+            and not recorder_markers(run.path / "control")
+        ):
             codes = [c for c in m.launcher_exits if c not in (None, 0)]
             how = f"the launcher exited with status {codes[0]}" if codes else "the launcher ended"
-            return (f"the job never started: no rank wrote a trace and moedoctor's recorder loaded in no rank "
-                    f"({how}; see its log, job.log)")
+            return (
+                f"the job never started: no rank wrote a trace and moedoctor's recorder loaded in no rank "
+                f"({how}; see its log, job.log)"
+            )
         return f"{run.path}: no readable moedoctor trace, so no verdict{context}"
     if not run.world_size:
         return f"{run.path}: the world size is unknown, so a healthy verdict has no evidence{context}"
     absent = absent_ranks(run)
     if absent:
-        return (f"{run.path}: no readable trace of rank{'s' if len(absent) > 1 else ''} {rank_ranges(absent, 20)} "
-                f"(world size {run.world_size}): healthy cannot be told{context}")
+        return (
+            f"{run.path}: no readable trace of rank{'s' if len(absent) > 1 else ''} {rank_ranges(absent, 20)} "
+            f"(world size {run.world_size}): healthy cannot be told{context}"
+        )
     if run.recording_stopped:
         first = run.recording_stopped[min(run.recording_stopped)]
-        return (f"{run.path}: {_clip(first, 300)}: the trace ends before the rank did, so healthy cannot "
-                "be told")
+        return f"{run.path}: {_clip(first, 300)}: the trace ends before the rank did, so healthy cannot be told"
     return None
 
 
@@ -262,6 +294,7 @@ def _clip(text: str, limit: int) -> str:
 
 
 # ---- traces -------------------------------------------------------------------------------------
+
 
 def read_rank_trace(path: Path, incomplete: list[str]) -> RankTrace | None:
     """One rank's trace, tolerant of any damage: every record that does not parse or does not
@@ -323,8 +356,7 @@ class TraceFolder:
         except Exception as e:  # noqa: BLE001 - any damage in one record costs that record only
             self.bad += 1
             if self.bad <= self.MAX_NOTED:
-                self.trace.problems.append(f"{self.tf.path.name}: corrupt record at byte {offset} "
-                                           f"({type(e).__name__})")
+                self.trace.problems.append(f"{self.tf.path.name}: corrupt record at byte {offset} ({type(e).__name__})")
             return True
         if item is not None:
             fold(self.trace, self.index, item)
@@ -367,6 +399,7 @@ def last_sequences(traces: list[RankTrace]) -> tuple[dict[int, dict[str, int]], 
 
 # ---- manifest, stacks, GPU ----------------------------------------------------------------------
 
+
 def _read_manifest(path: Path, incomplete: list[str]) -> ManifestInfo | None:
     if not path.exists():
         incomplete.append("no manifest.json: rank exit statuses and the hang record are unknown")
@@ -376,12 +409,18 @@ def _read_manifest(path: Path, incomplete: list[str]) -> ManifestInfo | None:
         if not isinstance(raw, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested past the parser's limit
-        incomplete.append(f"manifest.json unreadable ({type(e).__name__}: {str(e)[:200]}): rank exit statuses and "
-                          "the hang record are unknown")
+        incomplete.append(
+            f"manifest.json unreadable ({type(e).__name__}: {str(e)[:200]}): rank exit statuses and "
+            "the hang record are unknown"
+        )
         return None
     world = raw.get("world_size")
-    info = ManifestInfo(status=raw.get("status") if isinstance(raw.get("status"), str) else None, hang=None,
-                        exits={}, world_size=world if _int(world) and 0 < world <= MAX_WORLD_SIZE else None)
+    info = ManifestInfo(
+        status=raw.get("status") if isinstance(raw.get("status"), str) else None,
+        hang=None,
+        exits={},
+        world_size=world if _int(world) and 0 < world <= MAX_WORLD_SIZE else None,
+    )
     if _int(world) and world > MAX_WORLD_SIZE:
         incomplete.append(f"manifest.json: world size {bounded_int(world)} is beyond {MAX_WORLD_SIZE}: ignored")
     command = raw.get("command")
@@ -389,11 +428,16 @@ def _read_manifest(path: Path, incomplete: list[str]) -> ManifestInfo | None:
         info.command = command[:MAX_COMMAND_ARGS]
     nodes = raw.get("nodes")
     if isinstance(nodes, dict):
-        info.launcher_exits = [n.get("launcher_exit") if _int(n.get("launcher_exit")) else None
-                               for n in list(nodes.values())[:1000] if isinstance(n, dict)]
+        info.launcher_exits = [
+            n.get("launcher_exit") if _int(n.get("launcher_exit")) else None
+            for n in list(nodes.values())[:1000]
+            if isinstance(n, dict)
+        ]
     if info.status == "running" and supervisor_alive(path.parent) is False:
-        incomplete.append("manifest.json says 'running' but no moedoctor holds the run directory any more: its "
-                          "supervisor was killed (kill -9?) before it could record how the run ended")
+        incomplete.append(
+            "manifest.json says 'running' but no moedoctor holds the run directory any more: its "
+            "supervisor was killed (kill -9?) before it could record how the run ended"
+        )
     try:
         info.hang = hang_of(raw)
     except Exception as e:  # noqa: BLE001 - a damaged hang record leaves the rest usable
@@ -418,8 +462,10 @@ def _read_manifest(path: Path, incomplete: list[str]) -> ManifestInfo | None:
 def _gap_text(gap: dict) -> str:
     if "problem" in gap:
         return f"rank {gap.get('rank')}: {gap['problem']}"
-    return (f"rank {gap.get('rank')}, group {gap.get('group')}: {gap.get('recorded')} collectives recorded, "
-            f"the backend counted {gap.get('backend')}")
+    return (
+        f"rank {gap.get('rank')}, group {gap.get('group')}: {gap.get('recorded')} collectives recorded, "
+        f"the backend counted {gap.get('backend')}"
+    )
 
 
 def _read_stacks(folder: Path, incomplete: list[str]) -> dict[int, StackDump]:
@@ -461,16 +507,24 @@ def _gpu(raw: dict, host: str) -> GpuSnapshot:
         ecc = d.get("ecc_errors") or {}
         retired = d.get("retired_pages") or {}
         remap = d.get("remapped_rows") or {}
-        devices.append(GpuDevice(
-            index=int(d.get("index", len(devices))), name=d.get("name"), utilization=util.get("gpu"),
-            memory_used=mem.get("used"), memory_total=mem.get("total"),
-            ecc_uncorrected=ecc.get("volatile_uncorrected"), retired_pending=retired.get("pending"),
-            remapped_failure=bool(remap.get("failure")) if remap else None,
-            processes=len(d.get("processes") or ())))
+        devices.append(
+            GpuDevice(
+                index=int(d.get("index", len(devices))),
+                name=d.get("name"),
+                utilization=util.get("gpu"),
+                memory_used=mem.get("used"),
+                memory_total=mem.get("total"),
+                ecc_uncorrected=ecc.get("volatile_uncorrected"),
+                retired_pending=retired.get("pending"),
+                remapped_failure=bool(remap.get("failure")) if remap else None,
+                processes=len(d.get("processes") or ()),
+            )
+        )
     return GpuSnapshot(str(raw.get("host", host)), True, None, tuple(devices))
 
 
 # ---- Flight Recorder ----------------------------------------------------------------------------
+
 
 def _load_flight_recorder(path: Path) -> RunData:
     try:
@@ -481,7 +535,9 @@ def _load_flight_recorder(path: Path) -> RunData:
         if _looks_like_flight_recorder(path):
             raise MoedoctorError(
                 f"{path} looks like Flight Recorder dumps, which this moedoctor cannot read yet "
-                "(moedoctor.trace.flight_recorder is not installed)", EXIT_USAGE)
+                "(moedoctor.trace.flight_recorder is not installed)",
+                EXIT_USAGE,
+            )
         raise MoedoctorError(_nothing_here(path), EXIT_USAGE)
     if not flight_recorder.is_flight_recorder_dir(path):
         raise MoedoctorError(_nothing_here(path), EXIT_USAGE)
@@ -490,13 +546,16 @@ def _load_flight_recorder(path: Path) -> RunData:
     except MoedoctorError:
         raise
     except Exception as e:  # noqa: BLE001 - a reader failure is bad input, not a crash
-        raise MoedoctorError(f"{path}: Flight Recorder dumps could not be read ({type(e).__name__}: {e})",
-                             EXIT_USAGE) from None
+        raise MoedoctorError(
+            f"{path}: Flight Recorder dumps could not be read ({type(e).__name__}: {e})", EXIT_USAGE
+        ) from None
     if fr.traces and not any(t.events for t in fr.traces):
         raise MoedoctorError(
             f"{path}: the Flight Recorder dumps hold no entries: Flight Recorder was off "
             "(TORCH_FR_BUFFER_SIZE=0), or the wrong buffer was dumped (NCCL jobs keep theirs in "
-            "_dump_nccl_trace, not _dump_fr_trace). Nothing to analyze.", EXIT_USAGE)
+            "_dump_nccl_trace, not _dump_fr_trace). Nothing to analyze.",
+            EXIT_USAGE,
+        )
     run = RunData(path=path, kind=SourceKind.FLIGHT_RECORDER, traces=list(fr.traces))
     run.incomplete.extend(fr.incomplete)
     _dedupe_and_sort(run)
@@ -506,8 +565,10 @@ def _load_flight_recorder(path: Path) -> RunData:
 
 
 def _nothing_here(path: Path) -> str:
-    return (f"{path}: nothing to analyze: not a moedoctor run directory (manifest.json, traces/), no "
-            "moedoctor traces (rank-*.jsonl) and no Flight Recorder dumps")
+    return (
+        f"{path}: nothing to analyze: not a moedoctor run directory (manifest.json, traces/), no "
+        "moedoctor traces (rank-*.jsonl) and no Flight Recorder dumps"
+    )
 
 
 def _looks_like_flight_recorder(path: Path) -> bool:

@@ -31,8 +31,15 @@ def first_divergence(view: RunView, group: str) -> Divergence | None:
         classes = op_classes(present)
         if missing or len(classes) > 1:
             classes = classes + ([missing] if missing else [])
-            return _divergence(view, group, seq, present, missing, classes,
-                               DivergenceKind.MISMATCH if len(op_classes(present)) > 1 else DivergenceKind.MISSING)
+            return _divergence(
+                view,
+                group,
+                seq,
+                present,
+                missing,
+                classes,
+                DivergenceKind.MISMATCH if len(op_classes(present)) > 1 else DivergenceKind.MISSING,
+            )
         found = breaches(present, view.groups[group].ranks)
         if found:
             div = _divergence(view, group, seq, present, (), [], DivergenceKind.CONTRACT)
@@ -87,17 +94,30 @@ def _direction(view: RunView, group: str, peers: dict, src: int, dst: int) -> Di
     pair = (min(src, dst), max(src, dst))
     for send, recv in zip(sends, recvs):
         if _payload(send) != _payload(recv):
-            return _divergence(view, group, send.p2p_seq, {src: send, dst: recv}, (), [(src,), (dst,)],
-                               DivergenceKind.P2P, peers=pair)
+            return _divergence(
+                view, group, send.p2p_seq, {src: send, dst: recv}, (), [(src,), (dst,)], DivergenceKind.P2P, peers=pair
+            )
     if len(sends) == len(recvs):
         return None
     # One side posted more: the other never posted its match, if its whole history is here.
-    extra, there, lagging, posted = ((sends[len(recvs)], src, dst, theirs) if len(sends) > len(recvs)
-                                     else (recvs[len(sends)], dst, src, mine))
-    if lagging in view.traces and lagging not in view.run.open_ended \
-            and len(posted) == view.last_p2p(lagging, group, there):
-        return _divergence(view, group, extra.p2p_seq, {there: extra}, (lagging,), [(there,), (lagging,)],
-                           DivergenceKind.P2P, peers=pair)
+    extra, there, lagging, posted = (
+        (sends[len(recvs)], src, dst, theirs) if len(sends) > len(recvs) else (recvs[len(sends)], dst, src, mine)
+    )
+    if (
+        lagging in view.traces
+        and lagging not in view.run.open_ended
+        and len(posted) == view.last_p2p(lagging, group, there)
+    ):
+        return _divergence(
+            view,
+            group,
+            extra.p2p_seq,
+            {there: extra},
+            (lagging,),
+            [(there,), (lagging,)],
+            DivergenceKind.P2P,
+            peers=pair,
+        )
     return None
 
 
@@ -127,17 +147,29 @@ def op_classes(present: dict[int, CollectiveEvent]) -> list[tuple[int, ...]]:
     return sorted((tuple(c) for c in classes), key=lambda c: (-len(c), c[0]))
 
 
-
-def _divergence(view: RunView, group: str, seq: int, present: dict[int, CollectiveEvent], missing: tuple[int, ...],
-                classes: list[tuple[int, ...]], kind: DivergenceKind,
-                peers: tuple[int, int] | None = None) -> Divergence:
+def _divergence(
+    view: RunView,
+    group: str,
+    seq: int,
+    present: dict[int, CollectiveEvent],
+    missing: tuple[int, ...],
+    classes: list[tuple[int, ...]],
+    kind: DivergenceKind,
+    peers: tuple[int, int] | None = None,
+) -> Divergence:
     per_rank: dict[int, OpView | None] = {r: OpView.of(e) for r, e in sorted(present.items())}
     for r in missing:
         per_rank[r] = None
     per_rank = dict(sorted(per_rank.items()))
-    return Divergence(kind=kind, group=view.groups[group], seq=seq, per_rank=per_rank,
-                      classes=sorted(classes, key=lambda c: (-len(c), c[0])), missing=tuple(sorted(missing)),
-                      peers=peers)
+    return Divergence(
+        kind=kind,
+        group=view.groups[group],
+        seq=seq,
+        per_rank=per_rank,
+        classes=sorted(classes, key=lambda c: (-len(c), c[0])),
+        missing=tuple(sorted(missing)),
+        peers=peers,
+    )
 
 
 def all_divergences(view: RunView) -> list[Divergence]:

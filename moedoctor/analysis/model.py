@@ -18,19 +18,19 @@ SCHEMA_VERSION = 1
 class Verdict(str, Enum):
     """What happened to the job, in one word."""
 
-    HEALTHY = "healthy"   # every group's collectives agree across ranks and nothing is stuck
-    DESYNC = "desync"     # ranks of a group stopped issuing the same collectives
-    STUCK = "stuck"       # the job hangs, but not because of a desync (straggler, hardware)
-    CRASHED = "crashed"   # a rank died (non-zero exit or a signal); the pattern says why, if known
+    HEALTHY = "healthy"  # every group's collectives agree across ranks and nothing is stuck
+    DESYNC = "desync"  # ranks of a group stopped issuing the same collectives
+    STUCK = "stuck"  # the job hangs, but not because of a desync (straggler, hardware)
+    CRASHED = "crashed"  # a rank died (non-zero exit or a signal); the pattern says why, if known
 
 
 class DivergenceKind(str, Enum):
     """How the ranks of a group disagree at one sequence number."""
 
     MISMATCH = "mismatch"  # ranks issued different collectives (op, shapes, dtypes or reduce op)
-    MISSING = "missing"    # some ranks issued it, the others never did (they stopped earlier)
-    STALLED = "stalled"    # every rank is inside this same collective and none completed it
-    P2P = "p2p"            # a send has no matching recv on its peer (or the shapes differ)
+    MISSING = "missing"  # some ranks issued it, the others never did (they stopped earlier)
+    STALLED = "stalled"  # every rank is inside this same collective and none completed it
+    P2P = "p2p"  # a send has no matching recv on its peer (or the shapes differ)
     CONTRACT = "contract"  # same op, but what one rank sends another does not expect (all_to_all splits)
 
 
@@ -44,7 +44,7 @@ class OpView:
     out_shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     reduce_op: str | None
-    call_site: str | None        # "file:line", the file as recorded
+    call_site: str | None  # "file:line", the file as recorded
     function: str | None
     phase: str
     step: int
@@ -53,17 +53,26 @@ class OpView:
     time: float
     peer: int | None = None
     root: int | None = None
-    splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None   # all_to_all_single: (input, output)
+    splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # all_to_all_single: (input, output)
 
     @classmethod
     def of(cls, event: CollectiveEvent) -> OpView:
         site = event.call_site
         return cls(
             seq=event.p2p_seq if event.is_p2p and event.p2p_seq is not None else event.seq,
-            op=event.op, shapes=event.in_shapes, out_shapes=event.out_shapes, dtypes=event.dtypes,
-            reduce_op=event.reduce_op, call_site=None if site is None else site.where,
-            function=None if site is None else site.function, phase=event.phase.value, step=event.step,
-            module=event.module, completed=event.completed is not None, time=event.time, peer=event.peer,
+            op=event.op,
+            shapes=event.in_shapes,
+            out_shapes=event.out_shapes,
+            dtypes=event.dtypes,
+            reduce_op=event.reduce_op,
+            call_site=None if site is None else site.where,
+            function=None if site is None else site.function,
+            phase=event.phase.value,
+            step=event.step,
+            module=event.module,
+            completed=event.completed is not None,
+            time=event.time,
+            peer=event.peer,
             root=event.root,
             splits=None if event.out_splits is None else (event.in_splits or (), event.out_splits),
         )
@@ -116,7 +125,7 @@ class Divergence:
     classes: list[tuple[int, ...]] = field(default_factory=list)
     missing: tuple[int, ...] = ()
     peers: tuple[int, int] | None = None
-    breaches: tuple[str, ...] = ()   # CONTRACT: each pair that disagrees, as a sentence
+    breaches: tuple[str, ...] = ()  # CONTRACT: each pair that disagrees, as a sentence
 
     @property
     def earliest(self) -> float:
@@ -171,7 +180,7 @@ class RankSummary:
     in_collective: bool | None
     exit_code: int | None
     exit_source: str | None
-    process_state: str | None = None   # /proc state at the hang: T, t, D (does not run), R, S...; None: not read
+    process_state: str | None = None  # /proc state at the hang: T, t, D (does not run), R, S...; None: not read
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +189,7 @@ class AlignedRow:
 
     seq: int
     cells: dict[int, OpView | None]
-    diverging: frozenset[int]   # ranks whose cell differs from the majority at this seq
+    diverging: frozenset[int]  # ranks whose cell differs from the majority at this seq
 
 
 @dataclass

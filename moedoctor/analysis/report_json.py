@@ -25,8 +25,13 @@ def report_to_dict(report: Report) -> dict:
     return {
         "schema_version": report.schema_version,
         "moedoctor_version": moedoctor.__version__,
-        "source": {"path": report.source, "kind": report.source_kind, "world_size": report.world_size,
-                   "traced_ranks": report.traced_ranks, "collectives": report.collectives},
+        "source": {
+            "path": report.source,
+            "kind": report.source_kind,
+            "world_size": report.world_size,
+            "traced_ranks": report.traced_ranks,
+            "collectives": report.collectives,
+        },
         "verdict": report.verdict.value,
         "summary": report.summary,
         "pattern": report.pattern,
@@ -39,19 +44,33 @@ def report_to_dict(report: Report) -> dict:
         "verify_command": report.verify_command,
         "fix_note": report.fix_note,
         "fix_config": report.fix_config,
-        "suggestion": None if report.suggestion is None else {
-            "call_site": report.suggestion.call_site, "function": report.suggestion.function,
-            "source_line": report.suggestion.source_line, "text": report.suggestion.text},
-        "candidates": [{"pattern": c.pattern, "score": c.score, "evidence": list(c.evidence)}
-                       for c in report.candidates],
+        "suggestion": None
+        if report.suggestion is None
+        else {
+            "call_site": report.suggestion.call_site,
+            "function": report.suggestion.function,
+            "source_line": report.suggestion.source_line,
+            "text": report.suggestion.text,
+        },
+        "candidates": [
+            {"pattern": c.pattern, "score": c.score, "evidence": list(c.evidence)} for c in report.candidates
+        ],
         "wait_for": [_edge(e) for e in report.wait_for],
         "cycle": None if report.cycle is None else [_edge(e) for e in report.cycle],
         "groups": [divergence_to_dict(d) for d in report.groups],
-        "ranks": {str(r.rank): {
-            "last": op_to_dict(r.last), "group": r.group, "waiting": r.waiting, "stack": r.stack,
-            "in_collective": r.in_collective, "exit_code": r.exit_code, "exit_source": r.exit_source,
-            "process_state": r.process_state,
-        } for r in report.ranks},
+        "ranks": {
+            str(r.rank): {
+                "last": op_to_dict(r.last),
+                "group": r.group,
+                "waiting": r.waiting,
+                "stack": r.stack,
+                "in_collective": r.in_collective,
+                "exit_code": r.exit_code,
+                "exit_source": r.exit_source,
+                "process_state": r.process_state,
+            }
+            for r in report.ranks
+        },
         "incomplete": report.incomplete,
         "completion": report.completion,
     }
@@ -61,11 +80,20 @@ def op_to_dict(op: OpView | None) -> dict | None:
     if op is None:
         return None
     doc = {
-        "seq": op.seq, "op": op.op, "shapes": [list(s) for s in op.shapes[:MAX_SHAPES]],
-        "out_shapes": [list(s) for s in op.out_shapes[:MAX_SHAPES]], "dtypes": list(op.dtypes[:MAX_SHAPES]),
+        "seq": op.seq,
+        "op": op.op,
+        "shapes": [list(s) for s in op.shapes[:MAX_SHAPES]],
+        "out_shapes": [list(s) for s in op.out_shapes[:MAX_SHAPES]],
+        "dtypes": list(op.dtypes[:MAX_SHAPES]),
         "reduce_op": op.reduce_op,
-        "call_site": op.call_site, "function": op.function, "phase": op.phase, "step": op.step, "module": op.module,
-        "peer": op.peer, "completed": op.completed, "time": op.time,
+        "call_site": op.call_site,
+        "function": op.function,
+        "phase": op.phase,
+        "step": op.step,
+        "module": op.module,
+        "peer": op.peer,
+        "completed": op.completed,
+        "time": op.time,
     }
     if max(len(op.shapes), len(op.out_shapes), len(op.dtypes)) > MAX_SHAPES:
         doc["shapes_total"] = [len(op.shapes), len(op.out_shapes)]

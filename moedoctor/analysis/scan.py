@@ -52,10 +52,9 @@ SLACK = 64 << 10
 # One pass over the file: every record starts with {"k":"; collective records (keys in the order of
 # moedoctor.trace.schema.COLLECTIVE, which both recorders follow) give their group, p2p sequence
 # number and signature; group and call-site definitions are captured whole.
-_RECORDS = re.compile(b"(?:" + schema.line_pattern("dt", ("g", "pseq", "op", "in", "dt"))
-                      + rb')|\{"k":"([gs]",[^\n]*)')
+_RECORDS = re.compile(b"(?:" + schema.line_pattern("dt", ("g", "pseq", "op", "in", "dt")) + rb')|\{"k":"([gs]",[^\n]*)')
 _P2P = re.compile(schema.line_pattern("peer", ("g", "pseq", "peer"), strings=("th", "mod")))
-_SIGNATURE = itemgetter(2, 3, 4)   # op, input shapes, dtypes: what CollectiveEvent.signature() compares
+_SIGNATURE = itemgetter(2, 3, 4)  # op, input shapes, dtypes: what CollectiveEvent.signature() compares
 
 
 @dataclass
@@ -65,8 +64,8 @@ class GroupScan:
     count: int
     first: int
     last: int
-    hashes: list[bytes]                                  # one per CHUNK sequence numbers
-    tail: list[bytes] = field(default_factory=list)     # one per collective, the last TAIL_RECORDS
+    hashes: list[bytes]  # one per CHUNK sequence numbers
+    tail: list[bytes] = field(default_factory=list)  # one per collective, the last TAIL_RECORDS
 
 
 @dataclass
@@ -74,7 +73,7 @@ class RankScan:
     path: str
     rank: int | None = None
     error: str | None = None
-    fallback: str | None = None            # why this rank must be loaded in full
+    fallback: str | None = None  # why this rank must be loaded in full
     definitions: list[bytes] = field(default_factory=list)
     groups: dict[str, GroupScan] = field(default_factory=dict)
     group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -112,7 +111,7 @@ def _scan(buf, scan: RankScan) -> None:
         if line.startswith(b'g"'):
             rec = json.loads(scan.definitions[-1])
             gids[int(rec["id"])] = (str(rec["name"]), tuple(int(r) for r in rec["ranks"]))
-    if b'{"k":"cap"' in buf[max(0, len(buf) - TAIL):]:
+    if b'{"k":"cap"' in buf[max(0, len(buf) - TAIL) :]:
         scan.definitions.append(b'{"k":"cap","t":0,"limit":0}\n')
     if any(map(getpseq, rows)):  # p2p ops: counted per peer here, matched in the loaded windows
         for raw_gid, pseq, peer in _P2P.findall(buf):
@@ -141,8 +140,10 @@ def _scan(buf, scan: RankScan) -> None:
             count += len(part)
             hashes.append(hashlib.blake2b(b"".join(chain.from_iterable(part)), digest_size=16).digest())
             recent.append(part)
-        tail = [hashlib.blake2b(b"".join(sig), digest_size=8).digest()
-                for sig in list(chain.from_iterable(recent))[-TAIL_RECORDS:]]
+        tail = [
+            hashlib.blake2b(b"".join(sig), digest_size=8).digest()
+            for sig in list(chain.from_iterable(recent))[-TAIL_RECORDS:]
+        ]
         first, last = _seq_at(buf, gid, first=True), _seq_at(buf, gid, first=False)
         # Contiguous sequence numbers prove every record of the group matched the layout.
         if first != 1 or last - first + 1 != count:
@@ -160,13 +161,14 @@ def _seq_at(buf, gid: int, first: bool) -> int:
     while pos >= 0:
         start = pos + len(needle)
         end = buf.find(b",", start)
-        if buf[end:end + 5] == b',"s":':
+        if buf[end : end + 5] == b',"s":':
             return int(buf[start:end])
         pos = buf.find(needle, pos + 1) if first else buf.rfind(needle, 0, pos)
     return 0
 
 
 # ---- between the passes -------------------------------------------------------------------------
+
 
 def divergence_windows(scans: list[RankScan]) -> dict[str, tuple[int, int]]:
     """Per group whose members' signature sequences differ: the range of sequence numbers to load.
@@ -212,7 +214,7 @@ def _first_tail_difference(gs: list[GroupScan], start: int) -> int | None:
         seen = set()
         for g in gs:
             if seq > g.count:
-                return seq               # this member never issued it
+                return seq  # this member never issued it
             pos = seq - (g.count - len(g.tail)) - 1
             if pos < 0:
                 return 0
@@ -246,8 +248,9 @@ def _ranges(path: str, scan: RankScan, windows: dict[str, tuple[int, int]]) -> l
             if start < 0 or stop < 0:
                 return [(0, size, None)]
             end = mm.find(b"\n", stop)
-            ranges.append((_line_start(mm, start), min(size, (end + 1 if end >= 0 else size) + SLACK),
-                           frozenset({g.gid})))
+            ranges.append(
+                (_line_start(mm, start), min(size, (end + 1 if end >= 0 else size) + SLACK), frozenset({g.gid}))
+            )
     return _merge(ranges)
 
 
@@ -301,7 +304,7 @@ def _gid(line: bytes) -> int | None:
     pos = line.find(b'"g":')
     end = line.find(b",", pos)
     try:
-        return int(line[pos + 4:end])
+        return int(line[pos + 4 : end])
     except ValueError:
         return None
 
@@ -329,8 +332,10 @@ def load_windowed(run: RunData, paths: list[Path], workers: int | None = None) -
             else:
                 good.append(s)
         windows = divergence_windows(good)
-        jobs = [(s.path, s.definitions, _ranges(s.path, s, {n: w for n, w in windows.items() if n in s.group_ranks}))
-                for s in good]
+        jobs = [
+            (s.path, s.definitions, _ranges(s.path, s, {n: w for n, w in windows.items() if n in s.group_ranks}))
+            for s in good
+        ]
         for trace, notes in pool.map(_load_one, jobs, chunksize=chunksize):
             run.incomplete.extend(notes)
             if trace is not None:
@@ -352,7 +357,8 @@ def load_windowed(run: RunData, paths: list[Path], workers: int | None = None) -
     run.incomplete.append(
         f"streamed {len(scans)} trace files ({total / 2**20:.0f} MiB): every collective's signature was hashed and "
         f"compared; only the windows around divergences and each file's last {TAIL >> 10} KiB were loaded as records "
-        "(evidence outside them is not shown)")
+        "(evidence outside them is not shown)"
+    )
 
 
 def _usable_cpus() -> int:

@@ -30,7 +30,8 @@ _RANK_TEST = re.compile(
     r"\b(get_rank|get_global_rank|get_local_rank|rank|local_rank|global_rank|node_rank|process_index|"
     r"local_process_index|is_main_process|is_local_main_process|is_main|is_master|is_global_zero|"
     r"is_rank_zero|rank_zero|is_first_rank|is_last_rank|is_first_stage|is_last_stage|RANK|LOCAL_RANK|"
-    r"get_coordinate|coordinate)\b")
+    r"get_coordinate|coordinate)\b"
+)
 #: Statements that leave the block's loop or function.
 _EXITS = (ast.Return, ast.Continue, ast.Break, ast.Raise)
 _RANK_DECORATOR = re.compile(r"\b(rank_zero_only|main_process_only|on_main_process|on_rank_0|rank0_only)\b")
@@ -41,10 +42,10 @@ class Enclosing:
     """A statement that encloses a call: ``if`` / ``elif`` (with its test), ``for`` / ``while``,
     ``with``, ``def`` (with its decorators)."""
 
-    kind: str          # "if", "for", "while", "with", "def", "try"
+    kind: str  # "if", "for", "while", "with", "def", "try"
     file: str
     line: int
-    text: str          # the test, the loop header, the decorators; one line, at most 160 characters
+    text: str  # the test, the loop header, the decorators; one line, at most 160 characters
 
     @property
     def short(self) -> str:
@@ -150,14 +151,19 @@ def _assigned(path: str, name: str, before: int) -> list[str]:
         return []
     scope: ast.AST = tree
     for node in ast.walk(tree):
-        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                and node.lineno <= before <= (node.end_lineno or 0)
-                and node.lineno >= getattr(scope, "lineno", 0)):
+        if (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.lineno <= before <= (node.end_lineno or 0)
+            and node.lineno >= getattr(scope, "lineno", 0)
+        ):
             scope = node
     found = []
     for node in ast.walk(scope):
-        if (isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.lineno < before
-                and node.value is not None):
+        if (
+            isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+            and node.lineno < before
+            and node.value is not None
+        ):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if any(isinstance(t, ast.Name) and t.id == name for t in targets):
                 found.append(_segment(node.value))
@@ -213,7 +219,7 @@ def rank_guard(stack: tuple[str, ...]) -> Enclosing | None:
             return early
         caller = fs[i + 1] if i + 1 < len(fs) else None
         if caller is None or frame.function not in (line_text(caller.file, caller.line) or ""):
-            registered = _registered_under_guard(frame, {f.function for f in fs[i + 1:]})
+            registered = _registered_under_guard(frame, {f.function for f in fs[i + 1 :]})
             if registered is not None:
                 return registered
     return None
@@ -224,8 +230,15 @@ def _function_at(path: str, line: int) -> list[ast.FunctionDef | ast.AsyncFuncti
     tree = _tree(path)
     if tree is None:
         return []
-    return sorted((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                   and n.lineno <= line <= (n.end_lineno or 0)), key=lambda n: n.lineno)
+    return sorted(
+        (
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and n.lineno <= line <= (n.end_lineno or 0)
+        ),
+        key=lambda n: n.lineno,
+    )
 
 
 def defined_classes(path: str) -> set[str] | None:
@@ -242,8 +255,11 @@ def _early_exit(frame: Frame) -> Enclosing | None:
     if not defs:
         return None
     for node in ast.walk(defs[-1]):
-        if (isinstance(node, ast.If) and (node.end_lineno or 0) < frame.line
-                and all(isinstance(b, _EXITS) for b in node.body)):
+        if (
+            isinstance(node, ast.If)
+            and (node.end_lineno or 0) < frame.line
+            and all(isinstance(b, _EXITS) for b in node.body)
+        ):
             test = Enclosing("if", frame.file, node.lineno, _segment(node.test))
             if _reads_rank(test):
                 return Enclosing("if", frame.file, node.lineno, test.text + " (early exit)")
@@ -262,12 +278,16 @@ def _left_loop(frame: Frame) -> Enclosing | None:
             continue
         inner_loops = [n for n in ast.walk(loop) if isinstance(n, (ast.For, ast.While)) and n is not loop]
         for node in ast.walk(loop):
-            if (isinstance(node, ast.If) and any(isinstance(b, ast.Break) for b in node.body)
-                    and not any(n.lineno <= node.lineno <= (n.end_lineno or 0) for n in inner_loops)):
+            if (
+                isinstance(node, ast.If)
+                and any(isinstance(b, ast.Break) for b in node.body)
+                and not any(n.lineno <= node.lineno <= (n.end_lineno or 0) for n in inner_loops)
+            ):
                 test = Enclosing("if", frame.file, node.lineno, _segment(node.test))
                 if _reads_rank(test):
-                    return Enclosing("if", frame.file, node.lineno, f"{test.text} (leaves the loop of line "
-                                                                     f"{loop.lineno})")
+                    return Enclosing(
+                        "if", frame.file, node.lineno, f"{test.text} (leaves the loop of line {loop.lineno})"
+                    )
     return None
 
 
@@ -398,8 +418,14 @@ def collection_decision(stack: tuple[str, ...]) -> Branch | None:
         tree = _tree(frame.file)
         if not defs or tree is None:
             continue
-        loops = sorted((n for n in ast.walk(defs[-1]) if isinstance(n, (ast.For, ast.AsyncFor))
-                        and n.lineno <= frame.line <= (n.end_lineno or n.lineno)), key=lambda n: -n.lineno)
+        loops = sorted(
+            (
+                n
+                for n in ast.walk(defs[-1])
+                if isinstance(n, (ast.For, ast.AsyncFor)) and n.lineno <= frame.line <= (n.end_lineno or n.lineno)
+            ),
+            key=lambda n: -n.lineno,
+        )
         for loop in loops:
             collection = _collection(loop.iter)
             if collection is None:
@@ -415,11 +441,19 @@ def _collection(node: ast.expr) -> str | None:
     """``self.shadow`` for ``self.shadow.items()`` / ``sorted(self.shadow)`` / ``list(x.keys())``, ``out``
     for a local name; None for anything else (a call's result, a module's attribute)."""
     while True:
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.args \
-                and node.func.attr in ("items", "keys", "values"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and not node.args
+            and node.func.attr in ("items", "keys", "values")
+        ):
             node = node.func.value
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args \
-                and node.func.id in ("sorted", "list", "tuple", "enumerate", "reversed"):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.args
+            and node.func.id in ("sorted", "list", "tuple", "enumerate", "reversed")
+        ):
             node = node.args[0]
         else:
             break
@@ -439,8 +473,12 @@ def _fills(stmt: ast.AST, collection: str) -> bool:
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
         return any(isinstance(t, ast.Subscript) and _segment(t.value) == collection for t in targets)
     for node in ast.walk(stmt):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _FILLERS
-                and _segment(node.func.value) == collection):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _FILLERS
+            and _segment(node.func.value) == collection
+        ):
             return True
     return False
 
@@ -475,8 +513,11 @@ def _loop_end(function: ast.AST, node: ast.If) -> int | None:
     ``break`` (a rank past that line left the loop: the other side of the branch)."""
     if not node.body or not isinstance(node.body[-1], (ast.Continue, ast.Break)):
         return None
-    loops = [n for n in ast.walk(function) if isinstance(n, (ast.For, ast.While, ast.AsyncFor))
-             and n.lineno < node.lineno <= (n.end_lineno or 0)]
+    loops = [
+        n
+        for n in ast.walk(function)
+        if isinstance(n, (ast.For, ast.While, ast.AsyncFor)) and n.lineno < node.lineno <= (n.end_lineno or 0)
+    ]
     return max(loops, key=lambda n: n.lineno).end_lineno if loops else None
 
 
@@ -519,16 +560,24 @@ def checks_finiteness(branch: Branch) -> bool:
         test = ast.parse(branch.test, mode="eval").body
     except SyntaxError:
         return False
-    if any(_FINITENESS.search(rhs) for name in _operand_names(test) for rhs in _assigned(branch.file, name,
-                                                                                          branch.line)):
+    if any(
+        _FINITENESS.search(rhs) for name in _operand_names(test) for rhs in _assigned(branch.file, name, branch.line)
+    ):
         return True
-    called = {n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id for n in ast.walk(test)
-              if isinstance(n, ast.Call) and isinstance(n.func, (ast.Attribute, ast.Name))}
+    called = {
+        n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id
+        for n in ast.walk(test)
+        if isinstance(n, ast.Call) and isinstance(n.func, (ast.Attribute, ast.Name))
+    }
     tree = _tree(branch.file)
     if tree is None or not called:
         return False
-    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in called
-               and _FINITENESS.search(ast.unparse(n)) for n in ast.walk(tree))
+    return any(
+        isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and n.name in called
+        and _FINITENESS.search(ast.unparse(n))
+        for n in ast.walk(tree)
+    )
 
 
 def assigns_attribute(path: str, owner: str, attribute: str) -> int | None:
@@ -539,19 +588,33 @@ def assigns_attribute(path: str, owner: str, attribute: str) -> int | None:
     tree = _tree(path)
     if tree is None:
         return None
-    guarded = {id(n) for branch in ast.walk(tree) if isinstance(branch, ast.If)
-               for part in (branch.body, branch.orelse) for stmt in part for n in ast.walk(stmt)}
+    guarded = {
+        id(n)
+        for branch in ast.walk(tree)
+        if isinstance(branch, ast.If)
+        for part in (branch.body, branch.orelse)
+        for stmt in part
+        for n in ast.walk(stmt)
+    }
     for node in ast.walk(tree):
         if id(node) in guarded:
             continue
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
-                if (isinstance(t, ast.Attribute) and t.attr == attribute
-                        and _segment(t.value).rsplit(".", 1)[-1] == owner):
+                if (
+                    isinstance(t, ast.Attribute)
+                    and t.attr == attribute
+                    and _segment(t.value).rsplit(".", 1)[-1] == owner
+                ):
                     return node.lineno
-        elif (isinstance(node, ast.Call) and _segment(node.func) == "setattr" and len(node.args) >= 2
-              and isinstance(node.args[1], ast.Constant) and node.args[1].value == attribute
-              and _segment(node.args[0]).rsplit(".", 1)[-1] == owner):
+        elif (
+            isinstance(node, ast.Call)
+            and _segment(node.func) == "setattr"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value == attribute
+            and _segment(node.args[0]).rsplit(".", 1)[-1] == owner
+        ):
             return node.lineno
     return None

@@ -51,11 +51,11 @@ class LoopExit:
     divergence ``looping`` ranks issue the site again while ``left`` ranks already issued something
     else (they ran out of items first)."""
 
-    site: str             # ``file:line`` (``CallSite.where``)
+    site: str  # ``file:line`` (``CallSite.where``)
     short: str
     looping: tuple[int, ...]
     left: tuple[int, ...]
-    counts: dict          # rank -> collectives from the site in the current run, the divergence's included
+    counts: dict  # rank -> collectives from the site in the current run, the divergence's included
 
 
 def _key(e: CollectiveEvent | None) -> tuple | None:
@@ -90,14 +90,14 @@ def _exit(window: dict, key: tuple, seq: int) -> LoopExit | None:
         if last is None:
             return None
         n = 0
-        for e in reversed(evs[:last + 1]):
+        for e in reversed(evs[: last + 1]):
             if _key(e) != key or e.step != evs[last].step:
                 break  # a run within one step: a collective issued once per step is the step loop's
             n += 1
         counts[r] = n
         if last == len(evs) - 1 and evs[-1].seq == seq:
             inside.append(r)
-        elif all(e.call_site is not None and e.call_site.where != key[1] for e in evs[last + 1:]):
+        elif all(e.call_site is not None and e.call_site.where != key[1] for e in evs[last + 1 :]):
             left.append(r)  # went on to collectives of other call sites
         else:
             return None
@@ -126,7 +126,7 @@ class Omission:
 
     rank: int
     step: int
-    missing: tuple[CollectiveEvent, ...]   # from the reference (previous step's) sequence
+    missing: tuple[CollectiveEvent, ...]  # from the reference (previous step's) sequence
 
 
 def _shape_token(e: CollectiveEvent) -> tuple:
@@ -145,9 +145,9 @@ def omission(view: RunView, group: str, seq: int, rank: int, others, context: in
     if len(ref) < context + 2 or ref[-1].seq != seq:
         return None
     tokens = [_shape_token(e) for e in ref]
-    wanted, mine = tokens[-context - 1:-1], _shape_token(here)
+    wanted, mine = tokens[-context - 1 : -1], _shape_token(here)
     for j in range(len(tokens) - context - 2, -1, -1):
-        if tokens[j:j + context] != wanted:
+        if tokens[j : j + context] != wanted:
             continue
         after = j + context
         if tokens[after] != tokens[-1]:
@@ -156,6 +156,6 @@ def omission(view: RunView, group: str, seq: int, rank: int, others, context: in
             if after + m >= len(tokens) - 1:
                 return None
             if tokens[after + m] == mine:
-                return Omission(rank, here.step, tuple(ref[after:after + m]))
+                return Omission(rank, here.step, tuple(ref[after : after + m]))
         return None
     return None

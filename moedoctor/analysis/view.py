@@ -28,7 +28,8 @@ class RunView:
         self.conflicts: list[str] = []
         self._by_seq: dict[str, dict[int, dict[int, CollectiveEvent]]] = defaultdict(lambda: defaultdict(dict))
         self._p2p: dict[str, dict[int, dict[int, dict[int, CollectiveEvent]]]] = defaultdict(
-            lambda: defaultdict(lambda: defaultdict(dict)))
+            lambda: defaultdict(lambda: defaultdict(dict))
+        )
         self.last_event: dict[int, CollectiveEvent | None] = {}
         for rank in self.ranks:
             trace = self.traces[rank]
@@ -51,8 +52,10 @@ class RunView:
         if known is None:
             self.groups[name] = GroupRef(name, desc, tuple(ranks))
         elif known.ranks != tuple(ranks) and len(self.conflicts) < 5:
-            self.conflicts.append(f"group {name}: ranks disagree on its members ({list(known.ranks)} and "
-                                  f"{list(ranks)}); the first seen is used")
+            self.conflicts.append(
+                f"group {name}: ranks disagree on its members ({list(known.ranks)} and "
+                f"{list(ranks)}); the first seen is used"
+            )
             self.groups[name] = GroupRef(name, desc, tuple(known.ranks))
 
     # ---- per group ------------------------------------------------------------------------------
@@ -148,8 +151,9 @@ class RunView:
         return bool(self.evidence(rank, "optimizer_step_begin", step))
 
     def nonfinite_loss(self, rank: int, step: int) -> list[Evidence]:
-        return [e for e in self.evidence(rank, "loss", step)
-                if str(e.data.get("value")).lower() in ("inf", "-inf", "nan")]
+        return [
+            e for e in self.evidence(rank, "loss", step) if str(e.data.get("value")).lower() in ("inf", "-inf", "nan")
+        ]
 
     def stack(self, rank: int) -> StackDump | None:
         return self.run.stacks.get(rank)
@@ -182,8 +186,11 @@ class RunView:
     @cached_property
     def frozen_ranks(self) -> dict[int, ProcessState]:
         """Every rank whose process did not run when the hang was diagnosed, with its state."""
-        return {r: d.process for r, d in sorted(self.run.stacks.items())
-                if d.process is not None and d.process.frozen and not self.died(r)}
+        return {
+            r: d.process
+            for r, d in sorted(self.run.stacks.items())
+            if d.process is not None and d.process.frozen and not self.died(r)
+        }
 
     def exit_code(self, rank: int) -> int | None:
         m = self.run.manifest
@@ -220,7 +227,8 @@ class RunView:
         if m is not None and m.exits:
             return m.hang is None and all(e.exit_code == 0 for e in m.exits.values())
         return bool(self.traces) and all(
-            any(c.reason in ("destroy", "exit") for c in t.coverage) for t in self.traces.values())
+            any(c.reason in ("destroy", "exit") for c in t.coverage) for t in self.traces.values()
+        )
 
     def completion_tracked(self, rank: int) -> bool:
         """Whether this rank's trace records completions at all (Gloo Flight Recorder dumps do not)."""
@@ -237,9 +245,9 @@ class RunView:
         trace = self.traces.get(rank)
         if e is not None and trace is not None:
             if e.event_id in trace.fr_pending:
-                return True    # Flight Recorder shows it scheduled or started, not completed
+                return True  # Flight Recorder shows it scheduled or started, not completed
             if e.event_id in trace.fr_unknown:
-                return False   # Flight Recorder could not tell
+                return False  # Flight Recorder could not tell
         if e is not None and e.raw_op.startswith("_c10d_functional"):
             return False
         earlier = [x for s, x in self.seq_map(rank, group).items() if s < seq]
@@ -273,4 +281,3 @@ class RunView:
         if source is None and trace is not None and event.event_id in trace.fr_pending:
             return " (Flight Recorder shows it pending)"
         return ""
-

@@ -52,8 +52,12 @@ def wait_edges(view: RunView) -> list[WaitEdge]:
             if view.last_p2p(peer, group, rank) < n or _behind(blocked.get(peer), theirs):
                 edges.append(WaitEdge(rank, group, n, e.op, (peer,)))
             continue
-        waits_for = tuple(m for m in view.traced_members(group) if m != rank and (
-            view.never_reached(m, group, e.seq) or _behind(blocked.get(m), view.event(m, group, e.seq))))
+        waits_for = tuple(
+            m
+            for m in view.traced_members(group)
+            if m != rank
+            and (view.never_reached(m, group, e.seq) or _behind(blocked.get(m), view.event(m, group, e.seq)))
+        )
         if waits_for:
             edges.append(WaitEdge(rank, group, e.seq, e.op, waits_for))
     return edges
@@ -63,8 +67,12 @@ def _behind(stuck_at: CollectiveEvent | None, target: CollectiveEvent | None) ->
     """The rank issued ``target`` but is stuck at an earlier collective of another group. (Within
     one group the matching by sequence number already tells; and completions of the last few
     collectives of a group may simply not have been observed before a rank died.)"""
-    return (stuck_at is not None and target is not None and stuck_at.group.name != target.group.name
-            and stuck_at.event_id < target.event_id)
+    return (
+        stuck_at is not None
+        and target is not None
+        and stuck_at.group.name != target.group.name
+        and stuck_at.event_id < target.event_id
+    )
 
 
 def find_cycle(edges: list[WaitEdge]) -> list[WaitEdge] | None:

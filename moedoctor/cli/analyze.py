@@ -20,23 +20,42 @@ from moedoctor.render.terminal import render_report
 
 app = typer.Typer()
 
-EPILOG = ("Exit status: 0 healthy (a readable trace of every rank); 1 a desync, a stuck job or a crashed rank "
-          "was found; 2 the input could not be analyzed or cannot back a verdict; 3 an internal error. "
-          "Example: moedoctor analyze moedoctor-runs/20250101-120000 --html report.html")
+EPILOG = (
+    "Exit status: 0 healthy (a readable trace of every rank); 1 a desync, a stuck job or a crashed rank "
+    "was found; 2 the input could not be analyzed or cannot back a verdict; 3 an internal error. "
+    "Example: moedoctor analyze moedoctor-runs/20250101-120000 --html report.html"
+)
 
 
 @app.command(epilog=EPILOG)
 def analyze(
-    path: Annotated[Path, typer.Argument(
-        help="A run directory (moedoctor run), a folder of moedoctor traces (rank-*.jsonl), or a folder of "
-             "PyTorch Flight Recorder dumps.", show_default=False)],
-    json_out: Annotated[bool, typer.Option(
-        "--json", metavar="", help="Print the report as JSON (docs/report-format.md).")] = False,
-    perfetto: Annotated[Optional[Path], typer.Option(
-        "--perfetto", metavar="FILE", help="Write a Perfetto / Chrome trace: one track per rank, the divergence "
-        "marked (open at ui.perfetto.dev).", show_default=False)] = None,
-    html: Annotated[Optional[Path], typer.Option(
-        "--html", metavar="FILE", help="Write the report as a self-contained HTML page.", show_default=False)] = None,
+    path: Annotated[
+        Path,
+        typer.Argument(
+            help="A run directory (moedoctor run), a folder of moedoctor traces (rank-*.jsonl), or a folder of "
+            "PyTorch Flight Recorder dumps.",
+            show_default=False,
+        ),
+    ],
+    json_out: Annotated[
+        bool, typer.Option("--json", metavar="", help="Print the report as JSON (docs/report-format.md).")
+    ] = False,
+    perfetto: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--perfetto",
+            metavar="FILE",
+            help="Write a Perfetto / Chrome trace: one track per rank, the divergence "
+            "marked (open at ui.perfetto.dev).",
+            show_default=False,
+        ),
+    ] = None,
+    html: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--html", metavar="FILE", help="Write the report as a self-contained HTML page.", show_default=False
+        ),
+    ] = None,
 ) -> None:
     """Find where the ranks diverged, name the deadlock pattern, the culprit ranks and the call site,
     and print the fix with the command that verifies it."""

@@ -15,21 +15,43 @@ from rich.console import Console
 from moedoctor.runner.launch import DEFAULT_STARTUP_TIMEOUT
 from moedoctor.runner.recorder_choice import RecorderChoice, choose_recorder
 
-StartupTimeout = Annotated[float, typer.Option(
-    "--startup-timeout", min=0.1, metavar="SECONDS",
-    help="Before any rank has initialized its process group (imports, rendezvous), allow this long "
-    "(or --hang-timeout, if longer) before declaring a hang.")]
-Force = Annotated[bool, typer.Option(
-    "--force", metavar="", help="Reuse a non-empty --run-dir, replacing the run recorded there.")]
-FixConfigFile = Annotated[Optional[Path], typer.Option(
-    "--config", metavar="FILE", help="YAML telling the fixes where your code is (its classes and functions); "
-    "see docs/fixes.md.", show_default=False)]
-RECORDER_HELP = ("The recorder the ranks use: native (a C++ kernel at the dispatcher, about 3-5 us per collective; "
-                 "built once per environment, which needs a C++ compiler and ninja), python (no build, tens of us "
-                 "per collective), or auto: native where it builds, else python.")
+StartupTimeout = Annotated[
+    float,
+    typer.Option(
+        "--startup-timeout",
+        min=0.1,
+        metavar="SECONDS",
+        help="Before any rank has initialized its process group (imports, rendezvous), allow this long "
+        "(or --hang-timeout, if longer) before declaring a hang.",
+    ),
+]
+Force = Annotated[
+    bool, typer.Option("--force", metavar="", help="Reuse a non-empty --run-dir, replacing the run recorded there.")
+]
+FixConfigFile = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--config",
+        metavar="FILE",
+        help="YAML telling the fixes where your code is (its classes and functions); see docs/fixes.md.",
+        show_default=False,
+    ),
+]
+RECORDER_HELP = (
+    "The recorder the ranks use: native (a C++ kernel at the dispatcher, about 3-5 us per collective; "
+    "built once per environment, which needs a C++ compiler and ninja), python (no build, tens of us "
+    "per collective), or auto: native where it builds, else python."
+)
 
-__all__ = ["DEFAULT_STARTUP_TIMEOUT", "FixConfigFile", "Force", "RECORDER_HELP", "StartupTimeout", "pick_recorder",
-           "supervised"]
+__all__ = [
+    "DEFAULT_STARTUP_TIMEOUT",
+    "FixConfigFile",
+    "Force",
+    "RECORDER_HELP",
+    "StartupTimeout",
+    "pick_recorder",
+    "supervised",
+]
 
 
 def pick_recorder(wanted: str, console: Console) -> RecorderChoice:

@@ -17,8 +17,9 @@ app = typer.Typer()
 
 @app.command()
 def fixes(
-    verbose: Annotated[bool, typer.Option(
-        "--verbose", "-v", metavar="", help="Also the mechanism, cost, risk and check.")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", metavar="", help="Also the mechanism, cost, risk and check.")
+    ] = False,
 ) -> None:
     """List the fix modules `moedoctor verify --fix NAME` can inject, the deadlock patterns each
     fixes, and the classes and functions it patches (more can be named with --config)."""
@@ -38,14 +39,22 @@ def fixes(
     if verbose:
         for fix in FIXES.values():
             console.print(f"\n[bold]{fix.name}[/]", highlight=False)
-            for label, text in (("mechanism", fix.mechanism), ("cost", fix.cost), ("risk", fix.risk),
-                                ("checked by", fix.check), ("--config", fix.config_help)):
+            for label, text in (
+                ("mechanism", fix.mechanism),
+                ("cost", fix.cost),
+                ("risk", fix.risk),
+                ("checked by", fix.check),
+                ("--config", fix.config_help),
+            ):
                 if text:
                     console.print(f"  {label}: {escape(text)}", highlight=False, soft_wrap=True)
     if not verbose:
         console.print("(-v lists every target class)", highlight=False)
-    console.print("Use: moedoctor verify --fix NAME --run RUN_DIR   (docs/fixes.md explains each fix)",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        "Use: moedoctor verify --fix NAME --run RUN_DIR   (docs/fixes.md explains each fix)",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def _plain(verbose: bool) -> None:
@@ -57,8 +66,13 @@ def _plain(verbose: bool) -> None:
         if fix.by_structure:
             typer.echo(f"  also, found by moedoctor analyze: {fix.by_structure}")
         if verbose:
-            for label, text in (("mechanism", fix.mechanism), ("cost", fix.cost), ("risk", fix.risk),
-                                ("checked by", fix.check), ("--config", fix.config_help)):
+            for label, text in (
+                ("mechanism", fix.mechanism),
+                ("cost", fix.cost),
+                ("risk", fix.risk),
+                ("checked by", fix.check),
+                ("--config", fix.config_help),
+            ):
                 if text:
                     typer.echo(f"  {label}: {text}")
     typer.echo("Use: moedoctor verify --fix NAME --run RUN_DIR   (docs/fixes.md explains each fix)")

@@ -37,19 +37,28 @@ def report_after_hang(run_dir: Path, console: Console) -> None:
         return
     stopped = "stopping the job" if hang.stopped else "job left running (--keep-alive)"
     if hang.trigger == "no-trace":
-        console.print(f"\n[bold red]No trace after {hang.idle_seconds:.1f}s[/] (hang timeout {hang.hang_timeout:g}s): "
-                      f"{escape(hang.finding or '?')}. Diagnosed from the stacks; the job is left running until the "
-                      "startup timeout, since loading and rendezvous can legitimately take that long.",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"\n[bold red]No trace after {hang.idle_seconds:.1f}s[/] (hang timeout {hang.hang_timeout:g}s): "
+            f"{escape(hang.finding or '?')}. Diagnosed from the stacks; the job is left running until the "
+            "startup timeout, since loading and rendezvous can legitimately take that long.",
+            highlight=False,
+            soft_wrap=True,
+        )
     elif hang.trigger == "desync":
         latency = hang.detection_latency_s
         after = f", {latency:.1f} s after it was issued" if latency is not None else ""
-        console.print(f"\n[bold red]Desync detected while the job ran[/]: {escape(hang.finding or '?')}{after}; "
-                      f"{stopped}.", highlight=False, soft_wrap=True)
+        console.print(
+            f"\n[bold red]Desync detected while the job ran[/]: {escape(hang.finding or '?')}{after}; {stopped}.",
+            highlight=False,
+            soft_wrap=True,
+        )
     else:
-        console.print(f"\n[bold red]Hang[/]: no rank made progress for {hang.idle_seconds:.1f}s "
-                      f"(hang timeout {hang.hang_timeout:g}s) on {escape(hang.host)}; {stopped}.",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"\n[bold red]Hang[/]: no rank made progress for {hang.idle_seconds:.1f}s "
+            f"(hang timeout {hang.hang_timeout:g}s) on {escape(hang.host)}; {stopped}.",
+            highlight=False,
+            soft_wrap=True,
+        )
     for lag in hang.lags[:5]:
         console.print(f"[yellow]Lag[/]: {escape(lag)}", highlight=False, soft_wrap=True)
     written = analysis_report(layout, console)
@@ -60,8 +69,11 @@ def report_after_hang(run_dir: Path, console: Console) -> None:
     if written is not None:
         files.insert(0, str(written))
     console.print("Written: " + "  ".join(escape(f) for f in files), highlight=False, soft_wrap=True)
-    console.print(f"Next: [bold]moedoctor analyze {escape(str(layout.path))}[/] (add --html FILE or --perfetto FILE)",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"Next: [bold]moedoctor analyze {escape(str(layout.path))}[/] (add --html FILE or --perfetto FILE)",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def analysis_report(layout: RunDir, console: Console, quiet_if_healthy: bool = False) -> Path | None:
@@ -76,16 +88,22 @@ def analysis_report(layout: RunDir, console: Console, quiet_if_healthy: bool = F
         try:
             path = write_json(report, layout.report)
         except OSError as e:  # disk full: the report is still shown
-            console.print(f"[yellow]moedoctor: {escape(cannot_write(layout.report, e, 'the report is shown only'))}[/]",
-                          highlight=False, soft_wrap=True)
+            console.print(
+                f"[yellow]moedoctor: {escape(cannot_write(layout.report, e, 'the report is shown only'))}[/]",
+                highlight=False,
+                soft_wrap=True,
+            )
             path = None
     except MoedoctorError as e:
         console.print(f"[yellow]moedoctor: no analysis:[/] {escape(e.message)}", highlight=False, soft_wrap=True)
         return None
     except Exception as e:  # noqa: BLE001 - the run's own result must still be reported
-        console.print(f"[yellow]moedoctor: the analysis failed ({escape(type(e).__name__)}: {escape(str(e))}); "
-                      f"the run is recorded, try: moedoctor analyze {escape(str(layout.path))}[/]",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"[yellow]moedoctor: the analysis failed ({escape(type(e).__name__)}: {escape(str(e))}); "
+            f"the run is recorded, try: moedoctor analyze {escape(str(layout.path))}[/]",
+            highlight=False,
+            soft_wrap=True,
+        )
         return None
     if quiet_if_healthy and report.verdict == Verdict.HEALTHY:
         console.print(f"[green]Analysis[/]: {escape(report.summary)}", highlight=False, soft_wrap=True)
@@ -104,13 +122,19 @@ def _hang_table(hang, console: Console) -> None:
             continue
         last = r.last
         site = last.call_site.rsplit("/", 1)[-1] if last.call_site else "?"
-        table.add_row(str(r.rank), f"{last.op} #{last.seq}", escape(last.group),
-                      "done" if last.completed else "waiting", last.phase, str(last.step), escape(site))
+        table.add_row(
+            str(r.rank),
+            f"{last.op} #{last.seq}",
+            escape(last.group),
+            "done" if last.completed else "waiting",
+            last.phase,
+            str(last.step),
+            escape(site),
+        )
     console.print(table)
     for r in hang.ranks:
         if r.stack_error:
-            console.print(f"[yellow]rank {r.rank}:[/] {escape(r.stack_error)}", highlight=False,
-                          soft_wrap=True)
+            console.print(f"[yellow]rank {r.rank}:[/] {escape(r.stack_error)}", highlight=False, soft_wrap=True)
         elif r.waiting_in:
             where = r.waiting_in if r.user_frame in (None, r.waiting_in) else f"{r.waiting_in} <- {r.user_frame}"
             console.print(f"rank {r.rank} main thread waits in {escape(where)}", highlight=False, soft_wrap=True)
@@ -124,22 +148,31 @@ def report_after_run(result: RunResult, console: Console) -> None:
     else:
         console.print(f"moedoctor: the job exited with status {result.exit_code}", soft_wrap=True)
     if result.hang is not None:
-        console.print(f"A hang was diagnosed at {time.strftime('%H:%M:%S', time.localtime(result.hang.detected_at))}"
-                      " and the job left running (--keep-alive); see the manifest's hang record.", soft_wrap=True)
+        console.print(
+            f"A hang was diagnosed at {time.strftime('%H:%M:%S', time.localtime(result.hang.detected_at))}"
+            " and the job left running (--keep-alive); see the manifest's hang record.",
+            soft_wrap=True,
+        )
     stopped = sorted(r for r, status in read_statuses(layout.traces).items() if status["state"] == STOPPED)
     if stopped:  # the traces end before the job did: no verdict from them (docs/guarantees.md)
-        console.print(f"[yellow]moedoctor: the recording stopped on rank{'s' if len(stopped) > 1 else ''} "
-                      f"{','.join(map(str, stopped[:20]))}{' ...' if len(stopped) > 20 else ''} (one of its writes "
-                      "failed, said above): the traces end before the job did, so the run is not analyzed[/]",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"[yellow]moedoctor: the recording stopped on rank{'s' if len(stopped) > 1 else ''} "
+            f"{','.join(map(str, stopped[:20]))}{' ...' if len(stopped) > 20 else ''} (one of its writes "
+            "failed, said above): the traces end before the job did, so the run is not analyzed[/]",
+            highlight=False,
+            soft_wrap=True,
+        )
     elif result.coverage is not None and any(layout.traces.glob("rank-*.jsonl")):  # nothing to cover otherwise
         _print_coverage({"complete": result.coverage.complete, "gaps": result.coverage.gaps}, console)
     if result.job_exit is not None and not stopped:  # ended by itself: explain it (a crash, or confirm healthy)
         written = analysis_report(layout, console, quiet_if_healthy=True)
         if written is not None:
             console.print(f"Report: {escape(str(written))}", highlight=False, soft_wrap=True)
-    console.print(f"Run recorded in {escape(str(layout.path))}; next: "
-                  f"[bold]moedoctor analyze {escape(str(layout.path))}[/]", highlight=False, soft_wrap=True)
+    console.print(
+        f"Run recorded in {escape(str(layout.path))}; next: [bold]moedoctor analyze {escape(str(layout.path))}[/]",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def _print_coverage(coverage: dict, console: Console) -> None:

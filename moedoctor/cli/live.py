@@ -23,11 +23,22 @@ LOG_EVERY = 10.0
 
 
 def status_table(status: RunStatus) -> Table:
-    table = Table(title=f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.1f}s of "
-                        f"{status.limit:.0f}s", title_justify="left", expand=False)
-    for name, justify in (("rank", "right"), ("pid", "right"), ("group", "left"), ("seq", "right"),
-                          ("op", "left"), ("state", "left"), ("phase", "left"), ("step", "right"),
-                          ("idle s", "right")):
+    table = Table(
+        title=f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.1f}s of {status.limit:.0f}s",
+        title_justify="left",
+        expand=False,
+    )
+    for name, justify in (
+        ("rank", "right"),
+        ("pid", "right"),
+        ("group", "left"),
+        ("seq", "right"),
+        ("op", "left"),
+        ("state", "left"),
+        ("phase", "left"),
+        ("step", "right"),
+        ("idle s", "right"),
+    ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for r in status.ranks:
         if r.unrecorded:
@@ -38,8 +49,17 @@ def status_table(status: RunStatus) -> Table:
             table.add_row(str(r.rank), str(r.pid or ""), "", "", "", state, "", "", _idle(r))
             continue
         e = r.last
-        table.add_row(str(r.rank), str(r.pid), escape(e.group.desc or e.group.name), str(e.seq), e.op,
-                      "done" if r.last_completed else "waiting", e.phase.value, str(e.step), _idle(r))
+        table.add_row(
+            str(r.rank),
+            str(r.pid),
+            escape(e.group.desc or e.group.name),
+            str(e.seq),
+            e.op,
+            "done" if r.last_completed else "waiting",
+            e.phase.value,
+            str(e.step),
+            _idle(r),
+        )
     return table
 
 
@@ -52,13 +72,14 @@ def status_line(status: RunStatus) -> str:
             parts.append(f"rank {r.rank}: {'starting' if r.idle_seconds is None else 'initialized'}")
         else:
             e = r.last
-            parts.append(f"rank {r.rank}: {e.op} #{e.seq} ({e.group.desc or e.group.name}) "
-                         f"{'done' if r.last_completed else 'waiting'}, {e.phase.value}, step {e.step}, "
-                         f"idle {_idle(r)}s")
+            parts.append(
+                f"rank {r.rank}: {e.op} #{e.seq} ({e.group.desc or e.group.name}) "
+                f"{'done' if r.last_completed else 'waiting'}, {e.phase.value}, step {e.step}, "
+                f"idle {_idle(r)}s"
+            )
     ranks = "; ".join(parts) or "no rank started yet"
     if all(r.last is None for r in status.ranks):  # before the first collective: the start-up limit applies
-        return (f"moedoctor: {status.elapsed:.0f}s, no collective yet (start-up limit {status.limit:.0f}s) "
-                f"| {ranks}")
+        return f"moedoctor: {status.elapsed:.0f}s, no collective yet (start-up limit {status.limit:.0f}s) | {ranks}"
     return f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.0f}s of {status.limit:.0f}s | {ranks}"
 
 
@@ -78,18 +99,28 @@ class ConsoleObserver(RunObserver):
         self.last_line = 0.0
         self.muted = False  # once the job is being stopped, its dying words go to job.log only
         self.desync: Desync | None = None
-        self.decoders = {1: codecs.getincrementaldecoder("utf-8")("replace"),
-                         2: codecs.getincrementaldecoder("utf-8")("replace")}
+        self.decoders = {
+            1: codecs.getincrementaldecoder("utf-8")("replace"),
+            2: codecs.getincrementaldecoder("utf-8")("replace"),
+        }
 
     def started(self, run_dir: RunDir, launcher_pid: int, joined: bool) -> None:
         self.run_dir = run_dir
         verb = "joined the run in" if joined else "recording into"
-        self.console.print(f"[bold]moedoctor:[/] {verb} {escape(str(run_dir.path))} (launcher pid {launcher_pid})",
-                           highlight=False, soft_wrap=True)
+        self.console.print(
+            f"[bold]moedoctor:[/] {verb} {escape(str(run_dir.path))} (launcher pid {launcher_pid})",
+            highlight=False,
+            soft_wrap=True,
+        )
         if self.use_live:
             # Redirected, the job's output scrolls above the table instead of tearing it.
-            self.live = Live(console=self.console, refresh_per_second=2, redirect_stdout=True,
-                             redirect_stderr=True, auto_refresh=False)
+            self.live = Live(
+                console=self.console,
+                refresh_per_second=2,
+                redirect_stdout=True,
+                redirect_stderr=True,
+                auto_refresh=False,
+            )
             self.live.start()
         self.last_line = time.monotonic()
 
@@ -114,16 +145,23 @@ class ConsoleObserver(RunObserver):
 
     def hang_detected(self, status: RunStatus) -> None:
         self._stop_live(status)
-        self.console.print(f"[bold red]moedoctor: hang[/]: no rank issued or completed a collective for "
-                           f"{status.idle_seconds:.1f}s; collecting stacks, GPU state and coverage...",
-                           highlight=False, soft_wrap=True)
+        self.console.print(
+            f"[bold red]moedoctor: hang[/]: no rank issued or completed a collective for "
+            f"{status.idle_seconds:.1f}s; collecting stacks, GPU state and coverage...",
+            highlight=False,
+            soft_wrap=True,
+        )
 
     def desync_detected(self, desync: Desync, status: RunStatus) -> None:
         self.desync = desync
         self._stop_live(status)
-        self.console.print(f"[bold red]moedoctor: desync[/]: {escape(desync.line())} "
-                           f"({desync.latency:.1f}s after it was issued); collecting stacks, GPU state and "
-                           "coverage...", highlight=False, soft_wrap=True)
+        self.console.print(
+            f"[bold red]moedoctor: desync[/]: {escape(desync.line())} "
+            f"({desync.latency:.1f}s after it was issued); collecting stacks, GPU state and "
+            "coverage...",
+            highlight=False,
+            soft_wrap=True,
+        )
 
     def lag_detected(self, lag: Lag) -> None:
         self._say(f"[yellow]moedoctor: lag[/]: {escape(lag.line())} (a straggler or a desync; watching on)")
@@ -148,8 +186,12 @@ class ConsoleObserver(RunObserver):
         self._stop_live(None)
         why = "interrupted" if outcome == Outcome.INTERRUPTED else "desync" if self.desync else "hang"
         self.muted = True
-        self.console.print(f"[bold]moedoctor:[/] {why}: stopping the job's processes (SIGTERM, then SIGKILL); "
-                           "their last output goes to job.log", highlight=False, soft_wrap=True)
+        self.console.print(
+            f"[bold]moedoctor:[/] {why}: stopping the job's processes (SIGTERM, then SIGKILL); "
+            "their last output goes to job.log",
+            highlight=False,
+            soft_wrap=True,
+        )
 
     def close(self) -> None:
         self._stop_live(None)

@@ -18,7 +18,7 @@ from moedoctor.errors import EXIT_INTERNAL, MoedoctorError, internal_error_line
 app = typer.Typer(
     name="moedoctor",
     help="A doctor for distributed PyTorch jobs that hang: record every collective, detect the hang, "
-         "collect stacks and GPU state, explain it.",
+    "collect stacks and GPU state, explain it.",
     pretty_exceptions_show_locals=False,
     no_args_is_help=True,
     add_completion=False,
@@ -38,8 +38,15 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", "-V", metavar="", callback=_version, is_eager=True,
-                                 help="Print moedoctor's version and exit."),
+    version: bool = typer.Option(
+        False,
+        "--version",
+        "-V",
+        metavar="",
+        callback=_version,
+        is_eager=True,
+        help="Print moedoctor's version and exit.",
+    ),
 ) -> None:
     """moedoctor: find, explain and fix collective deadlocks in distributed PyTorch jobs."""
 
@@ -53,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:  # noqa: BLE001 - moedoctor's own bug: one line and exit 3, never a traceback
         if os.environ.get("MOEDOCTOR_DEBUG"):
             raise
-        Console(stderr=True).print(f"[bold red]moedoctor:[/] {escape(internal_error_line(e))}", highlight=False,
-                                   soft_wrap=True)
+        Console(stderr=True).print(
+            f"[bold red]moedoctor:[/] {escape(internal_error_line(e))}", highlight=False, soft_wrap=True
+        )
         sys.exit(EXIT_INTERNAL)

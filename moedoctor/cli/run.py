@@ -11,7 +11,13 @@ import typer
 from rich.console import Console
 
 from moedoctor.cli.common import (
-    DEFAULT_STARTUP_TIMEOUT, RECORDER_HELP, FixConfigFile, Force, StartupTimeout, pick_recorder, supervised,
+    DEFAULT_STARTUP_TIMEOUT,
+    RECORDER_HELP,
+    FixConfigFile,
+    Force,
+    StartupTimeout,
+    pick_recorder,
+    supervised,
 )
 from moedoctor.cli.hang_report import report_after_run
 from moedoctor.cli.live import ConsoleObserver
@@ -23,10 +29,12 @@ from moedoctor.runner.command import check_launcher
 
 app = typer.Typer()
 
-EPILOG = ("Example: moedoctor run --hang-timeout 120 -- torchrun --nproc_per_node=8 train.py "
-          "--config big.yaml.  Exit status: the job's own; 124 when a hang or (online) a desync was "
-          "detected and the job stopped; 130 when interrupted; 2 when refused. If moedoctor is killed, the job "
-          "is stopped too (not with --keep-alive).")
+EPILOG = (
+    "Example: moedoctor run --hang-timeout 120 -- torchrun --nproc_per_node=8 train.py "
+    "--config big.yaml.  Exit status: the job's own; 124 when a hang or (online) a desync was "
+    "detected and the job stopped; 130 when interrupted; 2 when refused. If moedoctor is killed, the job "
+    "is stopped too (not with --keep-alive)."
+)
 
 
 @app.command(
@@ -34,44 +42,89 @@ EPILOG = ("Example: moedoctor run --hang-timeout 120 -- torchrun --nproc_per_nod
     epilog=EPILOG,
 )
 def run(
-    command: Annotated[Optional[list[str]], typer.Argument(
-        metavar="-- torchrun [TORCHRUN ARGS] SCRIPT [ARGS]",
-        help="The launcher command: torchrun ... or python -m torch.distributed.run ...",
-        show_default=False)] = None,
-    run_dir: Annotated[Optional[Path], typer.Option(
-        "--run-dir", help="Where to record the run (manifest, traces/, stacks/, gpu/, job.log). Default: a "
-        "new timestamped folder under ./moedoctor-runs/. A folder belongs to one job: its live moedoctor holds "
-        "a lock there, and a second run of the same node is refused; another node of the same job (same "
-        "command up to --node_rank) joins it: that is how every node of a multi-node job shares one run "
-        "directory.",
-        show_default=False)] = None,
+    command: Annotated[
+        Optional[list[str]],
+        typer.Argument(
+            metavar="-- torchrun [TORCHRUN ARGS] SCRIPT [ARGS]",
+            help="The launcher command: torchrun ... or python -m torch.distributed.run ...",
+            show_default=False,
+        ),
+    ] = None,
+    run_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--run-dir",
+            help="Where to record the run (manifest, traces/, stacks/, gpu/, job.log). Default: a "
+            "new timestamped folder under ./moedoctor-runs/. A folder belongs to one job: its live moedoctor holds "
+            "a lock there, and a second run of the same node is refused; another node of the same job (same "
+            "command up to --node_rank) joins it: that is how every node of a multi-node job shares one run "
+            "directory.",
+            show_default=False,
+        ),
+    ] = None,
     force: Force = False,
-    hang_timeout: Annotated[float, typer.Option(
-        "--hang-timeout", min=0.1, metavar="SECONDS",
-        help="Declare a hang when no rank issues or completes a collective for this long while the job "
-        "is alive.")] = 180.0,
+    hang_timeout: Annotated[
+        float,
+        typer.Option(
+            "--hang-timeout",
+            min=0.1,
+            metavar="SECONDS",
+            help="Declare a hang when no rank issues or completes a collective for this long while the job is alive.",
+        ),
+    ] = 180.0,
     startup_timeout: StartupTimeout = DEFAULT_STARTUP_TIMEOUT,
-    keep_alive: Annotated[bool, typer.Option(
-        "--keep-alive", metavar="", help="On a hang, collect the diagnosis but leave the job running.")] = False,
-    online: Annotated[bool, typer.Option(
-        "--online/--no-online", metavar="",
-        help="While the job runs, compare the ranks' collectives per group and sequence number: the first "
-        "mismatch (op, shapes, dtypes), once every rank involved has issued its side, is diagnosed at once "
-        "like a hang (stacks, GPU state, report; the job stopped unless --keep-alive; exit 124), without "
-        "waiting for --hang-timeout. A rank a step behind its waiting group is reported, not acted on.")] = True,
-    no_stacks: Annotated[bool, typer.Option(
-        "--no-stacks", metavar="", help="On a hang, do not dump the ranks' stacks with py-spy (their process states "
-        "are still read from /proc).")] = False,
-    native: Annotated[bool, typer.Option(
-        "--native", metavar="", help="Include native (C/C++) frames in the stacks (py-spy dump --native).")] = False,
+    keep_alive: Annotated[
+        bool,
+        typer.Option("--keep-alive", metavar="", help="On a hang, collect the diagnosis but leave the job running."),
+    ] = False,
+    online: Annotated[
+        bool,
+        typer.Option(
+            "--online/--no-online",
+            metavar="",
+            help="While the job runs, compare the ranks' collectives per group and sequence number: the first "
+            "mismatch (op, shapes, dtypes), once every rank involved has issued its side, is diagnosed at once "
+            "like a hang (stacks, GPU state, report; the job stopped unless --keep-alive; exit 124), without "
+            "waiting for --hang-timeout. A rank a step behind its waiting group is reported, not acted on.",
+        ),
+    ] = True,
+    no_stacks: Annotated[
+        bool,
+        typer.Option(
+            "--no-stacks",
+            metavar="",
+            help="On a hang, do not dump the ranks' stacks with py-spy (their process states "
+            "are still read from /proc).",
+        ),
+    ] = False,
+    native: Annotated[
+        bool,
+        typer.Option(
+            "--native", metavar="", help="Include native (C/C++) frames in the stacks (py-spy dump --native)."
+        ),
+    ] = False,
     recorder: Annotated[str, typer.Option("--recorder", metavar="auto|native|python", help=RECORDER_HELP)] = "auto",
-    max_events: Annotated[Optional[int], typer.Option(
-        "--max-events", min=1, metavar="N",
-        help="Stop recording a rank's collectives after N events (sets MOEDOCTOR_MAX_EVENTS; the "
-        "coverage check then reports the drop).", show_default="2000000")] = None,
-    fix: Annotated[Optional[list[str]], typer.Option(
-        "--fix", metavar="NAME", help="Inject a fix module into every rank (repeatable; `moedoctor fixes` lists "
-        "them). To prove a fix, use moedoctor verify.", show_default=False)] = None,
+    max_events: Annotated[
+        Optional[int],
+        typer.Option(
+            "--max-events",
+            min=1,
+            metavar="N",
+            help="Stop recording a rank's collectives after N events (sets MOEDOCTOR_MAX_EVENTS; the "
+            "coverage check then reports the drop).",
+            show_default="2000000",
+        ),
+    ] = None,
+    fix: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--fix",
+            metavar="NAME",
+            help="Inject a fix module into every rank (repeatable; `moedoctor fixes` lists "
+            "them). To prove a fix, use moedoctor verify.",
+            show_default=False,
+        ),
+    ] = None,
     config: FixConfigFile = None,
 ) -> None:
     """Run a torchrun job, recording every collective of every rank, and diagnose it if it hangs.
@@ -91,18 +144,28 @@ def run(
     console = Console(stderr=True)
     choice = pick_recorder(recorder, console)
     run_config = RunConfig(
-        command=command, run_dir=run_dir.resolve(), env=dict(os.environ), hang_timeout=hang_timeout,
-        startup_timeout=startup_timeout, keep_alive=keep_alive, online=online, stacks=not no_stacks, native=native,
-        max_events=max_events, recorder=choice.kind, joined=joined, fixes=fixes,
+        command=command,
+        run_dir=run_dir.resolve(),
+        env=dict(os.environ),
+        hang_timeout=hang_timeout,
+        startup_timeout=startup_timeout,
+        keep_alive=keep_alive,
+        online=online,
+        stacks=not no_stacks,
+        native=native,
+        max_events=max_events,
+        recorder=choice.kind,
+        joined=joined,
+        fixes=fixes,
         fix_config=write_fix_config(run_dir, fix_config),
     )
     observer = ConsoleObserver(console, live=sys.stdout.isatty() and sys.stderr.isatty())
     with supervised(observer):
         result = run_job(run_config, observer)
     if result.hang is not None and result.hang.stopped:
-        console.print(f"moedoctor: the job was stopped (exit {result.exit_code}); the diagnosis is above.",
-                      highlight=False)
+        console.print(
+            f"moedoctor: the job was stopped (exit {result.exit_code}); the diagnosis is above.", highlight=False
+        )
     else:
         report_after_run(result, console)
     raise typer.Exit(result.exit_code)
-

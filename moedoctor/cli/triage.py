@@ -20,34 +20,60 @@ app = typer.Typer()
 
 DEFAULT_BASE = Path("moedoctor-triage")
 
-EPILOG = ("Exit status: 0 no collective problem seen; 1 a desync or a stuck job was found; 2 PID is no torch job, "
-          "or nothing could be read. It never kills, stops or signals the job; py-spy pauses each rank for the "
-          "milliseconds a stack read takes. Needs ptrace permission (root, or SYS_PTRACE in a container). "
-          "Example: moedoctor triage --pid $(pgrep -f torchrun | head -1)")
+EPILOG = (
+    "Exit status: 0 no collective problem seen; 1 a desync or a stuck job was found; 2 PID is no torch job, "
+    "or nothing could be read. It never kills, stops or signals the job; py-spy pauses each rank for the "
+    "milliseconds a stack read takes. Needs ptrace permission (root, or SYS_PTRACE in a container). "
+    "Example: moedoctor triage --pid $(pgrep -f torchrun | head -1)"
+)
 
 
 @app.command(epilog=EPILOG)
 def triage(
-    pid: Annotated[int, typer.Option("--pid", metavar="PID", help="torchrun (the elastic agent), moedoctor run, or "
-                                     "any rank of the job.", show_default=False)],
-    out: Annotated[Optional[Path], typer.Option("--out", metavar="DIR", help="Where to write what was collected "
-                   "(stacks/, gpu/, flight_recorder/, traces/). Default: moedoctor-triage/<timestamp>.",
-                   show_default=False)] = None,
-    json_out: Annotated[bool, typer.Option(
-        "--json", metavar="", help="Print the report as JSON (docs/report-format.md) with a \"triage\" "
-        "section.")] = False,
-    native: Annotated[bool, typer.Option(
-        "--native", metavar="", help="Include native (C/C++) frames in the stacks.")] = False,
-    no_flight_recorder: Annotated[bool, typer.Option(
-        "--no-flight-recorder", metavar="", help="Do not ask the job for a Flight Recorder dump through its "
-        "debug pipe.")] = False,
+    pid: Annotated[
+        int,
+        typer.Option(
+            "--pid",
+            metavar="PID",
+            help="torchrun (the elastic agent), moedoctor run, or any rank of the job.",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--out",
+            metavar="DIR",
+            help="Where to write what was collected "
+            "(stacks/, gpu/, flight_recorder/, traces/). Default: moedoctor-triage/<timestamp>.",
+            show_default=False,
+        ),
+    ] = None,
+    json_out: Annotated[
+        bool,
+        typer.Option(
+            "--json", metavar="", help='Print the report as JSON (docs/report-format.md) with a "triage" section.'
+        ),
+    ] = False,
+    native: Annotated[
+        bool, typer.Option("--native", metavar="", help="Include native (C/C++) frames in the stacks.")
+    ] = False,
+    no_flight_recorder: Annotated[
+        bool,
+        typer.Option(
+            "--no-flight-recorder",
+            metavar="",
+            help="Do not ask the job for a Flight Recorder dump through its debug pipe.",
+        ),
+    ] = False,
 ) -> None:
     """Find the job's ranks on this node, read their stacks (py-spy, in parallel), the GPUs (NVML), a Flight
     Recorder dump where the job allows one and its moedoctor traces if it runs under moedoctor, and say which
     ranks wait in which collective, which rank is elsewhere, and whether it looks like a code desync, a
     straggler or the hardware."""
-    result = run_triage(pid, out or default_run_dir(DEFAULT_BASE), native=native,
-                        flight_recorder=not no_flight_recorder)
+    result = run_triage(
+        pid, out or default_run_dir(DEFAULT_BASE), native=native, flight_recorder=not no_flight_recorder
+    )
     if json_out:
         doc = report_to_dict(result.report)
         doc["triage"] = result.to_dict()
@@ -61,10 +87,15 @@ def triage(
 
 def _preface(result: TriageResult, console: Console) -> None:
     who = f"launcher pid {result.launcher}" if result.launcher else f"pid {result.pid}"
-    ranks = ", ".join(f"{r.rank} (pid {r.pid}{'' if r.state in 'RS' else ', state ' + r.state})"
-                      for r in result.ranks)
+    ranks = ", ".join(f"{r.rank} (pid {r.pid}{'' if r.state in 'RS' else ', state ' + r.state})" for r in result.ranks)
     read = sum(1 for d in result.stacks.values() if not d.error)
-    console.print(Text(f"Triage of {who}: ranks {ranks}; {read} of {len(result.stacks)} stacks read; "
-                       f"report from the {result.evidence}; saved in {result.out_dir}", style="dim"), soft_wrap=True)
+    console.print(
+        Text(
+            f"Triage of {who}: ranks {ranks}; {read} of {len(result.stacks)} stacks read; "
+            f"report from the {result.evidence}; saved in {result.out_dir}",
+            style="dim",
+        ),
+        soft_wrap=True,
+    )
     for note in result.notes:
         console.print(Text(f"  {note}", style="dim"), soft_wrap=True)

@@ -12,7 +12,12 @@ import typer
 from rich.console import Console
 
 from moedoctor.cli.common import (
-    DEFAULT_STARTUP_TIMEOUT, FixConfigFile, Force, StartupTimeout, pick_recorder, supervised,
+    DEFAULT_STARTUP_TIMEOUT,
+    FixConfigFile,
+    Force,
+    StartupTimeout,
+    pick_recorder,
+    supervised,
 )
 from moedoctor.cli.live import ConsoleObserver
 from moedoctor.errors import EXIT_FINDING, EXIT_OK, MoedoctorError
@@ -27,36 +32,77 @@ app = typer.Typer()
 
 DEFAULT_HANG_TIMEOUT = 60.0
 
-EPILOG = ("Examples: moedoctor verify --fix expert-dense --run moedoctor-runs/20250101-120000 | "
-          "moedoctor verify --fix skip-step-collectively -- torchrun --nproc_per_node 8 train.py.  "
-          "Exit status: 0 verified; 1 not verified (the table says why); 2 refused; 130 interrupted.")
+EPILOG = (
+    "Examples: moedoctor verify --fix expert-dense --run moedoctor-runs/20250101-120000 | "
+    "moedoctor verify --fix skip-step-collectively -- torchrun --nproc_per_node 8 train.py.  "
+    "Exit status: 0 verified; 1 not verified (the table says why); 2 refused; 130 interrupted."
+)
 
 
 @app.command(context_settings={"allow_interspersed_args": False}, epilog=EPILOG)
 def verify(
-    command: Annotated[Optional[list[str]], typer.Argument(
-        metavar="[-- torchrun [TORCHRUN ARGS] SCRIPT [ARGS]]",
-        help="The job to rerun, when it is not taken from --run.", show_default=False)] = None,
-    fix: Annotated[list[str], typer.Option(
-        "--fix", metavar="NAME", help="A fix module to inject (repeat for several). `moedoctor fixes` lists "
-        "them.", show_default=False)] = ...,  # type: ignore[assignment]
-    run: Annotated[Optional[Path], typer.Option(
-        "--run", metavar="RUN_DIR", help="The run to fix (from `moedoctor run`): its command is rerun, and its "
-        "hang, report, losses and step times are the 'before' column.", show_default=False)] = None,
+    command: Annotated[
+        Optional[list[str]],
+        typer.Argument(
+            metavar="[-- torchrun [TORCHRUN ARGS] SCRIPT [ARGS]]",
+            help="The job to rerun, when it is not taken from --run.",
+            show_default=False,
+        ),
+    ] = None,
+    fix: Annotated[
+        list[str],
+        typer.Option(
+            "--fix",
+            metavar="NAME",
+            help="A fix module to inject (repeat for several). `moedoctor fixes` lists them.",
+            show_default=False,
+        ),
+    ] = ...,  # type: ignore[assignment]
+    run: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--run",
+            metavar="RUN_DIR",
+            help="The run to fix (from `moedoctor run`): its command is rerun, and its "
+            "hang, report, losses and step times are the 'before' column.",
+            show_default=False,
+        ),
+    ] = None,
     config: FixConfigFile = None,
-    run_dir: Annotated[Optional[Path], typer.Option(
-        "--run-dir", help="Where to record the rerun. Default: RUN_DIR/verify-FIXES with --run, else a new "
-        "folder under ./moedoctor-runs/.", show_default=False)] = None,
+    run_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--run-dir",
+            help="Where to record the rerun. Default: RUN_DIR/verify-FIXES with --run, else a new "
+            "folder under ./moedoctor-runs/.",
+            show_default=False,
+        ),
+    ] = None,
     force: Force = False,
-    hang_timeout: Annotated[Optional[float], typer.Option(
-        "--hang-timeout", min=0.1, metavar="SECONDS", help="Fail as a hang when no rank makes progress this "
-        f"long. Default: the original run's, else {DEFAULT_HANG_TIMEOUT:g}.", show_default=False)] = None,
+    hang_timeout: Annotated[
+        Optional[float],
+        typer.Option(
+            "--hang-timeout",
+            min=0.1,
+            metavar="SECONDS",
+            help="Fail as a hang when no rank makes progress this "
+            f"long. Default: the original run's, else {DEFAULT_HANG_TIMEOUT:g}.",
+            show_default=False,
+        ),
+    ] = None,
     startup_timeout: StartupTimeout = DEFAULT_STARTUP_TIMEOUT,
-    recorder: Annotated[str, typer.Option(
-        "--recorder", metavar="auto|native|python", help="As for moedoctor run. Default: the original "
-        "run's recorder (so step times compare), else auto.", show_default=False)] = "",
-    json_out: Annotated[bool, typer.Option(
-        "--json", metavar="", help="Print the verification as JSON on stdout.")] = False,
+    recorder: Annotated[
+        str,
+        typer.Option(
+            "--recorder",
+            metavar="auto|native|python",
+            help="As for moedoctor run. Default: the original run's recorder (so step times compare), else auto.",
+            show_default=False,
+        ),
+    ] = "",
+    json_out: Annotated[
+        bool, typer.Option("--json", metavar="", help="Print the verification as JSON on stdout.")
+    ] = False,
 ) -> None:
     """Rerun the job with the named fixes injected into every rank (no change to your code) and
     prove them: the job completes, every rank issues the same collective sequence, the fix's
@@ -68,15 +114,18 @@ def verify(
     if original is not None and command:
         raise MoedoctorError("give either --run RUN_DIR or the command after --, not both")
     if original is None and not command:
-        raise MoedoctorError("nothing to rerun: give --run RUN_DIR (a run of moedoctor run) or the command "
-                             "after --, e.g. moedoctor verify --fix NAME -- torchrun --nproc_per_node 2 train.py")
+        raise MoedoctorError(
+            "nothing to rerun: give --run RUN_DIR (a run of moedoctor run) or the command "
+            "after --, e.g. moedoctor verify --fix NAME -- torchrun --nproc_per_node 2 train.py"
+        )
     command = check_launcher(original.command if original else command)
     fix_config = load_fix_config(config, FIXES.values()) if config is not None else {}
     derived = (original.report or {}).get("fix_config") if original is not None and config is None else None
     if derived:
         # The settings the analysis derived from this job's code (the decision's `if`), for the fixes asked for.
-        fix_config = validate_fix_config({k: v for k, v in derived.items() if k in fixes}, FIXES.values(),
-                                         f"{original.path}/report.json fix_config")
+        fix_config = validate_fix_config(
+            {k: v for k, v in derived.items() if k in fixes}, FIXES.values(), f"{original.path}/report.json fix_config"
+        )
     if run_dir is None:
         run_dir = _default_rerun_dir(original.path, fixes) if original else default_run_dir(Path("moedoctor-runs"))
     prepare_run_dir(run_dir, command, force)
@@ -84,10 +133,20 @@ def verify(
     wanted = recorder or (original.manifest.get("recorder") if original else None) or "auto"
     choice = pick_recorder(wanted, console)
     timeout = hang_timeout or (original.hang_timeout if original else None) or DEFAULT_HANG_TIMEOUT
-    console.print(f"moedoctor: verifying {', '.join(fixes)}: rerunning {' '.join(command)} "
-                  f"(hang timeout {timeout:g}s) in {run_dir}", highlight=False, soft_wrap=True)
-    run_config = RunConfig(command=command, run_dir=run_dir.resolve(), env=dict(os.environ), hang_timeout=timeout,
-                           startup_timeout=startup_timeout, recorder=choice.kind)
+    console.print(
+        f"moedoctor: verifying {', '.join(fixes)}: rerunning {' '.join(command)} "
+        f"(hang timeout {timeout:g}s) in {run_dir}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    run_config = RunConfig(
+        command=command,
+        run_dir=run_dir.resolve(),
+        env=dict(os.environ),
+        hang_timeout=timeout,
+        startup_timeout=startup_timeout,
+        recorder=choice.kind,
+    )
     # The rerun's own diagnosis, if it hangs again, is in its run directory; the table says what failed.
     observer = ConsoleObserver(console, live=sys.stdout.isatty() and sys.stderr.isatty(), report=False)
     try:
@@ -115,4 +174,3 @@ def _default_rerun_dir(original: Path, fixes: list[str]) -> Path:
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
     return candidate
-

@@ -8,15 +8,25 @@ from __future__ import annotations
 
 from moedoctor.errors import MoedoctorError
 from moedoctor.fixes import (
-    expert_dense, expert_zero_term, fsdp_gather_upfront, key_manifest_checkpoint, metrics_after_microbatches,
+    expert_dense,
+    expert_zero_term,
+    fsdp_gather_upfront,
+    key_manifest_checkpoint,
+    metrics_after_microbatches,
     skip_step_collectively,
 )
 from moedoctor.fixes.base import Fix, FixConfigError, Target
 
 FIXES: dict[str, Fix] = {
     module.FIX.name: module.FIX
-    for module in (expert_dense, expert_zero_term, skip_step_collectively, metrics_after_microbatches,
-                   fsdp_gather_upfront, key_manifest_checkpoint)
+    for module in (
+        expert_dense,
+        expert_zero_term,
+        skip_step_collectively,
+        metrics_after_microbatches,
+        fsdp_gather_upfront,
+        key_manifest_checkpoint,
+    )
 }
 
 
@@ -25,8 +35,9 @@ def get_fix(name: str) -> Fix:
     try:
         return FIXES[name]
     except KeyError:
-        raise MoedoctorError(f"no fix called {name!r}; known fixes: {', '.join(FIXES)} "
-                             "(moedoctor fixes lists them)") from None
+        raise MoedoctorError(
+            f"no fix called {name!r}; known fixes: {', '.join(FIXES)} (moedoctor fixes lists them)"
+        ) from None
 
 
 def fixes_for_pattern(pattern: str) -> list[Fix]:

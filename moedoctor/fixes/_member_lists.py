@@ -37,8 +37,9 @@ class _Call:
         self.owner = owner
         self.lists: dict[str, dict[str, Any]] = {
             name: {"ran": [0] * len(members), "next": 0, "template": None, "out_of_order": False}
-            for name, members in lists}
-        self.pending: Any = None      # the zero terms of fills not yet joined to the graph
+            for name, members in lists
+        }
+        self.pending: Any = None  # the zero terms of fills not yet joined to the graph
         self.filled = 0
         self.filling = False
 
@@ -46,8 +47,8 @@ class _Call:
 class MemberLists:
     def __init__(self, runtime, state) -> None:
         self.runtime = runtime
-        self.state = state                              # the runtime's TargetState for TARGET
-        self.owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # owner -> [(name, list)]
+        self.state = state  # the runtime's TargetState for TARGET
+        self.owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> [(name, list)]
         self.members: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # member -> (owner ref, name, i)
         self.inspected: weakref.WeakSet = weakref.WeakSet()
         self.templates: dict[tuple[int, str], tuple] = {}
@@ -72,8 +73,11 @@ class MemberLists:
             if not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
                 continue
             members = list(child.values()) if isinstance(child, nn.ModuleDict) else list(child)
-            if (len(members) >= 2 and len({type(m) for m in members}) == 1
-                    and all(next(m.parameters(), None) is not None for m in members)):
+            if (
+                len(members) >= 2
+                and len({type(m) for m in members}) == 1
+                and all(next(m.parameters(), None) is not None for m in members)
+            ):
                 lists.append((name, members))
                 for index, member in enumerate(members):
                     self.members[member] = (weakref.ref(module), name, index)
@@ -132,8 +136,10 @@ class MemberLists:
             for j in range(len(members)):
                 if not entry["ran"][j]:
                     if template is None:
-                        self.runtime.note(f"{type(module).__name__}.{name}: no input to run idle member {j} with "
-                                          "(no tensor input seen)")
+                        self.runtime.note(
+                            f"{type(module).__name__}.{name}: no input to run idle member {j} with "
+                            "(no tensor input seen)"
+                        )
                         continue
                     self._fill(call, name, j, template)
             self._check(module, name, entry)
@@ -166,12 +172,19 @@ class MemberLists:
         twice = [i for i, n in enumerate(entry["ran"]) if n > 1]
         if entry["out_of_order"] or twice:
             why = "called out of index order" if entry["out_of_order"] else f"member(s) {twice} ran twice"
-            self.runtime.check(CHECK, False, f"{where}: {why} in one forward: one order on every rank cannot be "
-                                             "kept by filling in idle members")
+            self.runtime.check(
+                CHECK,
+                False,
+                f"{where}: {why} in one forward: one order on every rank cannot be kept by filling in idle members",
+            )
         elif self.forwards < 3 or self.forwards % 100 == 0:
-            self.runtime.check(CHECK, True, f"{where} and the other lists: every member once, in index order, in "
-                                            f"{self.forwards + 1} forward(s); {self.filled} idle member call(s) added "
-                                            "on this rank")
+            self.runtime.check(
+                CHECK,
+                True,
+                f"{where} and the other lists: every member once, in index order, in "
+                f"{self.forwards + 1} forward(s); {self.filled} idle member call(s) added "
+                "on this rank",
+            )
 
 
 def _empty_like(args: tuple) -> tuple:
@@ -201,8 +214,13 @@ def _zero_of(out: Any) -> Any:
     """``-0.0 * out.sum()`` (the first tensor of a tuple output): zero, with out's graph behind it."""
     import torch
 
-    tensor = out if isinstance(out, torch.Tensor) else next((t for t in out if isinstance(t, torch.Tensor)), None) \
-        if isinstance(out, (tuple, list)) else None
+    tensor = (
+        out
+        if isinstance(out, torch.Tensor)
+        else next((t for t in out if isinstance(t, torch.Tensor)), None)
+        if isinstance(out, (tuple, list))
+        else None
+    )
     return None if tensor is None else tensor.sum().float() * -0.0
 
 
@@ -216,7 +234,7 @@ def _joined(args: tuple, call: _Call) -> tuple | None:
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             joined = a + call.pending.to(a.dtype)
             call.pending = None
-            return (*args[:i], joined, *args[i + 1:])
+            return (*args[:i], joined, *args[i + 1 :])
     return None  # no floating input: the terms wait for the owner's output
 
 

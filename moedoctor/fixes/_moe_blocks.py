@@ -114,12 +114,12 @@ CHECKED_CALLS = 2
 class BlockSpec:
     """One class to patch (its ``forward``) and how to read it."""
 
-    cls: str                      # "package.module:Class"
+    cls: str  # "package.module:Class"
     kind: str = MODULELIST
-    experts: str = "experts"      # modulelist: the attribute holding the experts
-    route: str | None = None      # modulelist: a method returning (logits, weights, selected)
+    experts: str = "experts"  # modulelist: the attribute holding the experts
+    route: str | None = None  # modulelist: a method returning (logits, weights, selected)
     note: str = ""
-    transformers4: bool = False   # a transformers 4.x block: refused under transformers 5
+    transformers4: bool = False  # a transformers 4.x block: refused under transformers 5
 
     @property
     def target(self) -> Target:
@@ -133,8 +133,10 @@ class BlockSpec:
 def builtin_specs() -> tuple[BlockSpec, ...]:
     return (
         BlockSpec(FIXTURE_BLOCK, route="route", note="moedoctor's fixtures"),
-        *(BlockSpec(path, note="transformers 4.x (checked against 4.53.2)", transformers4=True)
-          for path in TRANSFORMERS4_BLOCKS),
+        *(
+            BlockSpec(path, note="transformers 4.x (checked against 4.53.2)", transformers4=True)
+            for path in TRANSFORMERS4_BLOCKS
+        ),
         *(BlockSpec(path, kind=FUSED, note="transformers 5.x fused experts") for path in TRANSFORMERS5_FUSED_EXPERTS),
     )
 
@@ -159,8 +161,9 @@ def parse_blocks_config(section: Mapping[str, Any], fix_name: str, kinds: tuple[
         if isinstance(entry, str):
             entry = {"class": entry}
         if not isinstance(entry, dict):
-            raise FixConfigError(f"{where}: expected a mapping with 'class' (and 'kind', 'experts', 'route'), "
-                                 f"got {entry!r}")
+            raise FixConfigError(
+                f"{where}: expected a mapping with 'class' (and 'kind', 'experts', 'route'), got {entry!r}"
+            )
         unknown = set(entry) - {"class", "kind", "experts", "route"}
         if unknown:
             raise FixConfigError(f"{where}: unknown key(s) {sorted(unknown)}; expected class, kind, experts, route")
@@ -171,12 +174,16 @@ def parse_blocks_config(section: Mapping[str, Any], fix_name: str, kinds: tuple[
         if kind not in KINDS:
             raise FixConfigError(f"{where}.kind: expected one of {', '.join(KINDS)}, got {kind!r}")
         if kind not in kinds:
-            raise FixConfigError(f"{where}.kind: {fix_name} does not handle {kind!r} classes"
-                                 + ("; fused experts are one parameter and need no zero term" if kind == FUSED else ""))
+            raise FixConfigError(
+                f"{where}.kind: {fix_name} does not handle {kind!r} classes"
+                + ("; fused experts are one parameter and need no zero term" if kind == FUSED else "")
+            )
         if kind == FUSED and ({"experts", "route"} & set(entry)):
             bad = min({"experts", "route"} & set(entry))
-            raise FixConfigError(f"{where}.{bad}: only for kind: modulelist (a fused class is the experts module "
-                                 "itself and takes its routing as arguments)")
+            raise FixConfigError(
+                f"{where}.{bad}: only for kind: modulelist (a fused class is the experts module "
+                "itself and takes its routing as arguments)"
+            )
         experts = entry.get("experts", "experts")
         if not isinstance(experts, str) or not experts.isidentifier():
             raise FixConfigError(f"{where}.experts: expected an attribute name, got {experts!r}")
@@ -192,8 +199,13 @@ def parse_blocks_config(section: Mapping[str, Any], fix_name: str, kinds: tuple[
 def _class_path(value: Any, where: str) -> str:
     text = value.strip() if isinstance(value, str) else None
     module, _, qualname = (text or "").partition(":")
-    if (not text or not module or not qualname or not all(p.isidentifier() for p in module.split("."))
-            or not all(p.isidentifier() for p in qualname.split("."))):
+    if (
+        not text
+        or not module
+        or not qualname
+        or not all(p.isidentifier() for p in module.split("."))
+        or not all(p.isidentifier() for p in qualname.split("."))
+    ):
         raise FixConfigError(f"{where}: expected 'module:Class', got {value!r}")
     if qualname.endswith(".forward"):
         raise FixConfigError(f"{where}: name the class, not its method ({value!r}); its forward is patched")
@@ -202,8 +214,9 @@ def _class_path(value: Any, where: str) -> str:
 
 def specs_for(config: Mapping[str, Any], kinds: tuple[str, ...] = KINDS) -> list[BlockSpec]:
     """The built-in specs plus those of ``--config``; a configured class replaces a built-in one."""
-    configured = [BlockSpec(b["class"], b["kind"], b["experts"], b["route"], "from --config")
-                  for b in config.get("blocks", ())]
+    configured = [
+        BlockSpec(b["class"], b["kind"], b["experts"], b["route"], "from --config") for b in config.get("blocks", ())
+    ]
     named = {spec.cls for spec in configured}
     return [spec for spec in builtin_specs() if spec.kind in kinds and spec.cls not in named] + configured
 
@@ -230,8 +243,9 @@ def check_forward_signature(original: Any, names: tuple[str, ...]) -> None:
         raise TypeError(f"{original!r} is not callable")
     params = list(inspect.signature(original).parameters.values())[1:]
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required_extra = [p.name for p in params[len(names):]
-                      if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    required_extra = [
+        p.name for p in params[len(names) :] if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
     if len(positional) < len(names) or required_extra:
         raise TypeError(f"forward takes ({', '.join(p.name for p in params)}), expected ({', '.join(names)})")
 
@@ -386,8 +400,14 @@ def idle_experts(selected: Any, num_experts: int) -> list[int]:
 
 def fused_problem(experts: Any, hidden_states: Any) -> str | None:
     """Why a fused experts instance does not have the layout the dense loop assumes (None: it has)."""
-    flags = (("has_bias", False), ("is_transposed", False), ("is_concatenated", True), ("has_gate", True),
-             ("has_post_expert_norm", False), ("_is_expert_parallel", False))
+    flags = (
+        ("has_bias", False),
+        ("is_transposed", False),
+        ("is_concatenated", True),
+        ("has_gate", True),
+        ("has_post_expert_norm", False),
+        ("_is_expert_parallel", False),
+    )
     for flag, expected in flags:
         if getattr(experts, flag, expected) != expected:
             return f"{flag} is {getattr(experts, flag)!r}, the dense loop handles {expected!r} only"
@@ -401,12 +421,16 @@ def fused_problem(experts: Any, hidden_states: Any) -> str | None:
         return "it has no act_fn"
     hidden = hidden_states.shape[-1]
     if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != num_experts or down.shape[0] != num_experts:
-        return (f"gate_up_proj {tuple(gate_up.shape)} / down_proj {tuple(down.shape)} are not "
-                f"[{num_experts}, 2I, H] / [{num_experts}, H, I]")
+        return (
+            f"gate_up_proj {tuple(gate_up.shape)} / down_proj {tuple(down.shape)} are not "
+            f"[{num_experts}, 2I, H] / [{num_experts}, H, I]"
+        )
     intermediate = down.shape[2]
     if tuple(gate_up.shape[1:]) != (2 * intermediate, hidden) or down.shape[1] != hidden:
-        return (f"gate_up_proj {tuple(gate_up.shape)} / down_proj {tuple(down.shape)} do not match "
-                f"[E, 2I, H] / [E, H, I] with H = {hidden}")
+        return (
+            f"gate_up_proj {tuple(gate_up.shape)} / down_proj {tuple(down.shape)} do not match "
+            f"[E, 2I, H] / [E, H, I] with H = {hidden}"
+        )
     return None
 
 

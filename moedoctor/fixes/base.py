@@ -35,10 +35,15 @@ class Target:
 
     def __post_init__(self) -> None:
         module, _, qualname = self.path.partition(":")
-        if not module or not qualname or any(not part.isidentifier() for part in qualname.split(".")) \
-                or any(not part.isidentifier() for part in module.split(".")):
-            raise FixConfigError(f"target {self.path!r}: expected 'package.module:Name' or "
-                                 "'package.module:Class.method'")
+        if (
+            not module
+            or not qualname
+            or any(not part.isidentifier() for part in qualname.split("."))
+            or any(not part.isidentifier() for part in module.split("."))
+        ):
+            raise FixConfigError(
+                f"target {self.path!r}: expected 'package.module:Name' or 'package.module:Class.method'"
+            )
 
     @property
     def module(self) -> str:

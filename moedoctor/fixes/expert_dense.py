@@ -58,9 +58,26 @@ from collections.abc import Mapping
 from typing import Any
 
 from moedoctor.fixes._moe_blocks import (
-    CHECKED_CALLS, FIXTURE_BLOCK, FUSED, BlockSpec, PerInstance, apply_router_jitter, builtin_targets,
-    check_forward_signature, compare, dense_weights, first_tensor, fused_problem, idle_experts, modulelist_problem,
-    parse_blocks_config, replayed_rng, require_transformers4, rng_state, route_tokens, sharded_experts_reason,
+    CHECKED_CALLS,
+    FIXTURE_BLOCK,
+    FUSED,
+    BlockSpec,
+    PerInstance,
+    apply_router_jitter,
+    builtin_targets,
+    check_forward_signature,
+    compare,
+    dense_weights,
+    first_tensor,
+    fused_problem,
+    idle_experts,
+    modulelist_problem,
+    parse_blocks_config,
+    replayed_rng,
+    require_transformers4,
+    rng_state,
+    route_tokens,
+    sharded_experts_reason,
     specs_for,
 )
 from moedoctor.fixes.base import Fix
@@ -203,9 +220,9 @@ class _DenseChecks:
     def __init__(self, runtime) -> None:
         self.runtime = runtime
         self.budgets = PerInstance(lambda module: _Budget())
-        self.compared = 0          # calls compared on this rank, all instances
-        self.compared_idle = 0     # of which with an idle expert
-        self.idle_example = ""     # e.g. "TinyMoeSparseMoeBlock expert(s) [3]"
+        self.compared = 0  # calls compared on this rank, all instances
+        self.compared_idle = 0  # of which with an idle expert
+        self.idle_example = ""  # e.g. "TinyMoeSparseMoeBlock expert(s) [3]"
         self.worst = 0.0
 
     def wanted(self, module: Any) -> bool:
@@ -220,9 +237,13 @@ class _DenseChecks:
         if reason is not None:
             if not budget.skip_reported:
                 budget.skip_reported = True
-                self.runtime.check(CHECK, None, f"{name}: not checked: {reason}; the sparse forward would all-gather "
-                                                "only the experts this rank routes to, a collective its peers do not "
-                                                "issue")
+                self.runtime.check(
+                    CHECK,
+                    None,
+                    f"{name}: not checked: {reason}; the sparse forward would all-gather "
+                    "only the experts this rank routes to, a collective its peers do not "
+                    "issue",
+                )
             return dense_block_forward(block, hidden_states, spec)
         saved_input, saved_rng = hidden_states.detach().clone(), rng_state(hidden_states)
         out, router_logits, selected = _dense_block(block, hidden_states, spec)
@@ -251,18 +272,29 @@ class _DenseChecks:
         passed, worst, tolerance = compare(dense, sparse)
         idle_text = f"idle expert(s) {idle}" if idle else "no idle expert"
         if not passed:
-            self.runtime.check(CHECK, False, f"{name} ({idle_text}): max |dense - sparse| = {worst:.3g} beyond "
-                                             f"{tolerance}", worst=worst)
+            self.runtime.check(
+                CHECK,
+                False,
+                f"{name} ({idle_text}): max |dense - sparse| = {worst:.3g} beyond {tolerance}",
+                worst=worst,
+            )
             return
         self.compared += 1
         self.worst = max(self.worst, worst)
         if idle:
             self.compared_idle += 1
             self.idle_example = self.idle_example or f"{name} {idle_text}"
-        with_idle = f", {self.compared_idle} with an idle expert ({self.idle_example})" if self.compared_idle else \
-            ", none with an idle expert"
-        self.runtime.check(CHECK, True, f"{self.compared} calls compared{with_idle}: max |dense - sparse| = "
-                                        f"{self.worst:.3g} ({tolerance})", worst=worst)
+        with_idle = (
+            f", {self.compared_idle} with an idle expert ({self.idle_example})"
+            if self.compared_idle
+            else ", none with an idle expert"
+        )
+        self.runtime.check(
+            CHECK,
+            True,
+            f"{self.compared} calls compared{with_idle}: max |dense - sparse| = {self.worst:.3g} ({tolerance})",
+            worst=worst,
+        )
 
 
 FIX = Fix(
@@ -270,16 +302,16 @@ FIX = Fix(
     patterns=("inactive-experts",),
     summary="run every expert on every token (zero weight where not routed), so every rank has the same graph",
     mechanism="Replaces the MoE block's (or transformers 5 fused experts') forward: routing as before, then "
-              "every expert runs on all tokens, weighted by its routing weight, zero where a token was not "
-              "routed. Same output; every expert parameter gets a gradient on every rank, so FSDP2 reduces the "
-              "same tensors everywhere.",
+    "every expert runs on all tokens, weighted by its routing weight, zero where a token was not "
+    "routed. Same output; every expert parameter gets a gradient on every rank, so FSDP2 reduces the "
+    "same tensors everywhere.",
     risk="~num_experts/top_k times the expert FLOPs and activation memory. 0 x inf = NaN: an expert overflowing "
-         "on a token it was not routed to poisons it. Fused experts lose grouped_mm kernels while it is on.",
+    "on a token it was not routed to poisons it. Fused experts lose grouped_mm kernels while it is on.",
     cost="~num_experts/top_k x expert FLOPs and activation memory (CPU, one block forward+backward, 1024 tokens, "
-         "top-2: 3.6x with 8 experts, 6.5x with 16)",
+    "top-2: 3.6x with 8 experts, 6.5x with 16)",
     check="first 2 calls of each block per rank, and first 2 with an idle expert: the original sparse forward on "
-          "the same input (no_grad, RNG replayed) must match within the dtype's tolerance; skipped when experts "
-          "are their own FSDP units",
+    "the same input (no_grad, RNG replayed) must match within the dtype's tolerance; skipped when experts "
+    "are their own FSDP units",
     targets=builtin_targets(),
     install=_install,
     parse_config=_parse_config,

@@ -49,8 +49,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from moedoctor.fixes._moe_blocks import (
-    CHECKED_CALLS, FUSED, MODULELIST, BlockSpec, PerInstance, builtin_targets, check_forward_signature, first_tensor,
-    modulelist_problem, parse_blocks_config, require_transformers4, sharded_experts_reason, specs_for,
+    CHECKED_CALLS,
+    FUSED,
+    MODULELIST,
+    BlockSpec,
+    PerInstance,
+    builtin_targets,
+    check_forward_signature,
+    first_tensor,
+    modulelist_problem,
+    parse_blocks_config,
+    require_transformers4,
+    sharded_experts_reason,
+    specs_for,
     with_first_tensor,
 )
 from moedoctor.fixes.base import Fix, FixConfigError
@@ -128,9 +139,11 @@ def _zero_term_forward(runtime, spec: BlockSpec, original):
         experts = getattr(self, spec.experts)
         refusal = sharded_experts_reason(experts)
         if refusal is not None:
-            runtime.note(f"REFUSED on {name}: {refusal}. Running an idle expert after the sparse loop would "
-                         "all-gather it at a different point than on the ranks that ran it (a new desync), so the "
-                         "block is left as it was (sparse: an idle expert still desyncs the ranks). Use expert-dense.")
+            runtime.note(
+                f"REFUSED on {name}: {refusal}. Running an idle expert after the sparse loop would "
+                "all-gather it at a different point than on the ranks that ran it (a new desync), so the "
+                "block is left as it was (sparse: an idle expert still desyncs the ranks). Use expert-dense."
+            )
             if runtime.checks_enabled and not run.reported_refusal:
                 run.reported_refusal = True
                 runtime.check(CHECK, None, f"{name}: refused ({refusal})")
@@ -157,8 +170,12 @@ def _zero_term_forward(runtime, spec: BlockSpec, original):
     return forward
 
 
-_SAME_WIDTH_INT = {"torch.float64": "int64", "torch.float32": "int32", "torch.float16": "int16",
-                   "torch.bfloat16": "int16"}
+_SAME_WIDTH_INT = {
+    "torch.float64": "int64",
+    "torch.float32": "int32",
+    "torch.float16": "int16",
+    "torch.bfloat16": "int16",
+}
 
 
 def _check_bitwise(runtime, name: str, sparse: Any, fixed: Any, idle: list[int]) -> None:
@@ -170,9 +187,13 @@ def _check_bitwise(runtime, name: str, sparse: Any, fixed: Any, idle: list[int])
             same = torch.equal(sparse, fixed)
         else:
             same = torch.equal(sparse.view(getattr(torch, as_int)), fixed.view(getattr(torch, as_int)))
-    runtime.check(CHECK, same, f"{name}: zero term for idle expert(s) {idle}: output "
-                               f"{'bitwise unchanged' if same else 'CHANGED'} ({sparse.numel()} values)",
-                  worst=0.0 if same else float((fixed.detach().double() - sparse.detach().double()).abs().max()))
+    runtime.check(
+        CHECK,
+        same,
+        f"{name}: zero term for idle expert(s) {idle}: output "
+        f"{'bitwise unchanged' if same else 'CHANGED'} ({sparse.numel()} values)",
+        worst=0.0 if same else float((fixed.detach().double() - sparse.detach().double()).abs().max()),
+    )
 
 
 FIX = Fix(
@@ -180,10 +201,10 @@ FIX = Fix(
     patterns=("inactive-experts",),
     summary="keep idle experts in the graph with a zero-weighted empty-input term (output bitwise unchanged)",
     mechanism="Wraps the MoE block's forward: the sparse loop runs as before; every expert that got no token "
-              "is called on an empty slice of the input and sum() * -0.0 of it is added to the output, so its "
-              "parameters get zero gradients on every rank and FSDP2 reduces the same tensors everywhere.",
+    "is called on an empty slice of the input and sum() * -0.0 of it is added to the output, so its "
+    "parameters get zero gradients on every rank and FSDP2 reduces the same tensors everywhere.",
     risk="Refused (behaviour unchanged, a loud note) when experts are their own FSDP2 units: an idle expert run "
-         "late would all-gather out of order; use expert-dense there. Not needed for fused (transformers 5) experts.",
+    "late would all-gather out of order; use expert-dense there. Not needed for fused (transformers 5) experts.",
     cost="one empty-input expert call (and its backward) per idle expert per forward",
     check="first 2 calls per block and rank that add a zero term: the output must be bitwise the sparse output",
     targets=builtin_targets(kinds=(MODULELIST,)),
@@ -191,6 +212,6 @@ FIX = Fix(
     by_structure="any module list of same-class experts (lists: auto; no class needed)",
     parse_config=_parse_config,
     config_help="blocks: [{class: 'module:Class', experts: experts}] (modulelist blocks only); or lists: auto "
-                "(no class: every module list of same-class members runs whole, in index order, per forward of "
-                "its owner; written by `moedoctor analyze` into report.json for MoE code it has no class for)",
+    "(no class: every module list of same-class members runs whole, in index order, per forward of "
+    "its owner; written by `moedoctor analyze` into report.json for MoE code it has no class for)",
 )

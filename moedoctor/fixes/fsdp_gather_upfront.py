@@ -77,7 +77,7 @@ class _Upfront:
     def __init__(self, runtime, state: TargetState) -> None:
         self.runtime = runtime
         self.state = state
-        self.roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # root -> [(name, unit)]
+        self.roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root -> [(name, unit)]
         self.inner: weakref.WeakSet = weakref.WeakSet()
         self.local = threading.local()
         self.gathered = 0
@@ -121,8 +121,10 @@ class _Upfront:
         kept = [(name or "<root>", unit) for name, unit in units if _kept(unit)]
         self.roots[module] = kept
         if len(kept) < 2:
-            self.runtime.note(f"{type(module).__name__}: {len(kept)} unit(s) kept unsharded after forward "
-                              "(reshard_after_forward=False): nothing to gather up front")
+            self.runtime.note(
+                f"{type(module).__name__}: {len(kept)} unit(s) kept unsharded after forward "
+                "(reshard_after_forward=False): nothing to gather up front"
+            )
         return True
 
     def _gather(self, root: Any) -> None:
@@ -157,16 +159,21 @@ class _Upfront:
         dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
         high, low, high_digest, low_digest = votes.tolist()
         same = high == -low and high_digest == -low_digest
-        self.runtime.check(CHECK, same, f"{count} unit(s) gathered up front ({', '.join(names[:4])}"
-                                        f"{', ...' if count > 4 else ''})" if same else
-                           f"the ranks' sets of sharded units differ ({count} here, {-low}..{high} across the "
-                           "group): nothing gathered up front")
+        self.runtime.check(
+            CHECK,
+            same,
+            f"{count} unit(s) gathered up front ({', '.join(names[:4])}{', ...' if count > 4 else ''})"
+            if same
+            else f"the ranks' sets of sharded units differ ({count} here, {-low}..{high} across the "
+            "group): nothing gathered up front",
+        )
         return same
 
     def _finish(self) -> None:
         if self.roots and not self.gathered:
-            self.runtime.note("no unit was gathered up front: every kept unit was already unsharded when its "
-                              "root's forward started")
+            self.runtime.note(
+                "no unit was gathered up front: every kept unit was already unsharded when its root's forward started"
+            )
 
 
 FIX = Fix(
@@ -174,17 +181,17 @@ FIX = Fix(
     patterns=("inflight-metric-allreduce",),
     summary="all-gather every FSDP2 unit kept unsharded after forward when its root's forward starts",
     mechanism="Through torch's global module forward pre-hook: at the start of an FSDP2 root's forward, every "
-              "unit under it with reshard_after_forward=False that is sharded is unsharded, in module order, so "
-              "their all-gathers no longer wait for the first micro-batch that happens to use them.",
+    "unit under it with reshard_after_forward=False that is sharded is unsharded, in module order, so "
+    "their all-gathers no longer wait for the first micro-batch that happens to use them.",
     risk="Every kept unit is unsharded from the step's first forward (the peak the job reaches once it uses "
-         "them all). Units that reshard after forward are left alone. Metric code and numbers are unchanged.",
+    "them all). Units that reshard after forward are left alone. Metric code and numbers are unchanged.",
     cost="none per collective; the same all-gathers, earlier (with checks: one 4-element all-reduce per gather)",
     check="before each up-front gather the ranks all-reduce the count and a hash of the units they will gather; "
-          "ranks that disagree fail the check and gather nothing up front",
+    "ranks that disagree fail the check and gather nothing up front",
     targets=(),
     install=_install,
     parse_config=_parse_config,
     by_structure="FSDP2 units kept unsharded after forward (units: kept; no class needed)",
     config_help="units: kept (every FSDP2 unit with reshard_after_forward=False, gathered when its root's "
-                "forward starts; written by `moedoctor analyze` into report.json)",
+    "forward starts; written by `moedoctor analyze` into report.json)",
 )

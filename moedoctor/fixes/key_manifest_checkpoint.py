@@ -52,6 +52,7 @@ StateDict = dict[str, Any]
 
 # -- the manifest (also used by the fixture's --apply-fix: one implementation) ----------------------
 
+
 @dataclass(frozen=True, order=True)
 class ManifestEntry:
     key: str
@@ -62,12 +63,16 @@ class ManifestEntry:
 def _local_manifest(state_dict: Mapping[str, Any]) -> list[ManifestEntry]:
     from torch.distributed.tensor import DTensor
 
-    return [ManifestEntry(key, tuple(value.shape), str(value.dtype).removeprefix("torch."))
-            for key, value in state_dict.items() if isinstance(value, DTensor)]
+    return [
+        ManifestEntry(key, tuple(value.shape), str(value.dtype).removeprefix("torch."))
+        for key, value in state_dict.items()
+        if isinstance(value, DTensor)
+    ]
 
 
-def agree_on_dtensor_manifest(state_dict: Mapping[str, Any], group: dist.ProcessGroup,
-                              device: torch.device) -> list[ManifestEntry]:
+def agree_on_dtensor_manifest(
+    state_dict: Mapping[str, Any], group: dist.ProcessGroup, device: torch.device
+) -> list[ManifestEntry]:
     """The union of every rank's DTensor keys, sorted: the same list on every rank of ``group``.
 
     Only fixed-size collectives: an all-reduce (MAX) of the encoded length, then an all-gather of
@@ -80,7 +85,7 @@ def agree_on_dtensor_manifest(state_dict: Mapping[str, Any], group: dist.Process
     length = torch.tensor([len(encoded)], dtype=torch.int64, device=device)
     dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)
     padded = torch.full((int(length.item()),), ord(" "), dtype=torch.uint8)  # JSON ignores spaces
-    padded[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    padded[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
     padded = padded.to(device)
     gathered = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, padded, group=group)
@@ -109,12 +114,12 @@ def empty_shard(entry: ManifestEntry, mesh: DeviceMesh, device: torch.device) ->
 
     local = torch.empty((0, *entry.shape[1:]), dtype=getattr(torch, entry.dtype), device=device)
     stride = torch.empty(entry.shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                              shape=torch.Size(entry.shape), stride=stride)
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(entry.shape), stride=stride)
 
 
-def complete_from_manifest(state_dict: Mapping[str, Any], manifest: list[ManifestEntry], mesh: DeviceMesh,
-                           device: torch.device) -> StateDict:
+def complete_from_manifest(
+    state_dict: Mapping[str, Any], manifest: list[ManifestEntry], mesh: DeviceMesh, device: torch.device
+) -> StateDict:
     """``state_dict`` with its DTensors in manifest order, the ones this rank lacks as empty shards
     (dim-0 sharded over ``mesh``, like FSDP2), then its other entries."""
     from torch.distributed.tensor import DTensor
@@ -127,6 +132,7 @@ def complete_from_manifest(state_dict: Mapping[str, Any], manifest: list[Manifes
 
 
 # -- the fix --------------------------------------------------------------------------------------
+
 
 def _parse_config(section: Mapping[str, Any]) -> dict:
     unknown = set(section) - {"preprocess", "branch"}
@@ -158,13 +164,12 @@ def _install(runtime) -> None:
         def preprocess_in_manifest_order(*args, **kwargs):
             place = first_mapping_argument(args, kwargs)
             if place is None:
-                runtime.note("the preprocessing function got no state dict (no mapping argument): "
-                             "called unchanged")
+                runtime.note("the preprocessing function got no state dict (no mapping argument): called unchanged")
                 return original(*args, **kwargs)
             state_dict = args[place] if isinstance(place, int) else kwargs[place]
             completed = _in_manifest_order(runtime, state_dict, meshes)
             if isinstance(place, int):
-                args = args[:place] + (completed,) + args[place + 1:]
+                args = args[:place] + (completed,) + args[place + 1 :]
             else:
                 kwargs = {**kwargs, place: completed}
             result = original(*args, **kwargs)
@@ -198,8 +203,10 @@ def _in_manifest_order(runtime, state_dict: Mapping[str, Any], memory: _MeshMemo
         if isinstance(value, DTensor) and value.device_mesh not in meshes:
             meshes.append(value.device_mesh)
     if len(meshes) > 1:
-        runtime.note(f"the state dict's DTensors are on {len(meshes)} device meshes; one manifest per "
-                     "group is not supported: left in its own order")
+        runtime.note(
+            f"the state dict's DTensors are on {len(meshes)} device meshes; one manifest per "
+            "group is not supported: left in its own order"
+        )
         return state_dict
     if meshes:
         mesh = memory.mesh = meshes[0]
@@ -209,11 +216,15 @@ def _in_manifest_order(runtime, state_dict: Mapping[str, Any], memory: _MeshMemo
         group = dist.group.WORLD
         device_type = "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
         mesh = memory.mesh = DeviceMesh.from_group(group, device_type)  # type: ignore[assignment]
-        runtime.note("this rank's state dict holds no DTensor: agreeing on the manifest over the default "
-                     "process group (right when the other ranks' DTensors are sharded over all ranks)")
+        runtime.note(
+            "this rank's state dict holds no DTensor: agreeing on the manifest over the default "
+            "process group (right when the other ranks' DTensors are sharded over all ranks)"
+        )
     if mesh.ndim != 1:
-        runtime.note(f"the state dict's DTensors are on a {mesh.ndim}-D device mesh; only 1-D shard "
-                     "groups are supported: left in its own order")
+        runtime.note(
+            f"the state dict's DTensors are on a {mesh.ndim}-D device mesh; only 1-D shard "
+            "groups are supported: left in its own order"
+        )
         return state_dict
     device = _mesh_device(mesh)
     try:
@@ -223,8 +234,10 @@ def _in_manifest_order(runtime, state_dict: Mapping[str, Any], memory: _MeshMemo
         raise ValueError(f"moedoctor {NAME}: {e} (every rank raises this)") from None
     missing = [entry.key for entry in manifest if entry.key not in state_dict]
     if missing:
-        runtime.note(f"this rank lacked {len(missing)} of {len(manifest)} DTensor key(s) of the save; "
-                     f"it takes part with empty shards (first: {missing[0]})")
+        runtime.note(
+            f"this rank lacked {len(missing)} of {len(manifest)} DTensor key(s) of the save; "
+            f"it takes part with empty shards (first: {missing[0]})"
+        )
     return complete_from_manifest(state_dict, manifest, mesh, device)
 
 
@@ -237,6 +250,7 @@ def _mesh_device(mesh) -> torch.device:
 
 
 # -- the check ------------------------------------------------------------------------------------
+
 
 class _RoundTrip:
     """After a save of a state dict the fix completed: load it back, compare local shards bitwise."""
@@ -252,8 +266,11 @@ class _RoundTrip:
 
     def finish(self) -> None:
         if self.pending is not None:
-            self.runtime.check(CHECK, None, "not checked: the state dict the fix completed was never saved "
-                                            "with torch.distributed.checkpoint.save")
+            self.runtime.check(
+                CHECK,
+                None,
+                "not checked: the state dict the fix completed was never saved with torch.distributed.checkpoint.save",
+            )
 
     def install(self) -> None:
         from moedoctor._imports import when_imported
@@ -305,8 +322,7 @@ class _RoundTrip:
         no_dist = bool(kwargs.get("no_dist")) or not (dist.is_available() and dist.is_initialized())
         group = kwargs.get("process_group")
         if not no_dist:
-            votes = torch.tensor([1 if reader is not None else 0], dtype=torch.int64,
-                                 device=collective_device(group))
+            votes = torch.tensor([1 if reader is not None else 0], dtype=torch.int64, device=collective_device(group))
             dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
             if reader is not None and not votes.item():
                 reader, why = None, "another rank cannot load this checkpoint back"
@@ -321,12 +337,18 @@ class _RoundTrip:
             if not _bitwise_equal(_local(_get(loaded, path)), _local(value)):
                 differing.append("/".join(map(str, path)))
         if differing:
-            self.runtime.check(CHECK, False, f"save #{self.saves}: {len(differing)} of {compared} tensors "
-                                             f"load back different: {', '.join(differing[:4])}"
-                                             f"{' ...' if len(differing) > 4 else ''}", float(len(differing)))
+            self.runtime.check(
+                CHECK,
+                False,
+                f"save #{self.saves}: {len(differing)} of {compared} tensors "
+                f"load back different: {', '.join(differing[:4])}"
+                f"{' ...' if len(differing) > 4 else ''}",
+                float(len(differing)),
+            )
         else:
-            self.runtime.check(CHECK, True, f"save #{self.saves}: {compared} tensors (local shards) load "
-                                            "back bitwise equal", 0.0)
+            self.runtime.check(
+                CHECK, True, f"save #{self.saves}: {compared} tensors (local shards) load back bitwise equal", 0.0
+            )
 
 
 def _reader_for(kwargs: dict) -> tuple[dict | None, str]:
@@ -357,8 +379,11 @@ def _zeros_like_tree(tree: Any) -> Any:
     if isinstance(tree, Mapping):
         return {key: _zeros_like_tree(value) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):  # new containers: dcp.load must not write into the saved tensors
-        return [_zeros_like_tree(value) for value in tree] if isinstance(tree, list) \
+        return (
+            [_zeros_like_tree(value) for value in tree]
+            if isinstance(tree, list)
             else tuple(_zeros_like_tree(value) for value in tree)
+        )
     return torch.zeros_like(tree) if isinstance(tree, torch.Tensor) else tree
 
 
@@ -379,8 +404,10 @@ def _bitwise_equal(a, b) -> bool:
         return False
     if a.numel() == 0:
         return True
+
     def as_bytes(t):
         return t.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
+
     return torch.equal(as_bytes(a), as_bytes(b))
 
 
@@ -389,19 +416,18 @@ FIX = Fix(
     patterns=("uneven-dtensor-allgather",),
     summary="agree on one DTensor key manifest before the per-DTensor checkpoint collectives",
     mechanism="Wraps the state-dict preprocessing that issues collectives per DTensor: the ranks first "
-              "agree on the sorted (key, shape, dtype) list of DTensors with two fixed-size collectives, "
-              "then every rank preprocesses that list in that order, with an empty shard for a key it lacks.",
+    "agree on the sorted (key, shape, dtype) list of DTensors with two fixed-size collectives, "
+    "then every rank preprocesses that list in that order, with an empty shard for a key it lacks.",
     risk="Two small collectives per wrapped call. Missing keys become empty dim-0 shards (FSDP2-style "
-         "layout). Ranks that disagree on a key's shape or dtype all raise the same error instead of hanging. "
-         "One 1-D shard group per state dict.",
+    "layout). Ranks that disagree on a key's shape or dtype all raise the same error instead of hanging. "
+    "One 1-D shard group per state dict.",
     cost="one 1-element all-reduce and one all-gather of the padded key manifest (bytes: about 60 per "
-         "DTensor) per preprocessed state dict",
+    "DTensor) per preprocessed state dict",
     check="after a save of a state dict the fix completed, it is loaded back (dcp.load into zeros_like "
-          "copies) and every local shard must be bitwise equal to the saved one",
+    "copies) and every local shard must be bitwise equal to the saved one",
     targets=(Target("_lib.checkpoint:preprocess_fsdp_dtensor_state_dict", "moedoctor's fixtures"),),
     install=_install,
     by_structure="the per-key `if` in your code that skips a key on some ranks (its test made collective)",
     parse_config=_parse_config,
-    config_help="preprocess: 'module:function' or a list (takes a flat state dict; issues collectives "
-                "per DTensor)",
+    config_help="preprocess: 'module:function' or a list (takes a flat state dict; issues collectives per DTensor)",
 )

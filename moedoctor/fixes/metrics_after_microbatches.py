@@ -58,9 +58,11 @@ def _parse_config(section: Mapping[str, Any]) -> dict:
         raise FixConfigError(f"unknown key(s) {sorted(unknown)}; expected 'reduce' and 'loop'")
     missing = [key for key in ("reduce", "loop") if key not in section]
     if missing:
-        raise FixConfigError(f"missing {' and '.join(repr(k) for k in missing)}: give both 'reduce' (the "
-                             "function that reduces a metric dict) and 'loop' (the function that runs "
-                             "one step's micro-batches)")
+        raise FixConfigError(
+            f"missing {' and '.join(repr(k) for k in missing)}: give both 'reduce' (the "
+            "function that reduces a metric dict) and 'loop' (the function that runs "
+            "one step's micro-batches)"
+        )
     reduce = parse_target(section["reduce"], "reduce").path
     loop = parse_target(section["loop"], "loop").path
     if reduce == loop:
@@ -83,7 +85,7 @@ def _install(runtime) -> None:
 class _StepState(threading.local):
     def __init__(self) -> None:
         self.depth = 0
-        self.local_values: list[Mapping] = []   # the input of every in-loop reduce call
+        self.local_values: list[Mapping] = []  # the input of every in-loop reduce call
         self.last_call: tuple[tuple, dict, int | str] | None = None  # its args, kwargs, the mapping's place
 
 
@@ -95,13 +97,15 @@ class _DeferredReduction:
         self.state = _StepState()
         self.original_reduce: Callable | None = None
         self.reduce_signature: inspect.Signature | None = None
-        self.steps = 0           # loop calls whose reduction was deferred
-        self.calls_outside = 0   # reduce calls outside any loop: not deferred
+        self.steps = 0  # loop calls whose reduction was deferred
+        self.calls_outside = 0  # reduce calls outside any loop: not deferred
 
     def finish(self) -> None:
         if self.steps == 0 and self.calls_outside:
-            self.runtime.note(f"deferred no reduction: the reduce function ran {self.calls_outside} time(s), "
-                              "never inside the loop function (check the loop target)")
+            self.runtime.note(
+                f"deferred no reduction: the reduce function ran {self.calls_outside} time(s), "
+                "never inside the loop function (check the loop target)"
+            )
 
     # -- the wrappers -----------------------------------------------------------------------------
 
@@ -157,8 +161,10 @@ class _DeferredReduction:
     def _reduce_result(self, result: Any, local_values: list[Mapping], last_call) -> Any:
         index = _metrics_index(result)
         if index is None:
-            self.runtime.note(f"the loop returned {type(result).__name__}, with no metrics mapping: its "
-                              "metrics stay local (not reduced across ranks)")
+            self.runtime.note(
+                f"the loop returned {type(result).__name__}, with no metrics mapping: its "
+                "metrics stay local (not reduced across ranks)"
+            )
             return result
         metrics = result if index == -1 else result[index]
         self.steps += 1
@@ -174,7 +180,7 @@ class _DeferredReduction:
     def _call_reduce(self, mapping: Mapping, last_call) -> Any:
         args, kwargs, place = last_call
         if isinstance(place, int):
-            args = args[:place] + (mapping,) + args[place + 1:]
+            args = args[:place] + (mapping,) + args[place + 1 :]
         else:
             kwargs = {**kwargs, place: mapping}
         return self.original_reduce(*args, **kwargs)
@@ -185,22 +191,34 @@ class _DeferredReduction:
         extras = _per_microbatch_keys(metrics, local_values)
         # Every rank takes part in this one agreement, extra keys or none, so it cannot desync.
         if not self._ranks_agree(extras, last_call):
-            self.runtime.check(CHECK, None, f"step {self.steps}: the ranks' per-micro-batch keys differ "
-                                            "(micro-batch counts or metric keys): not checked")
+            self.runtime.check(
+                CHECK,
+                None,
+                f"step {self.steps}: the ranks' per-micro-batch keys differ "
+                "(micro-batch counts or metric keys): not checked",
+            )
             return self._call_reduce(metrics, last_call)
         if not extras:
-            self.runtime.check(CHECK, None, f"step {self.steps}: no metric has a number in the "
-                                            "micro-batches: not checked")
+            self.runtime.check(
+                CHECK, None, f"step {self.steps}: no metric has a number in the micro-batches: not checked"
+            )
             return self._call_reduce(metrics, last_call)
         try:
             reduced = self._call_reduce({**metrics, **extras}, last_call)
         except Exception as e:  # the reducer rejects the extra keys: report, then reduce as the job would
-            self.runtime.check(CHECK, None, f"step {self.steps}: the reduce function rejected the extra "
-                                            f"per-micro-batch keys ({e!r}): not checked")
+            self.runtime.check(
+                CHECK,
+                None,
+                f"step {self.steps}: the reduce function rejected the extra per-micro-batch keys ({e!r}): not checked",
+            )
             return self._call_reduce(metrics, last_call)
         if not isinstance(reduced, Mapping) or not all(key in reduced for key in extras):
-            self.runtime.check(CHECK, None, f"step {self.steps}: the reduce function did not return the "
-                                            "per-micro-batch keys it was given: not checked")
+            self.runtime.check(
+                CHECK,
+                None,
+                f"step {self.steps}: the reduce function did not return the "
+                "per-micro-batch keys it was given: not checked",
+            )
             return _without(reduced, extras)
         self._compare(metrics, local_values, reduced)
         return _without(reduced, extras)
@@ -214,8 +232,7 @@ class _DeferredReduction:
             return True
         count, digest = len(extras), zlib.crc32("\n".join(extras).encode())
         group = self._group(last_call)
-        votes = torch.tensor([count, -count, digest, -digest], dtype=torch.int64,
-                             device=collective_device(group))
+        votes = torch.tensor([count, -count, digest, -digest], dtype=torch.int64, device=collective_device(group))
         dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
         high_count, low_count, high_digest, low_digest = votes.tolist()
         return high_count == -low_count and high_digest == -low_digest
@@ -239,8 +256,9 @@ class _DeferredReduction:
                 continue
             aggregate = _aggregate_of(local_aggregate, per_mb_local)
             if aggregate is None:
-                unverified.append(f"{key} (the loop's value is not the mean, sum, max or min of its "
-                                  "micro-batch values)")
+                unverified.append(
+                    f"{key} (the loop's value is not the mean, sum, max or min of its micro-batch values)"
+                )
                 continue
             per_mb_reduced = [_as_float(reduced.get(_extra_key(i, key))) for i in range(len(local_values))]
             fixed = _as_float(reduced.get(key))
@@ -252,14 +270,21 @@ class _DeferredReduction:
             compared += 1
             worst = max(worst, difference)
             if not math.isclose(fixed, original, rel_tol=REL_TOL, abs_tol=ABS_TOL):
-                differing.append(f"{key}: {fixed!r} after the loop vs {original!r} in the loop "
-                                 f"({aggregate} over {len(per_mb_reduced)} micro-batches)")
+                differing.append(
+                    f"{key}: {fixed!r} after the loop vs {original!r} in the loop "
+                    f"({aggregate} over {len(per_mb_reduced)} micro-batches)"
+                )
         skipped = f"; not checked: {', '.join(unverified)}" if unverified else ""
         if differing:
             self.runtime.check(CHECK, False, f"step {self.steps}: {'; '.join(differing)}{skipped}", worst)
         elif compared:
-            self.runtime.check(CHECK, True, f"{compared} metric(s) per step equal the per-micro-batch "
-                                            f"reduction (relative tolerance {REL_TOL:g}){skipped}", worst)
+            self.runtime.check(
+                CHECK,
+                True,
+                f"{compared} metric(s) per step equal the per-micro-batch "
+                f"reduction (relative tolerance {REL_TOL:g}){skipped}",
+                worst,
+            )
         else:
             self.runtime.check(CHECK, None, f"step {self.steps}: no metric could be compared{skipped}")
 
@@ -322,18 +347,18 @@ FIX = Fix(
     patterns=("inflight-metric-allreduce",),
     summary="keep metrics local in the micro-batch loop, reduce them once after the last micro-batch",
     mechanism="Wraps the metric-reduce function and the step's micro-batch loop: inside the loop the "
-              "reduce returns its local input; when the loop returns, its metrics are reduced once, "
-              "with the original function, on every rank.",
+    "reduce returns its local input; when the loop returns, its metrics are reduced once, "
+    "with the original function, on every rank.",
     risk="Code inside the loop that reads the reduced values sees local ones. A metric reduced with MAX "
-         "but averaged over micro-batches changes meaning (the check reports it). Without checks it adds "
-         "no collective and removes N-1 metric reductions per step of N micro-batches.",
+    "but averaged over micro-batches changes meaning (the check reports it). Without checks it adds "
+    "no collective and removes N-1 metric reductions per step of N micro-batches.",
     cost="none; N-1 fewer metric reductions per step (with checks: one 4-element all-reduce per step and "
-         "the per-micro-batch values as extra keys of the one reduction)",
+    "the per-micro-batch values as extra keys of the one reduction)",
     check="the post-loop reduction also reduces each micro-batch's local values; the original report "
-          "(their mean, sum, max or min, as the loop aggregates) must equal the fixed value (rel. 1e-9)",
+    "(their mean, sum, max or min, as the loop aggregates) must equal the fixed value (rel. 1e-9)",
     targets=(REDUCE, LOOP),
     install=_install,
     parse_config=_parse_config,
     config_help="reduce: 'module:function' (reduces a metric dict across ranks); loop: 'module:function' "
-                "(runs one step's micro-batches, returns the metrics)",
+    "(runs one step's micro-batches, returns the metrics)",
 )

@@ -121,14 +121,20 @@ def with_fix_reach(report: Report, run: RunData, command: list[str] | None = Non
         # The first fix patches classes this job did not run; the next one was pointed at its code by
         # structure (module lists, a branch): offer that one.
         verify = report.verify_command.replace(f"--fix {fix.name} ", f"--fix {derived} ", 1)
-        return dataclasses.replace(report, verify_command=verify,
-                                   fixes=[derived, *[f for f in report.fixes if f != derived]])
+        return dataclasses.replace(
+            report, verify_command=verify, fixes=[derived, *[f for f in report.fixes if f != derived]]
+        )
     site = report.suggestion.call_site.rsplit("/", 1)[-1] if report.suggestion and report.suggestion.call_site else None
     shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-    note = (f"No automatic fix for this code: {fix.name} patches {shown}, none of which this job ran (not in "
-            "the frames recorded with its collectives). "
-            + (f"Change the code at {site} as suggested below, or point the fix at your own functions with "
-               f"--config (docs/fixes.md) and run: {report.verify_command} --config FILE"
-               if site else f"Point the fix at your own functions with --config (docs/fixes.md) and run: "
-                            f"{report.verify_command} --config FILE"))
+    note = (
+        f"No automatic fix for this code: {fix.name} patches {shown}, none of which this job ran (not in "
+        "the frames recorded with its collectives). "
+        + (
+            f"Change the code at {site} as suggested below, or point the fix at your own functions with "
+            f"--config (docs/fixes.md) and run: {report.verify_command} --config FILE"
+            if site
+            else f"Point the fix at your own functions with --config (docs/fixes.md) and run: "
+            f"{report.verify_command} --config FILE"
+        )
+    )
     return dataclasses.replace(report, verify_command=None, fix_note=note)

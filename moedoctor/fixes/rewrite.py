@@ -89,9 +89,11 @@ def rewrite(source: str | bytes, filename: str, wanted: Mapping[tuple[str, int],
     path = os.path.normpath(filename)
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and (path, node.lineno) in wanted:
-            call = ast.Call(func=ast.Name(CALL, ast.Load()),
-                            args=[node.test, ast.Constant(wanted[(path, node.lineno)]), ast.Constant(node.lineno)],
-                            keywords=[])
+            call = ast.Call(
+                func=ast.Name(CALL, ast.Load()),
+                args=[node.test, ast.Constant(wanted[(path, node.lineno)]), ast.Constant(node.lineno)],
+                keywords=[],
+            )
             node.test = ast.copy_location(call, node.test)
             applied.add((path, node.lineno))
     ast.fix_missing_locations(tree)
@@ -121,6 +123,7 @@ def activate(environ: Mapping[str, str] = os.environ) -> dict[tuple[str, int], s
 
 
 # -- modules ------------------------------------------------------------------------------------------
+
 
 class _Loader(importlib.machinery.SourceFileLoader):
     def get_code(self, fullname):  # never the cached bytecode: it has the original test
@@ -152,6 +155,7 @@ def install_import_hook(environ: Mapping[str, str] = os.environ) -> dict[tuple[s
 
 
 # -- the script ---------------------------------------------------------------------------------------
+
 
 def script_command(command: list[str], files: set[str]) -> list[str]:
     """``command`` with its script run through ``-m moedoctor.fixes.script`` when a wanted branch is

@@ -27,7 +27,7 @@ from typing import Any
 from moedoctor._imports import when_imported
 from moedoctor.fixes.base import Fix, Target
 
-ENV_FIXES = "MOEDOCTOR_FIXES"            # comma-separated fix names
+ENV_FIXES = "MOEDOCTOR_FIXES"  # comma-separated fix names
 ENV_FIX_CONFIG = "MOEDOCTOR_FIX_CONFIG"  # a JSON file: {fix name: normalized --config section}
 ENV_FIX_CHECKS = "MOEDOCTOR_FIX_CHECKS"  # "1": run the fixes' numerical checks (moedoctor verify)
 STATUS_FORMAT = 1
@@ -51,12 +51,12 @@ class CheckState:
     """One named check, aggregated over every time it ran in this process."""
 
     name: str
-    passed: bool | None = None   # None: could not be checked (``detail`` says why)
+    passed: bool | None = None  # None: could not be checked (``detail`` says why)
     runs: int = 0
     passes: int = 0
     failures: int = 0
     detail: str = ""
-    worst: float | None = None   # e.g. the largest difference seen
+    worst: float | None = None  # e.g. the largest difference seen
 
 
 @dataclass
@@ -182,10 +182,16 @@ class FixRuntime:
     # -- the record -------------------------------------------------------------------------------
 
     def status(self) -> dict:
-        return {"format": STATUS_FORMAT, "fix": self.fix.name, "rank": self.rank, "pid": os.getpid(),
-                "checks_enabled": self.checks_enabled,
-                "targets": [asdict(t) for t in self.targets.values()],
-                "checks": [asdict(c) for c in self.checks.values()], "notes": list(self.notes)}
+        return {
+            "format": STATUS_FORMAT,
+            "fix": self.fix.name,
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "checks_enabled": self.checks_enabled,
+            "targets": [asdict(t) for t in self.targets.values()],
+            "checks": [asdict(c) for c in self.checks.values()],
+            "notes": list(self.notes),
+        }
 
     def write(self) -> None:
         if self.status_dir is None or self.rank is None:
@@ -216,14 +222,18 @@ class FixRuntime:
             if key in rewrite.applied:
                 state.patched = True
             elif not state.patched:
-                state.error = (f"{path}: not rewritten (the file was compiled before moedoctor could, or no `if` "
-                               "starts on that line)")
+                state.error = (
+                    f"{path}: not rewritten (the file was compiled before moedoctor could, or no `if` "
+                    "starts on that line)"
+                )
         if not any(t.patched for t in self.targets.values()):
             paths = [t.path for t in self.targets.values()]
             looked = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
             errors = "; ".join(t.error for t in self.targets.values() if t.error)
-            self.note(f"did NOTHING: none of its targets was found in this job (looked for {looked})"
-                      + (f"; {errors}" if errors else ""))
+            self.note(
+                f"did NOTHING: none of its targets was found in this job (looked for {looked})"
+                + (f"; {errors}" if errors else "")
+            )
         elif not any(t.calls for t in self.targets.values()):
             patched = ", ".join(t.path for t in self.targets.values() if t.patched)
             self.note(f"patched {patched} but the job never called it")
@@ -255,11 +265,15 @@ def agreed_branch(runtime: FixRuntime, agree: str) -> Callable[[Any, int], bool]
         seen["disagreed"] += anyone != everyone
         seen["overridden"] += result != local
         if anyone != everyone or seen["evaluations"] == 1:
-            text = (f"line {line}: the ranks disagreed at {seen['disagreed']} of {seen['evaluations']} evaluation(s) "
-                    f"and took one branch ({seen['overridden']} local decision(s) overridden on this rank)")
-            runtime.check("ranks disagreed and took one branch", True if seen["disagreed"] else None,
-                          text if seen["disagreed"] else f"line {line}: the ranks never disagreed (the fix was "
-                                                         "not exercised)")
+            text = (
+                f"line {line}: the ranks disagreed at {seen['disagreed']} of {seen['evaluations']} evaluation(s) "
+                f"and took one branch ({seen['overridden']} local decision(s) overridden on this rank)"
+            )
+            runtime.check(
+                "ranks disagreed and took one branch",
+                True if seen["disagreed"] else None,
+                text if seen["disagreed"] else f"line {line}: the ranks never disagreed (the fix was not exercised)",
+            )
         return result
 
     return agreed

@@ -165,8 +165,11 @@ class _StepSnapshots:
         items: list[tuple[str, Any]] = []
         for i, optimizer in enumerate(list(self.optimizers)):
             for g, group in enumerate(optimizer.param_groups):
-                items += [(f"optimizer{i}.group{g}.{k}", v) for k, v in group.items()
-                          if k != "params" and isinstance(v, (int, float, bool, tuple))]
+                items += [
+                    (f"optimizer{i}.group{g}.{k}", v)
+                    for k, v in group.items()
+                    if k != "params" and isinstance(v, (int, float, bool, tuple))
+                ]
                 for p, param in enumerate(group["params"]):
                     items.append((f"optimizer{i}.group{g}.param{p}", local(param)))
                     for key, value in optimizer.state.get(param, {}).items():
@@ -191,19 +194,28 @@ class _StepSnapshots:
         changed = []
         for key, value in before:
             now = after.get(key)
-            same = torch.equal(value, now) if isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor) \
+            same = (
+                torch.equal(value, now)
+                if isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor)
                 else value == now
+            )
             if not same:
                 changed.append(key)
         tensors = sum(isinstance(v, torch.Tensor) for _, v in before)
         if changed:
-            self.runtime.check("skipped step is a no-op", False,
-                               f"skip #{self.skips} changed {len(changed)} of {len(before)} items: "
-                               f"{', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}")
+            self.runtime.check(
+                "skipped step is a no-op",
+                False,
+                f"skip #{self.skips} changed {len(changed)} of {len(before)} items: "
+                f"{', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}",
+            )
         else:
-            self.runtime.check("skipped step is a no-op", True,
-                               f"{self.skips} skipped step(s): {tensors} tensors (params, optimizer state) "
-                               f"and {len(before) - tensors} hyper-parameters/scheduler values bitwise unchanged")
+            self.runtime.check(
+                "skipped step is a no-op",
+                True,
+                f"{self.skips} skipped step(s): {tensors} tensors (params, optimizer state) "
+                f"and {len(before) - tensors} hyper-parameters/scheduler values bitwise unchanged",
+            )
 
 
 FIX = Fix(
@@ -211,18 +223,18 @@ FIX = Fix(
     patterns=("skipped-optimizer-step",),
     summary="make the skip-the-step decision collective (non-finite flag all-reduced with MAX)",
     mechanism="Wraps the function that decides to skip the optimizer step; its local answer is "
-              "all-reduced with MAX over the decision's group, so every rank skips or none does.",
+    "all-reduced with MAX over the decision's group, so every rank skips or none does.",
     risk="One 1-element all-reduce per step. The caller's skip path must not call step() (AdamW weight "
-         "decay moves weights even with zero grads); the check catches that. A rank that overflows every "
-         "step now makes every rank skip every step.",
+    "decay moves weights even with zero grads); the check catches that. A rank that overflows every "
+    "step now makes every rank skip every step.",
     cost="one 1-element all-reduce (and a host sync on its flag) per step",
     check="at each skip, params, optimizer state, hyper-parameters and LR schedulers are snapshotted; "
-          "at the next decision they must be bitwise unchanged",
+    "at the next decision they must be bitwise unchanged",
     targets=(Target("_lib.sharded_optim:grad_norm_is_nonfinite", "moedoctor's fixtures"),),
     install=_install,
     by_structure="the `if` in your code that decided to skip (its test made collective)",
     parse_config=_parse_config,
     config_help="decision: 'module:function' (returns true to skip, or the grad norm with returns: norm); or "
-                "branch: {file: PATH, line: N, agree: any|all} (an `if` of your code, made collective: written "
-                "by `moedoctor analyze` into report.json when it finds the decision)",
+    "branch: {file: PATH, line: N, agree: any|all} (an `if` of your code, made collective: written "
+    "by `moedoctor analyze` into report.json when it finds the decision)",
 )

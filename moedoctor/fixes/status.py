@@ -92,10 +92,16 @@ def read_fix_status(run_dir: Path, fix: str) -> FixStatus:
             data = json.loads(path.read_text())
             result.ranks[int(data["rank"])] = RankFixStatus(
                 rank=int(data["rank"]),
-                targets=tuple(TargetStatus(t["path"], t.get("note", ""), bool(t["patched"]), int(t["calls"]),
-                                           t.get("error")) for t in data["targets"]),
-                checks=tuple(CheckStatus(c["name"], c["passed"], int(c["runs"]), int(c["failures"]),
-                                         c.get("detail", ""), c.get("worst")) for c in data["checks"]),
+                targets=tuple(
+                    TargetStatus(t["path"], t.get("note", ""), bool(t["patched"]), int(t["calls"]), t.get("error"))
+                    for t in data["targets"]
+                ),
+                checks=tuple(
+                    CheckStatus(
+                        c["name"], c["passed"], int(c["runs"]), int(c["failures"]), c.get("detail", ""), c.get("worst")
+                    )
+                    for c in data["checks"]
+                ),
                 notes=tuple(data.get("notes", ())),
             )
         except (OSError, ValueError, KeyError, TypeError) as e:

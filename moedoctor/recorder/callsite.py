@@ -55,8 +55,12 @@ def _flags(code) -> int:
     if flags is None:
         filename = code.co_filename
         flags = 0
-        if (filename.startswith(_INTERNAL_DIRS) or filename.startswith("<") or filename.endswith(_WRAPPER_FILES)
-                or (filename.startswith(_STDLIB_DIRS) and not any(d in filename for d in _PACKAGE_DIRS))):
+        if (
+            filename.startswith(_INTERNAL_DIRS)
+            or filename.startswith("<")
+            or filename.endswith(_WRAPPER_FILES)
+            or (filename.startswith(_STDLIB_DIRS) and not any(d in filename for d in _PACKAGE_DIRS))
+        ):
             flags |= INTERNAL
             if code.co_name in _MODULE_CALL_NAMES and filename.endswith(os.path.join("nn", "modules", "module.py")):
                 flags |= MODULE_CALL

@@ -120,6 +120,7 @@ def _is_nccl(pg) -> bool:
     except Exception:
         return False
 
+
 MAX_SHAPES = 64  # tensors described per side of one collective; the rest are counted, not listed
 
 
@@ -211,8 +212,9 @@ class Recorder:
             except Exception as e:  # never fail the job: the Python kernels record it
                 native.reason = f"{type(e).__name__}: {e}"
             if self._native is None:
-                print(f"moedoctor: native kernel unavailable, using the Python kernels: {native.reason}",
-                      file=sys.stderr)
+                print(
+                    f"moedoctor: native kernel unavailable, using the Python kernels: {native.reason}", file=sys.stderr
+                )
                 return False
         return True
 
@@ -262,10 +264,16 @@ class Recorder:
         if self._native is not None:  # [native seam]
             self._native.set_fd(self._fd)
         header = {
-            "format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "rank": rank,
-            "local_rank": int(os.environ.get("LOCAL_RANK", rank)), "world_size": world,
-            "host": socket.gethostname(), "pid": os.getpid(), "torch": torch.__version__,
-            "moedoctor": moedoctor.__version__, "start_time": time.time(),
+            "format": fmt.FORMAT_NAME,
+            "version": fmt.FORMAT_VERSION,
+            "rank": rank,
+            "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
+            "world_size": world,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "torch": torch.__version__,
+            "moedoctor": moedoctor.__version__,
+            "start_time": time.time(),
         }
         self._write(fmt.encode(header))
         if self._fd is None:  # the header could not be written: recording stopped already
@@ -349,7 +357,7 @@ class Recorder:
         if spec.out_splits is not None:
             ins = self._arg(spec, spec.in_splits, args, kwargs, ())
             outs = self._arg(spec, spec.out_splits, args, kwargs, ())
-            splits = f'[[{",".join(map(str, map(int, ins)))}],[{",".join(map(str, map(int, outs)))}]]'
+            splits = f"[[{','.join(map(str, map(int, ins)))}],[{','.join(map(str, map(int, outs)))}]]"
         if spec.root is not None:
             root_rank = self._global_rank(group_name, self._arg(spec, spec.root, args, kwargs))
             root = "null" if root_rank is None else root_rank
@@ -361,7 +369,8 @@ class Recorder:
             peer_json = "null" if peer is None else peer
         index = spec.async_op
         is_async = spec.namespace != "c10d" or (
-            args[index] if index is not None and index < count else kwargs.get("async_op", True))
+            args[index] if index is not None and index < count else kwargs.get("async_op", True)
+        )
         thread = _thread_names.get(get_ident())
         if thread is None:
             thread = _thread_names[get_ident()] = _json_str(threading.current_thread().name)
@@ -389,12 +398,32 @@ class Recorder:
                 self._drop()
                 return None, gid
             self._written += 1
-            self._write(encode_collective(
-                event_id, gid, seq, sid, now, spec.op_json, spec.qualified_json, _shapes(inputs), _shapes(outputs),
-                _dtypes(inputs), "true" if is_async else "false", thread, phase, self.step, p2p_seq=pseq,
-                reduce_op=reduce_op, counts=counts, splits=splits, root=root, module=module, peer=peer_json,
-                device=device,
-            ).encode())
+            self._write(
+                encode_collective(
+                    event_id,
+                    gid,
+                    seq,
+                    sid,
+                    now,
+                    spec.op_json,
+                    spec.qualified_json,
+                    _shapes(inputs),
+                    _shapes(outputs),
+                    _dtypes(inputs),
+                    "true" if is_async else "false",
+                    thread,
+                    phase,
+                    self.step,
+                    p2p_seq=pseq,
+                    reduce_op=reduce_op,
+                    counts=counts,
+                    splits=splits,
+                    root=root,
+                    module=module,
+                    peer=peer_json,
+                    device=device,
+                ).encode()
+            )
         return event_id, gid
 
     def _phase(self, attribution: callsite.Attribution) -> Phase:
@@ -537,8 +566,11 @@ class Recorder:
             collectives, p2p = counts.get(name) or (self._seq.get(name, 0), self._p2p_seq.get(("#p2p", name), 0))
             groups.append([name, collectives + (0 if _is_nccl(pg) else p2p), backend])
         with self._lock:
-            self._write(fmt.encode({"k": fmt.COVERAGE, "t": time.time(), "reason": reason,
-                                    "groups": groups, "dropped": dropped}))
+            self._write(
+                fmt.encode(
+                    {"k": fmt.COVERAGE, "t": time.time(), "reason": reason, "groups": groups, "dropped": dropped}
+                )
+            )
 
     def _internal_error(self, spec: OpSpec, error: Exception) -> None:
         self._errors += 1

@@ -55,17 +55,17 @@ class _Gradients:
         if missing != self.before:
             self.before = missing
             names = sorted(missing)
-            self.recorder.write_evidence("params_without_grad", {
-                "names": [n for n, _ in names], "shapes": [list(shape) for _, shape in names],
-                "count": len(names)})
+            self.recorder.write_evidence(
+                "params_without_grad",
+                {"names": [n for n, _ in names], "shapes": [list(shape) for _, shape in names], "count": len(names)},
+            )
 
     def after_backward(self) -> None:
         optimizer = self.primary() if self.primary is not None else None
         if optimizer is not None:
             self.note(optimizer)
         elif self.recorder.step == 0:  # before the first step: the models' trainable parameters
-            self._write(frozenset((name, _local_shape(p)) for name, p in _ModuleRegistry.trainable()
-                                  if p.grad is None))
+            self._write(frozenset((name, _local_shape(p)) for name, p in _ModuleRegistry.trainable() if p.grad is None))
 
 
 def _install_optimizer_hooks(recorder: Recorder, gradients: _Gradients) -> None:
@@ -112,9 +112,12 @@ def _install_zero_grad_hook(recorder: Recorder) -> None:
 def _params_without_grad(optimizer) -> frozenset[tuple[str, tuple[int, ...]]]:
     """(name, local shape) of each parameter of ``optimizer`` that requires a gradient and has none
     (a frozen parameter has none by design: progressive unfreezing is not a routing question)."""
-    missing = [(group_index, index, param)
-               for group_index, group in enumerate(optimizer.param_groups)
-               for index, param in enumerate(group["params"]) if param.grad is None and param.requires_grad]
+    missing = [
+        (group_index, index, param)
+        for group_index, group in enumerate(optimizer.param_groups)
+        for index, param in enumerate(group["params"])
+        if param.grad is None and param.requires_grad
+    ]
     if not missing:
         return frozenset()
     names = _ModuleRegistry.parameter_names(missing[0][2])
@@ -202,8 +205,9 @@ def _install_norm_hooks(recorder: Recorder) -> None:
 
         def emit(norm: float | None) -> None:
             finite = norm is not None and math.isfinite(norm)
-            recorder.write_evidence("grad_norm", {"norm": norm if finite else str(norm), "finite": finite,
-                                                  "site": site}, step=step)
+            recorder.write_evidence(
+                "grad_norm", {"norm": norm if finite else str(norm), "finite": finite, "site": site}, step=step
+            )
 
         if value is None:
             emit(None)
@@ -246,8 +250,9 @@ def _record_loss(recorder: Recorder, value: torch.Tensor, index: int) -> None:
     step = recorder.step
 
     def emit(loss: float) -> None:
-        recorder.write_evidence("loss", {"index": index, "value": loss if math.isfinite(loss) else str(loss)},
-                                step=step)
+        recorder.write_evidence(
+            "loss", {"index": index, "value": loss if math.isfinite(loss) else str(loss)}, step=step
+        )
 
     _emit_when_ready(recorder, value, emit)
 
@@ -268,16 +273,20 @@ def _emit_when_ready(recorder: Recorder, value: torch.Tensor, emit) -> None:
 # -- checkpoint ------------------------------------------------------------------------------------
 
 _CHECKPOINT_FUNCTIONS = {
-    "save": Phase.CHECKPOINT_SAVE, "async_save": Phase.CHECKPOINT_SAVE, "save_state_dict": Phase.CHECKPOINT_SAVE,
-    "load": Phase.CHECKPOINT_LOAD, "load_state_dict": Phase.CHECKPOINT_LOAD,
+    "save": Phase.CHECKPOINT_SAVE,
+    "async_save": Phase.CHECKPOINT_SAVE,
+    "save_state_dict": Phase.CHECKPOINT_SAVE,
+    "load": Phase.CHECKPOINT_LOAD,
+    "load_state_dict": Phase.CHECKPOINT_LOAD,
 }
 
 
 def _install_checkpoint_hooks(recorder: Recorder, package) -> None:
     import sys
 
-    modules = [package] + [sys.modules.get(f"torch.distributed.checkpoint.{m}")
-                           for m in ("state_dict_saver", "state_dict_loader")]
+    modules = [package] + [
+        sys.modules.get(f"torch.distributed.checkpoint.{m}") for m in ("state_dict_saver", "state_dict_loader")
+    ]
     wrapped: dict[int, object] = {}
     for module in filter(None, modules):
         for name, phase in _CHECKPOINT_FUNCTIONS.items():

@@ -31,8 +31,8 @@ from moedoctor.trace.flight_recorder import _last_completed
 from moedoctor.trace.fr_completion import DONE_SOURCE_FR, LiveTracker, entries_from_dump
 
 ENV_SWITCH = "MOEDOCTOR_FR_COMPLETION"
-INTERVAL = 1.0        # seconds between polls, at least
-COST_FACTOR = 100     # ... and at least this many times the last poll's duration
+INTERVAL = 1.0  # seconds between polls, at least
+COST_FACTOR = 100  # ... and at least this many times the last poll's duration
 READ_CHUNK = 16 << 20  # bytes of the trace read per poll at most
 FULL_DUMP_EVERY = 60.0  # seconds between full dumps at most (to learn a group's pg_id)
 
@@ -66,9 +66,9 @@ class FlightRecorderPoller:
         self.tracker = LiveTracker(self._wanted)
         self._settled = -1
         self._next = 0.0
-        self._pg_ids: dict[str, str] = {}   # group name -> Flight Recorder's pg_id (learnt from entries)
-        self._uids: dict[str, str] = {}     # group name -> ProcessGroupNCCL.uid (the same number, once confirmed)
-        self._uid_confirmed = False         # some group's uid equalled its entries' pg_id, and none differed
+        self._pg_ids: dict[str, str] = {}  # group name -> Flight Recorder's pg_id (learnt from entries)
+        self._uids: dict[str, str] = {}  # group name -> ProcessGroupNCCL.uid (the same number, once confirmed)
+        self._uid_confirmed = False  # some group's uid equalled its entries' pg_id, and none differed
         self._uid_wrong = False
         self._next_full = 0.0
         self.window = ring_size()

@@ -72,9 +72,9 @@ class OpSpec:
     async_op: int | None
     peer: int | None
     arg_names: tuple[str, ...]
-    root: int | None = None          # rooted ops (broadcast, reduce, gather, scatter): the root's group rank
-    in_splits: int | None = None     # all_to_all_single: rows sent to each member
-    out_splits: int | None = None    # all_to_all_single: rows received from each member
+    root: int | None = None  # rooted ops (broadcast, reduce, gather, scatter): the root's group rank
+    in_splits: int | None = None  # all_to_all_single: rows sent to each member
+    out_splits: int | None = None  # all_to_all_single: rows received from each member
 
     #: The op's and the dispatcher op's names as JSON text, for the record.
     op_json: str = field(init=False)
@@ -111,12 +111,20 @@ def op_spec(namespace: str, raw_name: str, normalized: str) -> OpSpec | None:
         return None
     p2p = normalized in ("send", "recv")
     return OpSpec(
-        namespace=namespace, raw_name=raw_name, op=normalized, packet=overload,
-        inputs=_first(names, _INPUT_ARGS), outputs=_first(names, _OUTPUT_ARGS), group=group,
-        reduce_op=_first(names, ("reduce_op",)), async_op=_first(names, ("async_op",)),
-        peer=_first(names, _PEER_ARGS) if p2p else None, arg_names=tuple(names),
+        namespace=namespace,
+        raw_name=raw_name,
+        op=normalized,
+        packet=overload,
+        inputs=_first(names, _INPUT_ARGS),
+        outputs=_first(names, _OUTPUT_ARGS),
+        group=group,
+        reduce_op=_first(names, ("reduce_op",)),
+        async_op=_first(names, ("async_op",)),
+        peer=_first(names, _PEER_ARGS) if p2p else None,
+        arg_names=tuple(names),
         root=None if p2p else _first(names, _ROOT_ARGS),
-        in_splits=_first(names, ("input_split_sizes",)), out_splits=_first(names, ("output_split_sizes",)),
+        in_splits=_first(names, ("input_split_sizes",)),
+        out_splits=_first(names, ("output_split_sizes",)),
     )
 
 

@@ -169,8 +169,9 @@ class Progress:
                 last_done[group_id] = max(event_id, last_done.get(group_id, -1))
                 continue
             if reduce_op is not None:
-                annotations.append(fmt.encode({"k": fmt.ANNOTATE, "i": event_id,
-                                               "red": self._recorder.reduce_name(reduce_op)}))
+                annotations.append(
+                    fmt.encode({"k": fmt.ANNOTATE, "i": event_id, "red": self._recorder.reduce_name(reduce_op)})
+                )
             self._pending.append((event_id, group_id, work))
         still = []
         for _ in range(len(self._pending)):

@@ -71,8 +71,13 @@ class TraceWriter:
             self._on_stop()
             file = self.path.name if self.path is not None else "its trace"
             events = self._events()
-            status = {"rank": self.rank, "errno": error.errno, "error": error.strerror or str(error),
-                      "file": file, "events": events}
+            status = {
+                "rank": self.rank,
+                "errno": error.errno,
+                "error": error.strerror or str(error),
+                "file": file,
+                "events": events,
+            }
             self.stopped = fmt.stopped_line(status)
             try:
                 if self._status_fd is None:

@@ -3,8 +3,23 @@ report's schema (``moedoctor/analysis/report_json.py``, documented in ``docs/rep
 that layers below the renderers (verification) write ``report.json`` without importing them."""
 
 from moedoctor.analysis.report_json import (
-    CUT_TO, MAX_REPORT_BYTES, MAX_SHAPES, divergence_to_dict, dumps, op_to_dict, report_to_dict, write_json,
+    CUT_TO,
+    MAX_REPORT_BYTES,
+    MAX_SHAPES,
+    divergence_to_dict,
+    dumps,
+    op_to_dict,
+    report_to_dict,
+    write_json,
 )
 
-__all__ = ["CUT_TO", "MAX_REPORT_BYTES", "MAX_SHAPES", "divergence_to_dict", "dumps", "op_to_dict", "report_to_dict",
-           "write_json"]
+__all__ = [
+    "CUT_TO",
+    "MAX_REPORT_BYTES",
+    "MAX_SHAPES",
+    "divergence_to_dict",
+    "dumps",
+    "op_to_dict",
+    "report_to_dict",
+    "write_json",
+]

@@ -40,8 +40,9 @@ def perfetto_trace(run: RunData, report: Report) -> dict:
             if key not in tids:
                 tids[key] = len([k for k in tids if k[0] == trace.rank]) + 1
                 name = f"group {e.group.name}" + (f" ({e.group.desc})" if e.group.desc else "")
-                out.append({"ph": "M", "name": "thread_name", "pid": trace.rank, "tid": tids[key],
-                            "args": {"name": name}})
+                out.append(
+                    {"ph": "M", "name": "thread_name", "pid": trace.rank, "tid": tids[key], "args": {"name": name}}
+                )
             by_track.setdefault(tids[key], []).append(e)
         for tid, track in by_track.items():
             track.sort(key=lambda e: (e.time, e.event_id))
@@ -49,33 +50,67 @@ def perfetto_trace(run: RunData, report: Report) -> dict:
                 stop = e.completed if e.completed is not None else end
                 if i + 1 < len(track):
                     stop = min(stop, track[i + 1].time)
-                args = {"seq": e.seq, "shapes": [list(s) for s in e.in_shapes], "dtypes": list(e.dtypes),
-                        "reduce_op": e.reduce_op, "phase": e.phase.value, "step": e.step, "module": e.module,
-                        "call_site": None if e.call_site is None else e.call_site.where,
-                        "completed": e.completed is not None,
-                        "completed_at_us": None if e.completed is None else us(e.completed)}
+                args = {
+                    "seq": e.seq,
+                    "shapes": [list(s) for s in e.in_shapes],
+                    "dtypes": list(e.dtypes),
+                    "reduce_op": e.reduce_op,
+                    "phase": e.phase.value,
+                    "step": e.step,
+                    "module": e.module,
+                    "call_site": None if e.call_site is None else e.call_site.where,
+                    "completed": e.completed is not None,
+                    "completed_at_us": None if e.completed is None else us(e.completed),
+                }
                 if e.is_p2p:
                     args.update(peer=e.peer, p2p_seq=e.p2p_seq)
-                out.append({"ph": "X", "name": e.op + ("" if e.completed is not None else " (waiting)"),
-                            "cat": "collective", "pid": trace.rank, "tid": tid, "ts": us(e.time),
-                            "dur": max(us(stop) - us(e.time), 1.0), "args": args})
+                out.append(
+                    {
+                        "ph": "X",
+                        "name": e.op + ("" if e.completed is not None else " (waiting)"),
+                        "cat": "collective",
+                        "pid": trace.rank,
+                        "tid": tid,
+                        "ts": us(e.time),
+                        "dur": max(us(stop) - us(e.time), 1.0),
+                        "args": args,
+                    }
+                )
     div = report.divergence
     if div is not None:
         label = f"DIVERGENCE {div.kind.value} at #{div.seq} of group {div.group.name}" + (
-            f" ({report.pattern})" if report.pattern else "")
+            f" ({report.pattern})" if report.pattern else ""
+        )
         for rank, op in div.per_rank.items():
             tid = tids.get((rank, div.group.name), 1)
             ts = us(op.time) if op is not None else us(end)
-            out.append({"ph": "i", "s": "p", "name": label, "pid": rank, "tid": tid, "ts": ts,
-                        "args": {"rank": rank, "culprit": rank in report.culprit_ranks,
-                                 "op": None if op is None else op.op, "call_site": None if op is None else op.call_site,
-                                 "never_issued": op is None}})
+            out.append(
+                {
+                    "ph": "i",
+                    "s": "p",
+                    "name": label,
+                    "pid": rank,
+                    "tid": tid,
+                    "ts": ts,
+                    "args": {
+                        "rank": rank,
+                        "culprit": rank in report.culprit_ranks,
+                        "op": None if op is None else op.op,
+                        "call_site": None if op is None else op.call_site,
+                        "never_issued": op is None,
+                    },
+                }
+            )
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": _meta(report)}
 
 
 def _meta(report: Report) -> dict:
-    return {"moedoctor_verdict": report.verdict.value, "pattern": report.pattern,
-            "culprit_ranks": ",".join(map(str, report.culprit_ranks)), "summary": report.summary}
+    return {
+        "moedoctor_verdict": report.verdict.value,
+        "pattern": report.pattern,
+        "culprit_ranks": ",".join(map(str, report.culprit_ranks)),
+        "summary": report.summary,
+    }
 
 
 def write_perfetto(run: RunData, report: Report, path: Path) -> Path:

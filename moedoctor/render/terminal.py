@@ -14,14 +14,30 @@ from moedoctor.analysis.model import AlignedRow, DivergenceKind, OpView, Report,
 from moedoctor.wording import rank_names
 
 _VERDICT_STYLE = {Verdict.HEALTHY: "green", Verdict.DESYNC: "red", Verdict.STUCK: "yellow", Verdict.CRASHED: "red"}
-_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64", "int32": "i32",
-           "uint8": "u8", "int8": "i8", "bool": "bool"}
+_DTYPES = {
+    "float32": "f32",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float64": "f64",
+    "int64": "i64",
+    "int32": "i32",
+    "uint8": "u8",
+    "int8": "i8",
+    "bool": "bool",
+}
 
 
 def render_report(report: Report, console: Console) -> None:
     style = _VERDICT_STYLE[report.verdict]
-    console.print(Panel(Text(report.summary), title=f"[bold]moedoctor: {report.verdict.value.upper()}[/]",
-                        title_align="left", border_style=style, expand=True))
+    console.print(
+        Panel(
+            Text(report.summary),
+            title=f"[bold]moedoctor: {report.verdict.value.upper()}[/]",
+            title_align="left",
+            border_style=style,
+            expand=True,
+        )
+    )
     if report.verdict == Verdict.HEALTHY:
         _incomplete(report, console)
         return
@@ -48,13 +64,18 @@ def render_report(report: Report, console: Console) -> None:
         console.print(Text("Wait-for" + (" (cycle)" if report.cycle else ""), style="bold"))
         edges = report.cycle or report.wait_for
         for e in edges[:8]:
-            console.print(Text(f"  rank {e.rank} waits in {e.op} #{e.seq} of group {e.group} for "
-                               f"{_ranks(e.waits_for)}"), soft_wrap=True)
+            console.print(
+                Text(f"  rank {e.rank} waits in {e.op} #{e.seq} of group {e.group} for {_ranks(e.waits_for)}"),
+                soft_wrap=True,
+            )
         if len(edges) > 8:
             console.print(Text(f"  ... {len(edges) - 8} more (see --json)", style="dim"))
     _fix(report, console)
-    others = [d for d in report.groups if report.divergence is None or d.group.name != report.divergence.group.name
-              or d.seq != report.divergence.seq]
+    others = [
+        d
+        for d in report.groups
+        if report.divergence is None or d.group.name != report.divergence.group.name or d.seq != report.divergence.seq
+    ]
     if others:
         console.print(Text("Other groups", style="bold"))
         for d in others[:8]:
@@ -64,10 +85,12 @@ def render_report(report: Report, console: Console) -> None:
 
 def alignment_table(report: Report) -> Table:
     div = report.divergence
-    title = (f"Group {div.group.label()}, {_ranks(div.group.ranks)}: collectives around "
-             + (f"p2p #{div.seq}" if div.kind == DivergenceKind.P2P else f"#{div.seq}"))
-    table = Table(title=escape(title), title_justify="left", box=box.SIMPLE_HEAD, show_lines=False,
-                  pad_edge=False, expand=False)
+    title = f"Group {div.group.label()}, {_ranks(div.group.ranks)}: collectives around " + (
+        f"p2p #{div.seq}" if div.kind == DivergenceKind.P2P else f"#{div.seq}"
+    )
+    table = Table(
+        title=escape(title), title_justify="left", box=box.SIMPLE_HEAD, show_lines=False, pad_edge=False, expand=False
+    )
     table.add_column("seq", justify="right", no_wrap=True)
     for r in report.alignment_ranks:
         mark = " (culprit)" if r in report.culprit_ranks else ""
@@ -95,8 +118,10 @@ def _cell(row: AlignedRow, rank: int, at_divergence: bool) -> Text:
     if op.module:
         text.append(f"\nunit {op.module}", style="dim")
     if not op.completed:
-        text.append("\nwaiting (not completed)" if at_divergence else "\nnot seen completing",
-                    style="yellow" if at_divergence else "dim")
+        text.append(
+            "\nwaiting (not completed)" if at_divergence else "\nnot seen completing",
+            style="yellow" if at_divergence else "dim",
+        )
     return text
 
 

@@ -32,14 +32,21 @@ def render_verification(v: Verification, console: Console) -> None:
         if c.detail and not c.failed:
             console.print(f"  [dim]{escape(c.name)}: {escape(c.detail)}[/]", highlight=False, soft_wrap=True)
     if v.passed:
-        console.print(f"[bold green]VERIFIED[/]: {escape(', '.join(v.fixes))} fixes the job: it completes, every "
-                      "rank issues the same collectives, and the numbers hold.", highlight=False, soft_wrap=True)
+        console.print(
+            f"[bold green]VERIFIED[/]: {escape(', '.join(v.fixes))} fixes the job: it completes, every "
+            "rank issues the same collectives, and the numbers hold.",
+            highlight=False,
+            soft_wrap=True,
+        )
     else:
         console.print(f"[bold red]NOT VERIFIED[/]: {escape(', '.join(v.fixes))}", highlight=False, soft_wrap=True)
         for reason in v.reasons:
             console.print(f"  - {escape(reason)}", highlight=False, soft_wrap=True)
-    console.print(f"Rerun recorded in {escape(str(v.run_dir))} (moedoctor analyze {escape(str(v.run_dir))})",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"Rerun recorded in {escape(str(v.run_dir))} (moedoctor analyze {escape(str(v.run_dir))})",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def verification_to_dict(v: Verification) -> dict:
@@ -52,15 +59,36 @@ def verification_to_dict(v: Verification) -> dict:
         "run_dir": str(v.run_dir),
         "original": None if v.original is None else str(v.original),
         "reasons": v.reasons,
-        "checks": [{"name": c.name, "passed": c.passed, "required": c.required, "failed": c.failed,
-                    "before": c.before, "after": c.after, "detail": c.detail} for c in v.checks],
+        "checks": [
+            {
+                "name": c.name,
+                "passed": c.passed,
+                "required": c.required,
+                "failed": c.failed,
+                "before": c.before,
+                "after": c.after,
+                "detail": c.detail,
+            }
+            for c in v.checks
+        ],
         "exit_code": v.result.exit_code,
-        "losses": None if v.losses is None else {
-            "compared": v.losses.compared, "matched": v.losses.matched,
-            "worst_relative": v.losses.worst_relative, "mismatches": list(v.losses.mismatches)},
-        "step_time": None if v.step_times is None else {
-            "steps": list(v.step_times.steps), "before_s": v.step_times.before, "after_s": v.step_times.after,
-            "after_all_steps_s": v.step_times.after_all, "change": v.step_times.change},
+        "losses": None
+        if v.losses is None
+        else {
+            "compared": v.losses.compared,
+            "matched": v.losses.matched,
+            "worst_relative": v.losses.worst_relative,
+            "mismatches": list(v.losses.mismatches),
+        },
+        "step_time": None
+        if v.step_times is None
+        else {
+            "steps": list(v.step_times.steps),
+            "before_s": v.step_times.before,
+            "after_s": v.step_times.after,
+            "after_all_steps_s": v.step_times.after_all,
+            "change": v.step_times.change,
+        },
         "report": None if v.report is None else report_to_dict(v.report),
     }
 

@@ -7,5 +7,14 @@ Nothing here prints or exits; ``moedoctor.cli.run`` renders what ``run_job`` rep
 from moedoctor.runner.launch import Outcome, RunConfig, RunObserver, RunResult, RunStatus, run_job
 from moedoctor.runner.rundir import RunDir, default_run_dir, prepare_run_dir
 
-__all__ = ["Outcome", "RunConfig", "RunDir", "RunObserver", "RunResult", "RunStatus", "default_run_dir",
-           "prepare_run_dir", "run_job"]
+__all__ = [
+    "Outcome",
+    "RunConfig",
+    "RunDir",
+    "RunObserver",
+    "RunResult",
+    "RunStatus",
+    "default_run_dir",
+    "prepare_run_dir",
+    "run_job",
+]

@@ -18,8 +18,10 @@ _PER_NODE_OPTIONS = ("--node_rank", "--node-rank")
 def check_launcher(command: list[str]) -> list[str]:
     """Return ``command`` unchanged if it starts a torchrun launcher; raise ``MoedoctorError``."""
     if not command:
-        raise MoedoctorError("no command to run: give it after '--', e.g. "
-                             "moedoctor run -- torchrun --nproc_per_node=2 train.py", EXIT_USAGE)
+        raise MoedoctorError(
+            "no command to run: give it after '--', e.g. moedoctor run -- torchrun --nproc_per_node=2 train.py",
+            EXIT_USAGE,
+        )
     program = os.path.basename(command[0])
     if program == "torchrun":
         return command
@@ -28,7 +30,8 @@ def check_launcher(command: list[str]) -> list[str]:
     raise MoedoctorError(
         f"moedoctor run wraps a torchrun launcher, not {' '.join(command[:3])!r}: use "
         "'torchrun [torchrun args] SCRIPT [args]' or 'python -m torch.distributed.run ...'",
-        EXIT_USAGE)
+        EXIT_USAGE,
+    )
 
 
 def _module_of(args: list[str]) -> str | None:
@@ -50,7 +53,7 @@ def node_rank(command: list[str]) -> str:
             return command[i + 1]
         for option in _PER_NODE_OPTIONS:
             if arg.startswith(option + "="):
-                return arg[len(option) + 1:]
+                return arg[len(option) + 1 :]
     return "0"
 
 

@@ -28,7 +28,15 @@ from moedoctor.recorder.install import ENV_MAX_EVENTS, ENV_RUN_DIR
 from moedoctor.runner import procs
 from moedoctor.runner.gpu import write_gpu_snapshot
 from moedoctor.runner.manifest import (
-    CoverageCheck, HangRecord, LastCollective, NodeRecord, RankAtHang, RankExit, Status, coverage_check, relevant_env,
+    CoverageCheck,
+    HangRecord,
+    LastCollective,
+    NodeRecord,
+    RankAtHang,
+    RankExit,
+    Status,
+    coverage_check,
+    relevant_env,
     write_node,
 )
 from moedoctor.runner.online import Desync, DesyncDetector, Lag
@@ -53,28 +61,28 @@ class RunConfig:
 
     command: list[str]
     run_dir: Path
-    env: Mapping[str, str]                 # the environment to start the job in
-    hang_timeout: float = 180.0            # no progress on any rank this long = hang
+    env: Mapping[str, str]  # the environment to start the job in
+    hang_timeout: float = 180.0  # no progress on any rank this long = hang
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT  # allowance before any rank has opened its trace
     keep_alive: bool = False
-    online: bool = True                    # online desync detection (a desync is diagnosed as a hang)
+    online: bool = True  # online desync detection (a desync is diagnosed as a hang)
     stacks: bool = True
     native: bool = False
     max_events: int | None = None
-    recorder: str = "python"               # "native" (C++ kernel, built beforehand) or "python"
-    joined: bool = False                   # another node already runs this job in run_dir
-    fixes: tuple[str, ...] = ()            # fix modules injected into every worker
-    fix_config: Path | None = None         # their normalized --config (JSON), if any
-    fix_checks: bool = False               # run the fixes' numerical checks (moedoctor verify)
-    stop_grace: float = 5.0                # SIGTERM -> SIGKILL
-    coverage_wait: float = 1.0             # after a snapshot request, before stopping the job
+    recorder: str = "python"  # "native" (C++ kernel, built beforehand) or "python"
+    joined: bool = False  # another node already runs this job in run_dir
+    fixes: tuple[str, ...] = ()  # fix modules injected into every worker
+    fix_config: Path | None = None  # their normalized --config (JSON), if any
+    fix_checks: bool = False  # run the fixes' numerical checks (moedoctor verify)
+    stop_grace: float = 5.0  # SIGTERM -> SIGKILL
+    coverage_wait: float = 1.0  # after a snapshot request, before stopping the job
     poll_interval: float = 0.5
     host: str = field(default_factory=socket.gethostname)
 
 
 class Outcome(str, Enum):
-    FINISHED = "finished"        # the job ended by itself
-    HANG = "hang"                # a hang was detected (the job stopped unless keep_alive)
+    FINISHED = "finished"  # the job ended by itself
+    HANG = "hang"  # a hang was detected (the job stopped unless keep_alive)
     INTERRUPTED = "interrupted"  # KeyboardInterrupt: the job was stopped
 
 
@@ -86,23 +94,23 @@ class RankStatus:
     pid: int | None
     last: CollectiveEvent | None
     last_completed: bool
-    idle_seconds: float | None   # None: no trace yet
-    unrecorded: bool = False     # its recorder stopped (a failed write): what the trace says is old
+    idle_seconds: float | None  # None: no trace yet
+    unrecorded: bool = False  # its recorder stopped (a failed write): what the trace says is old
 
 
 @dataclass
 class RunStatus:
     elapsed: float
     idle_seconds: float
-    limit: float                 # the timeout idle_seconds is compared with now
+    limit: float  # the timeout idle_seconds is compared with now
     ranks: list[RankStatus]
 
 
 @dataclass
 class RunResult:
     outcome: Outcome
-    exit_code: int               # what moedoctor should exit with
-    job_exit: int | None         # the launcher's own status (None when it was stopped)
+    exit_code: int  # what moedoctor should exit with
+    job_exit: int | None  # the launcher's own status (None when it was stopped)
     run_dir: RunDir
     hang: HangRecord | None = None
     coverage: CoverageCheck | None = None
@@ -186,24 +194,25 @@ def _versions() -> dict[str, str]:
     return {"moedoctor_version": moedoctor.__version__, "torch_version": torch_version}
 
 
-
 class _Run:
     def __init__(self, config: RunConfig, observer: RunObserver):
         self.config = config
         self.observer = observer
         self.dir = RunDir(Path(config.run_dir).resolve())
         self.launch_id = uuid.uuid4().hex
-        self.node = NodeRecord(node=f"{config.host}:{os.getpid()}", host=config.host,
-                               moedoctor_pid=os.getpid(), start=time.time())
+        self.node = NodeRecord(
+            node=f"{config.host}:{os.getpid()}", host=config.host, moedoctor_pid=os.getpid(), start=time.time()
+        )
         self.detector = DesyncDetector() if config.online else None
-        self.tracker = ProgressTracker(self.dir.traces,
-                                       listener=self.detector.feed if self.detector is not None else None)
+        self.tracker = ProgressTracker(
+            self.dir.traces, listener=self.detector.feed if self.detector is not None else None
+        )
         self.seen: dict[int, procs.JobProcess] = {}  # rank -> worker process, on this node
         self.proc: subprocess.Popen | None = None
         self.log_lock = threading.Lock()
         self.started = time.monotonic()
         self.silence: str | None = None  # why the traces' silence is no hang (a rank stopped recording...)
-        self._said: set[str] = set()     # the write failures already reported
+        self._said: set[str] = set()  # the write failures already reported
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -217,18 +226,23 @@ class _Run:
         self.node.log = str(self.dir.node_log(self.node.node) if self.config.joined else self.dir.job_log)
         with _JobLog(Path(self.node.log), self._write_failed) as log:
             try:
-                self.proc = subprocess.Popen(self.config.command, env=env, stdin=subprocess.DEVNULL,
-                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                             start_new_session=True,
-                                             preexec_fn=None if self.config.keep_alive else die_with_parent())
+                self.proc = subprocess.Popen(
+                    self.config.command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=None if self.config.keep_alive else die_with_parent(),
+                )
             except OSError as e:
                 self._finish(Status.FINISHED, EXIT_NOT_FOUND)
-                raise MoedoctorError(f"cannot start {self.config.command[0]!r}: {e.strerror}",
-                                     EXIT_NOT_FOUND) from None
+                raise MoedoctorError(f"cannot start {self.config.command[0]!r}: {e.strerror}", EXIT_NOT_FOUND) from None
             self.started = time.monotonic()
-            pumps = [threading.Thread(target=self._pump, args=(pipe, n, log), daemon=True,
-                                      name=f"moedoctor-pump-{n}")
-                     for n, pipe in ((1, self.proc.stdout), (2, self.proc.stderr))]
+            pumps = [
+                threading.Thread(target=self._pump, args=(pipe, n, log), daemon=True, name=f"moedoctor-pump-{n}")
+                for n, pipe in ((1, self.proc.stdout), (2, self.proc.stderr))
+            ]
             for pump in pumps:
                 pump.start()
             self.observer.started(self.dir, self.proc.pid, self.config.joined)
@@ -301,13 +315,16 @@ class _Run:
         if procs.job_processes(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id)):
             self._stop()  # the launcher is gone but left workers behind: they must not outlive us
         self.tracker.poll()
-        if hang is None and self.node.hang is not None and self.node.hang.trigger == "no-trace" \
-                and self.tracker.last_progress() is not None:
+        if (
+            hang is None
+            and self.node.hang is not None
+            and self.node.hang.trigger == "no-trace"
+            and self.tracker.last_progress() is not None
+        ):
             self.node.hang = None  # a slow start, diagnosed early, that went on to record: not a hang
         exit_code = 128 - code if code < 0 else code  # killed by signal N -> 128 + N, as shells say
         self._finish(Status.HANG if hang else Status.FINISHED, code, hang)
-        return RunResult(Outcome.HANG if hang else Outcome.FINISHED, exit_code, code, self.dir, hang,
-                         self._coverage())
+        return RunResult(Outcome.HANG if hang else Outcome.FINISHED, exit_code, code, self.dir, hang, self._coverage())
 
     def _pump(self, pipe, stream: int, log) -> None:
         fd = pipe.fileno()
@@ -335,8 +352,9 @@ class _Run:
                 continue
             self.node.recording_stopped.append(line)
             if self.silence is None:
-                self.silence = (f"rank {rank} stopped recording: from then on, no hang is declared from the "
-                                "traces' silence")
+                self.silence = (
+                    f"rank {rank} stopped recording: from then on, no hang is declared from the traces' silence"
+                )
             self.observer.recording_stopped(line)
             self._write_manifest()
 
@@ -373,8 +391,9 @@ class _Run:
     def _status(self, now: float) -> RunStatus:
         last = self.tracker.last_progress()
         idle = now - (last if last is not None else self.started)
-        limit = self.config.hang_timeout if last is not None else max(
-            self.config.hang_timeout, self.config.startup_timeout)
+        limit = (
+            self.config.hang_timeout if last is not None else max(self.config.hang_timeout, self.config.startup_timeout)
+        )
         traced, stopped = self.tracker.ranks, self.tracker.stopped
         ranks = []
         for rank in sorted(set(traced) | set(self.seen)):
@@ -382,8 +401,7 @@ class _Run:
             if t is None:
                 ranks.append(RankStatus(rank, self.seen[rank].pid, None, False, None, rank in stopped))
             else:
-                ranks.append(RankStatus(rank, t.pid, t.last, t.last_completed, now - t.last_progress,
-                                        rank in stopped))
+                ranks.append(RankStatus(rank, t.pid, t.last, t.last_completed, now - t.last_progress, rank in stopped))
         return RunStatus(now - self.started, idle, limit, ranks)
 
     # -- a hang ----------------------------------------------------------------------------------
@@ -410,23 +428,32 @@ class _Run:
         try:
             requested = self.dir.request_snapshot()
         except OSError as e:
-            self._write_failed(cannot_write(self.dir.snapshot_request, e,
-                                            "the ranks' coverage records are not asked for"))
+            self._write_failed(
+                cannot_write(self.dir.snapshot_request, e, "the ranks' coverage records are not asked for")
+            )
             requested = time.time()
         local = procs.rank_processes(procs.job_processes(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id)))
         self.seen.update(local)
         targets = {rank: p.pid for rank, p in local.items()}
         for rank, t in self.tracker.ranks.items():  # ours, though no longer under the launcher
-            if rank not in targets and t.host == self.config.host and procs.is_alive(t.pid) \
-                    and (procs.environ(t.pid) or {}).get(ENV_LAUNCH_ID) == self.launch_id:
+            if (
+                rank not in targets
+                and t.host == self.config.host
+                and procs.is_alive(t.pid)
+                and (procs.environ(t.pid) or {}).get(ENV_LAUNCH_ID) == self.launch_id
+            ):
                 targets[rank] = t.pid
         with ThreadPoolExecutor(max_workers=2) as pool:
             gpu = pool.submit(self._gpu_snapshot)
             # Each rank's process state (/proc) is recorded with or without its stack (--no-stacks):
             # a stopped rank is a fact the analysis needs; py-spy never attaches to one.
-            dumps: list[StackDump] = dump_stacks([StackTarget(r, p) for r, p in sorted(targets.items())],
-                                                 self.dir.stacks, self.config.host, self.config.native,
-                                                 py_spy=self.config.stacks)
+            dumps: list[StackDump] = dump_stacks(
+                [StackTarget(r, p) for r, p in sorted(targets.items())],
+                self.dir.stacks,
+                self.config.host,
+                self.config.native,
+                py_spy=self.config.stacks,
+            )
             gpu_file = gpu.result()
         for dump in dumps:
             if dump.write_error:
@@ -434,11 +461,15 @@ class _Run:
         # A desync is already proven by the traces: the coverage records are wanted, not worth a second.
         if not no_trace:  # no recorder has a trace to answer with
             self._await_coverage(requested, self.config.coverage_wait / 2 if desync is not None else None)
-        hang = HangRecord(detected_at=requested, host=self.config.host,
-                          hang_timeout=self.config.hang_timeout, idle_seconds=round(status.idle_seconds, 1),
-                          stopped=not (self.config.keep_alive or no_trace),
-                          gpu_file=str(gpu_file) if gpu_file is not None else None,
-                          lags=list(self.node.lags))
+        hang = HangRecord(
+            detected_at=requested,
+            host=self.config.host,
+            hang_timeout=self.config.hang_timeout,
+            idle_seconds=round(status.idle_seconds, 1),
+            stopped=not (self.config.keep_alive or no_trace),
+            gpu_file=str(gpu_file) if gpu_file is not None else None,
+            lags=list(self.node.lags),
+        )
         found = desync or (self.detector.desync if self.detector is not None else None)
         if found is not None:
             hang.finding = found.line()
@@ -451,8 +482,9 @@ class _Run:
         by_rank = {d.rank: d for d in dumps}
         now = time.monotonic()
         for rank in sorted(set(self.tracker.ranks) | set(targets)):
-            hang.ranks.append(self._rank_at_hang(rank, self.tracker.ranks.get(rank), targets.get(rank),
-                                                 by_rank.get(rank), now))
+            hang.ranks.append(
+                self._rank_at_hang(rank, self.tracker.ranks.get(rank), targets.get(rank), by_rank.get(rank), now)
+            )
         if not no_trace:
             self.node.status = Status.HANG
         self.node.hang = hang
@@ -481,15 +513,21 @@ class _Run:
         """Why no rank has a trace: the recorder's install markers say whether it loaded."""
         loaded = recorder_markers(self.dir.control)
         if not ranks:
-            return ("no rank process was found under the launcher: the job has not started its workers "
-                    "(rendezvous, or the launcher itself is stuck)")
+            return (
+                "no rank process was found under the launcher: the job has not started its workers "
+                "(rendezvous, or the launcher itself is stuck)"
+            )
         if not loaded:
-            return (f"the recorder has not loaded in any of the {len(ranks)} rank process(es): they have not imported "
-                    "torch yet, or moedoctor's bootstrap is not on their Python path (did the job replace PYTHONPATH, "
-                    "or start another interpreter?)")
+            return (
+                f"the recorder has not loaded in any of the {len(ranks)} rank process(es): they have not imported "
+                "torch yet, or moedoctor's bootstrap is not on their Python path (did the job replace PYTHONPATH, "
+                "or start another interpreter?)"
+            )
         missing = [r for r in ranks if r not in loaded]
-        text = (f"the recorder is loaded in rank(s) {','.join(map(str, sorted(loaded)))}, but no rank has created "
-                "its default process group yet (init_process_group / init_device_mesh not returned)")
+        text = (
+            f"the recorder is loaded in rank(s) {','.join(map(str, sorted(loaded)))}, but no rank has created "
+            "its default process group yet (init_process_group / init_device_mesh not returned)"
+        )
         if missing:
             text += f"; not loaded in rank(s) {','.join(map(str, missing))}"
         return text
@@ -514,17 +552,28 @@ class _Run:
                 return
             time.sleep(0.1)
 
-    def _rank_at_hang(self, rank: int, trace: RankProgress | None, pid: int | None,
-                      dump: StackDump | None, now: float) -> RankAtHang:
+    def _rank_at_hang(
+        self, rank: int, trace: RankProgress | None, pid: int | None, dump: StackDump | None, now: float
+    ) -> RankAtHang:
         last = None
         if trace is not None and trace.last is not None:
             e = trace.last
-            last = LastCollective(group=e.group.name, seq=e.seq, op=e.op,
-                                  call_site=str(e.call_site) if e.call_site else None,
-                                  phase=e.phase.value, step=e.step, completed=trace.last_completed)
-        entry = RankAtHang(rank=rank, host=trace.host if trace else self.config.host,
-                           pid=trace.pid if trace else pid, last=last,
-                           idle_seconds=round(now - trace.last_progress, 1) if trace else None)
+            last = LastCollective(
+                group=e.group.name,
+                seq=e.seq,
+                op=e.op,
+                call_site=str(e.call_site) if e.call_site else None,
+                phase=e.phase.value,
+                step=e.step,
+                completed=trace.last_completed,
+            )
+        entry = RankAtHang(
+            rank=rank,
+            host=trace.host if trace else self.config.host,
+            pid=trace.pid if trace else pid,
+            last=last,
+            idle_seconds=round(now - trace.last_progress, 1) if trace else None,
+        )
         if dump is not None:
             entry.stack_file = str(dump.path) if dump.path else None
             entry.stack_error = dump.error
@@ -589,11 +638,16 @@ class _Run:
         """Merge this node's entry into the manifest; a failed write is reported, never fatal."""
         hosts = sorted({t.host for t in self.tracker.ranks.values()})
         try:
-            write_node(self.dir.manifest, self.node, command=list(self.config.command),
-                       versions=_versions() | {"recorder": self.config.recorder, "fixes": list(self.config.fixes)},
-                       world_size=self._world_size(), hosts=hosts, coverage=coverage,
-                       trace_problems=self.tracker.problems
-                       + [p for t in self.tracker.ranks.values() for p in t.problems])
+            write_node(
+                self.dir.manifest,
+                self.node,
+                command=list(self.config.command),
+                versions=_versions() | {"recorder": self.config.recorder, "fixes": list(self.config.fixes)},
+                world_size=self._world_size(),
+                hosts=hosts,
+                coverage=coverage,
+                trace_problems=self.tracker.problems + [p for t in self.tracker.ranks.values() for p in t.problems],
+            )
         except OSError as e:
             self._write_failed(cannot_write(self.dir.manifest, e, "it is rewritten at the next change"))
 
@@ -628,7 +682,7 @@ class _JobLog:
             return
         try:
             while data:
-                data = data[os.write(self.fd, data):]
+                data = data[os.write(self.fd, data) :]
         except OSError as e:
             self.failed(cannot_write(self.path, e, "the job's output goes to the screen only from here"))
             os.close(self.fd)

@@ -16,18 +16,37 @@ from pathlib import Path
 
 from moedoctor._files import NO_SPACE, rewrite_in_place, write_atomically
 from moedoctor.run_records import (  # noqa: F401 - the records live below the runner; re-exported here
-    HangRecord, LastCollective, RankAtHang, RankExit, hang_of, load_manifest,
+    HangRecord,
+    LastCollective,
+    RankAtHang,
+    RankExit,
+    hang_of,
+    load_manifest,
 )
 from moedoctor.runner.progress import RankProgress
 
 MANIFEST_FORMAT = "moedoctor-manifest"
 MANIFEST_VERSION = 1
 
-_ENV_KEYS = frozenset({
-    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-    "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS", "OMP_NUM_THREADS",
-    "PYTHONPATH", "LD_LIBRARY_PATH", "SLURM_JOB_ID", "SLURM_NODEID", "SLURM_PROCID",
-})
+_ENV_KEYS = frozenset(
+    {
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_LAUNCH_BLOCKING",
+        "CUDA_DEVICE_MAX_CONNECTIONS",
+        "OMP_NUM_THREADS",
+        "PYTHONPATH",
+        "LD_LIBRARY_PATH",
+        "SLURM_JOB_ID",
+        "SLURM_NODEID",
+        "SLURM_PROCID",
+    }
+)
 _ENV_PREFIXES = ("NCCL_", "TORCH_", "TORCHELASTIC_", "PYTORCH_", "GLOO_", "MOEDOCTOR_", "NVIDIA_", "UCX_", "FI_")
 
 
@@ -40,9 +59,9 @@ class Status:
     """How a node's run (and the run as a whole) stands or ended."""
 
     RUNNING = "running"
-    FINISHED = "finished"          # the job ended by itself (whatever its exit status)
-    HANG = "hang"                  # a hang was detected (and the job stopped unless --keep-alive)
-    INTERRUPTED = "interrupted"    # moedoctor was interrupted and stopped the job
+    FINISHED = "finished"  # the job ended by itself (whatever its exit status)
+    HANG = "hang"  # a hang was detected (and the job stopped unless --keep-alive)
+    INTERRUPTED = "interrupted"  # moedoctor was interrupted and stopped the job
 
 
 @dataclass
@@ -63,11 +82,11 @@ class NodeRecord:
     end: float | None = None
     status: str = Status.RUNNING
     launcher_exit: int | None = None
-    log: str | None = None                 # this node's copy of the job's output
+    log: str | None = None  # this node's copy of the job's output
     env: dict[str, str] = field(default_factory=dict)
     ranks: list[RankExit] = field(default_factory=list)
     hang: HangRecord | None = None
-    lags: list[str] = field(default_factory=list)   # online lag findings, one line each (at most 100)
+    lags: list[str] = field(default_factory=list)  # online lag findings, one line each (at most 100)
     #: Ranks whose recorder stopped on a failed write (``rank 1 stopped recording: ...``), and
     #: moedoctor's own writes that failed (``cannot write stacks/rank-0.json: ...``), one line each.
     recording_stopped: list[str] = field(default_factory=list)
@@ -90,8 +109,9 @@ def coverage_check(ranks: Mapping[int, RankProgress], world_size: int | None) ->
             gaps.append({"rank": rank, "problem": f"{cov.dropped} events dropped at the trace cap"})
         for g in cov.groups:
             if g.gap not in (0, None):
-                gaps.append({"rank": rank, "group": g.group, "recorded": g.recorded, "backend": g.backend,
-                             "gap": g.gap})
+                gaps.append(
+                    {"rank": rank, "group": g.group, "recorded": g.recorded, "backend": g.backend, "gap": g.gap}
+                )
     return CoverageCheck(complete=not gaps, gaps=gaps)
 
 
@@ -105,9 +125,17 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.lockf(lock, fcntl.LOCK_UN)
 
 
-def write_node(path: Path, node: NodeRecord, *, command: list[str], versions: Mapping[str, object],
-               world_size: int | None = None, hosts: Sequence[str] = (),
-               coverage: CoverageCheck | None = None, trace_problems: Sequence[str] = ()) -> dict:
+def write_node(
+    path: Path,
+    node: NodeRecord,
+    *,
+    command: list[str],
+    versions: Mapping[str, object],
+    world_size: int | None = None,
+    hosts: Sequence[str] = (),
+    coverage: CoverageCheck | None = None,
+    trace_problems: Sequence[str] = (),
+) -> dict:
     """Merge this node's entry into the manifest at ``path``; return the whole manifest."""
     with _locked(path):
         try:
@@ -115,8 +143,14 @@ def write_node(path: Path, node: NodeRecord, *, command: list[str], versions: Ma
         except (OSError, ValueError):
             doc = {}
         if doc.get("format") != MANIFEST_FORMAT:
-            doc = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "command": command,
-                   **versions, "env": node.env, "nodes": {}}
+            doc = {
+                "format": MANIFEST_FORMAT,
+                "version": MANIFEST_VERSION,
+                "command": command,
+                **versions,
+                "env": node.env,
+                "nodes": {},
+            }
         doc["nodes"][node.node] = asdict(node)
         nodes = list(doc["nodes"].values())
         doc["world_size"] = world_size or doc.get("world_size")
@@ -173,5 +207,3 @@ def _merge_hangs(hangs: list[dict]) -> dict | None:
     merged["ranks"] = [by_rank[r] for r in sorted(by_rank)]
     merged["gpu_files"] = sorted({h["gpu_file"] for h in hangs if h.get("gpu_file")})
     return merged
-
-

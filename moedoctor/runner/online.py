@@ -52,12 +52,12 @@ class Desync:
     group_desc: str
     group_ranks: tuple[int, ...]
     seq: int
-    ops: dict[int, str]                     # rank -> op, for the members that reported it
-    classes: list[tuple[int, ...]]          # ranks that did the same thing (op_classes)
-    ranks: tuple[int, int]                  # the two ranks the line names
-    issued_at: float                        # the later of those two issue times (ranks' wall clock)
-    detected_at: float                      # when the detector saw it (this host's wall clock)
-    reason: str | None = None               # a size contract broken (all_to_all splits): which pair
+    ops: dict[int, str]  # rank -> op, for the members that reported it
+    classes: list[tuple[int, ...]]  # ranks that did the same thing (op_classes)
+    ranks: tuple[int, int]  # the two ranks the line names
+    issued_at: float  # the later of those two issue times (ranks' wall clock)
+    detected_at: float  # when the detector saw it (this host's wall clock)
+    reason: str | None = None  # a size contract broken (all_to_all splits): which pair
 
     @property
     def latency(self) -> float:
@@ -78,17 +78,19 @@ class Lag:
 
     group: str
     seq: int
-    step: int                               # the waiting members' step
+    step: int  # the waiting members' step
     waiting: tuple[int, ...]
-    rank: int                               # the member behind
-    rank_seq: int                           # its last seq on the group (0: none yet)
-    rank_step: int                          # the step of its latest collective on any group
+    rank: int  # the member behind
+    rank_seq: int  # its last seq on the group (0: none yet)
+    rank_step: int  # the step of its latest collective on any group
     detected_at: float
 
     def line(self) -> str:
         waiting = ",".join(map(str, self.waiting))
-        return (f"rank {self.rank} lags on group {self.group}: at #{self.rank_seq} (step {self.rank_step}) "
-                f"while rank(s) {waiting} wait at #{self.seq} (step {self.step})")
+        return (
+            f"rank {self.rank} lags on group {self.group}: at #{self.rank_seq} (step {self.rank_step}) "
+            f"while rank(s) {waiting} wait at #{self.seq} (step {self.step})"
+        )
 
 
 @dataclass
@@ -109,10 +111,10 @@ class DesyncDetector:
     clock: Callable[[], float] = time.time
     desync: Desync | None = None
     lags: list[Lag] = field(default_factory=list)
-    records: int = 0                         # collectives compared so far
-    dropped: int = 0                         # pending seqs dropped at max_pending
+    records: int = 0  # collectives compared so far
+    dropped: int = 0  # pending seqs dropped at max_pending
     _pending: dict[str, dict[int, _Entry]] = field(default_factory=dict)
-    _last_seq: dict[int, dict[str, int]] = field(default_factory=dict)   # rank -> group -> seq
+    _last_seq: dict[int, dict[str, int]] = field(default_factory=dict)  # rank -> group -> seq
     _lag_seen: set = field(default_factory=set)
 
     # -- the stream ------------------------------------------------------------------------------
@@ -172,10 +174,17 @@ class DesyncDetector:
         other = min((entry.events[r] for r in other_class), key=lambda x: x.time)
         a, b = sorted((e, other), key=lambda x: x.rank)
         detail = a.op == b.op
-        return Desync(group=e.group.name, group_desc=e.group.desc, group_ranks=e.group.ranks, seq=e.seq,
-                      ops={r: describe(x, detail) for r, x in sorted(entry.events.items())},
-                      classes=classes, ranks=(a.rank, b.rank), issued_at=max(a.time, b.time),
-                      detected_at=self.clock())
+        return Desync(
+            group=e.group.name,
+            group_desc=e.group.desc,
+            group_ranks=e.group.ranks,
+            seq=e.seq,
+            ops={r: describe(x, detail) for r, x in sorted(entry.events.items())},
+            classes=classes,
+            ranks=(a.rank, b.rank),
+            issued_at=max(a.time, b.time),
+            detected_at=self.clock(),
+        )
 
     def _check_contract(self, e: CollectiveEvent, entry: _Entry) -> None:
         """Every member issued this variable-size collective: do their sizes pair up?"""
@@ -185,11 +194,17 @@ class DesyncDetector:
         first = found[0]
         a, b = sorted((first.sender, first.receiver))
         self.desync = Desync(
-            group=e.group.name, group_desc=e.group.desc, group_ranks=e.group.ranks, seq=e.seq,
+            group=e.group.name,
+            group_desc=e.group.desc,
+            group_ranks=e.group.ranks,
+            seq=e.seq,
             ops={r: describe(x, True) for r, x in sorted(entry.events.items())},
             classes=contract_classes(found, e.group.ranks),
-            ranks=(a, b), issued_at=max(x.time for x in entry.events.values()), detected_at=self.clock(),
-            reason=first.line())
+            ranks=(a, b),
+            issued_at=max(x.time for x in entry.events.values()),
+            detected_at=self.clock(),
+            reason=first.line(),
+        )
 
     def reset_rank(self, rank: int) -> None:
         """A rank restarted: its sequence numbers start again, and so does every group it is in
@@ -238,8 +253,16 @@ class DesyncDetector:
                 if key in self._lag_seen:
                     continue
                 self._lag_seen.add(key)
-                lag = Lag(group=name, seq=seq, step=step, waiting=tuple(sorted(waiters)), rank=m, rank_seq=behind,
-                          rank_step=other.last.step, detected_at=self.clock())
+                lag = Lag(
+                    group=name,
+                    seq=seq,
+                    step=step,
+                    waiting=tuple(sorted(waiters)),
+                    rank=m,
+                    rank_seq=behind,
+                    rank_step=other.last.step,
+                    detected_at=self.clock(),
+                )
                 self.lags.append(lag)
                 found.append(lag)
         return found

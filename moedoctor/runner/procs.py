@@ -65,8 +65,9 @@ def more_readings(before: ProcessState, pid: int, started: float) -> ProcessStat
     """``before`` with one more reading now (after a stack dump: a process stopped before it must
     still be stopped after it); ``started``: the ``time.monotonic()`` of the first reading."""
     st = stat(pid)
-    return ProcessState(before.samples + (st[1] if st else "?"), before.wchan or wchan(pid),
-                        round(time.monotonic() - started, 3))
+    return ProcessState(
+        before.samples + (st[1] if st else "?"), before.wchan or wchan(pid), round(time.monotonic() - started, 3)
+    )
 
 
 def environ(pid: int) -> dict[str, str] | None:
@@ -137,8 +138,11 @@ def job_processes(launcher_pid: int, marker: tuple[str, str] | None = None) -> l
     found = []
     for pid in sorted(members):
         env = environ(pid) or {}
-        found.append(JobProcess(pid, parents[pid], _int(env.get("RANK")), _int(env.get("LOCAL_RANK")),
-                                _int(env.get("WORLD_SIZE"))))
+        found.append(
+            JobProcess(
+                pid, parents[pid], _int(env.get("RANK")), _int(env.get("LOCAL_RANK")), _int(env.get("WORLD_SIZE"))
+            )
+        )
     return found
 
 
@@ -157,8 +161,7 @@ def rank_processes(processes: list[JobProcess]) -> dict[int, JobProcess]:
     return ranks
 
 
-def stop_processes(find: Callable[[], list[JobProcess]], grace: float = 5.0,
-                   poll: float = 0.1) -> list[int]:
+def stop_processes(find: Callable[[], list[JobProcess]], grace: float = 5.0, poll: float = 0.1) -> list[int]:
     """SIGTERM every process ``find()`` returns, SIGKILL whatever is left after ``grace`` seconds
     (and whatever appears meanwhile); return every pid signalled. Returns once none is left, or
     after a few seconds more than ``grace`` if some process cannot be killed."""

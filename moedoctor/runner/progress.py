@@ -87,8 +87,12 @@ class ProgressTracker:
     """Polled by the watchdog: ``poll()`` reads what every trace file gained and returns the
     per-rank state. Files that are not moedoctor traces are reported in ``problems``, once."""
 
-    def __init__(self, traces_dir: Path, clock: Callable[[], float] = time.monotonic,
-                 listener: Callable[[int, list, bool], None] | None = None):
+    def __init__(
+        self,
+        traces_dir: Path,
+        clock: Callable[[], float] = time.monotonic,
+        listener: Callable[[int, list, bool], None] | None = None,
+    ):
         self.traces_dir = Path(traces_dir)
         self.clock = clock
         #: Called with (rank, newly read items, restarted) for every batch, so other consumers

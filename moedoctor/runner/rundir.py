@@ -27,8 +27,21 @@ from moedoctor.runner.command import node_rank, same_job
 
 MANIFEST_NAME = "manifest.json"
 #: What ``--force`` clears from a reused run directory; other files of the user's are left alone.
-_OWN_ENTRIES = ("traces", "stacks", "gpu", "control", "fixes", "flight_recorder", MANIFEST_NAME,
-                MANIFEST_NAME + ".lock", "job.log", "report.json", "verification.json", "fix-config.json", "job-*.log")
+_OWN_ENTRIES = (
+    "traces",
+    "stacks",
+    "gpu",
+    "control",
+    "fixes",
+    "flight_recorder",
+    MANIFEST_NAME,
+    MANIFEST_NAME + ".lock",
+    "job.log",
+    "report.json",
+    "verification.json",
+    "fix-config.json",
+    "job-*.log",
+)
 
 
 @dataclass(frozen=True)
@@ -148,9 +161,12 @@ def prepare_run_dir(path: Path, command: list[str], force: bool) -> bool:
     except OSError as e:
         raise MoedoctorError(f"cannot use run directory {path}: {e.strerror or e}", EXIT_USAGE) from None
     if holder is not None:
-        raise MoedoctorError(f"run directory {path} belongs to a live run: {holder} holds {lock.name} "
-                             "(the same node of a job cannot run twice in one run directory); choose another "
-                             "--run-dir", EXIT_USAGE)
+        raise MoedoctorError(
+            f"run directory {path} belongs to a live run: {holder} holds {lock.name} "
+            "(the same node of a job cannot run twice in one run directory); choose another "
+            "--run-dir",
+            EXIT_USAGE,
+        )
     try:
         return _prepare_locked(path, command, force)
     except BaseException:
@@ -167,14 +183,23 @@ def _prepare_locked(path: Path, command: list[str], force: bool) -> bool:
     if running and (others or _remote_nodes_running(manifest)):
         return True
     if others:
-        raise MoedoctorError(f"run directory {path} belongs to a live run ({others[0]}) of "
-                             f"{'another' if not running else 'this'} job; choose another --run-dir", EXIT_USAGE)
+        raise MoedoctorError(
+            f"run directory {path} belongs to a live run ({others[0]}) of "
+            f"{'another' if not running else 'this'} job; choose another --run-dir",
+            EXIT_USAGE,
+        )
     if not force:
-        stale = (" (its manifest says 'running' but no supervisor holds it any more: the run ended when "
-                 "its moedoctor was killed)" if manifest.get("status") == "running" else "")
+        stale = (
+            " (its manifest says 'running' but no supervisor holds it any more: the run ended when "
+            "its moedoctor was killed)"
+            if manifest.get("status") == "running"
+            else ""
+        )
         raise MoedoctorError(
             f"run directory {path} is not empty{stale}: choose another --run-dir, or pass --force to "
-            "replace the run recorded there", EXIT_USAGE)
+            "replace the run recorded there",
+            EXIT_USAGE,
+        )
     for pattern in _OWN_ENTRIES:
         for entry in path.glob(pattern):
             if entry.is_dir():
@@ -193,8 +218,11 @@ def _manifest(run_dir: RunDir) -> dict:
 
 
 def _running_same_job(manifest: dict, command: list[str]) -> bool:
-    return (manifest.get("status") == "running" and isinstance(manifest.get("command"), list)
-            and same_job(manifest["command"], command))
+    return (
+        manifest.get("status") == "running"
+        and isinstance(manifest.get("command"), list)
+        and same_job(manifest["command"], command)
+    )
 
 
 def _remote_nodes_running(manifest: dict) -> bool:
@@ -204,4 +232,5 @@ def _remote_nodes_running(manifest: dict) -> bool:
     here = socket.gethostname()
     return isinstance(nodes, dict) and any(
         isinstance(n, dict) and n.get("status") == "running" and n.get("host") not in (None, here)
-        for n in nodes.values())
+        for n in nodes.values()
+    )

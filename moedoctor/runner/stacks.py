@@ -33,20 +33,30 @@ from pathlib import Path
 
 from moedoctor.errors import cannot_write
 from moedoctor.run_records import (  # noqa: F401 - the records live below the runner; re-exported here
-    Frame, StackDump, is_library_frame, parse_stack_dump, read_stack_dump,
+    Frame,
+    StackDump,
+    is_library_frame,
+    parse_stack_dump,
+    read_stack_dump,
 )
 from moedoctor.runner.procs import FROZEN_STATES, ProcessState, more_readings, process_state
 
-PTRACE_HELP = ("py-spy needs ptrace permission to read another process's stack: run moedoctor as "
-               "root, or give the container the SYS_PTRACE capability (docker run --cap-add SYS_PTRACE; "
-               "Kubernetes: securityContext.capabilities.add: [\"SYS_PTRACE\"])")
-_CAP_HELP = ("give the container the SYS_PTRACE capability (docker run --cap-add SYS_PTRACE; Kubernetes: "
-             "securityContext.capabilities.add: [\"SYS_PTRACE\"])")
+PTRACE_HELP = (
+    "py-spy needs ptrace permission to read another process's stack: run moedoctor as "
+    "root, or give the container the SYS_PTRACE capability (docker run --cap-add SYS_PTRACE; "
+    'Kubernetes: securityContext.capabilities.add: ["SYS_PTRACE"])'
+)
+_CAP_HELP = (
+    "give the container the SYS_PTRACE capability (docker run --cap-add SYS_PTRACE; Kubernetes: "
+    'securityContext.capabilities.add: ["SYS_PTRACE"])'
+)
 #: What py-spy (and the kernel through it) prints when ptrace is refused. Not the bare word
 #: "ptrace": py-spy names ptrace events in errors that have nothing to do with permission (a
 #: stopped process: "unexpected waitpid result PtraceEvent(...)").
 _PERMISSION_HINTS = ("permission denied", "operation not permitted", "eperm")
 _CAP_SYS_PTRACE = 19
+
+
 @dataclass(frozen=True, slots=True)
 class StackTarget:
     rank: int
@@ -68,8 +78,14 @@ def find_py_spy() -> str | None:
 NOT_TAKEN = "stack not taken (moedoctor run --no-stacks); the process state was recorded"
 
 
-def dump_stacks(targets: list[StackTarget], out_dir: Path, host: str, native: bool = False,
-                timeout: float = 30.0, py_spy: bool = True) -> list[StackDump]:
+def dump_stacks(
+    targets: list[StackTarget],
+    out_dir: Path,
+    host: str,
+    native: bool = False,
+    timeout: float = 30.0,
+    py_spy: bool = True,
+) -> list[StackDump]:
     """Read every target's process state, then dump its stacks (unless ``py_spy`` is False), in
     parallel, into ``out_dir/rank-N.json``; never raises for a target that cannot be dumped (its
     file and its ``StackDump`` say why)."""
@@ -82,8 +98,9 @@ def dump_stacks(targets: list[StackTarget], out_dir: Path, host: str, native: bo
         return list(pool.map(lambda t: _dump_one(t, out_dir, host, native, timeout, exe, py_spy), targets))
 
 
-def _dump_one(target: StackTarget, out_dir: Path, host: str, native: bool, timeout: float,
-              exe: str | None, py_spy: bool = True) -> StackDump:
+def _dump_one(
+    target: StackTarget, out_dir: Path, host: str, native: bool, timeout: float, exe: str | None, py_spy: bool = True
+) -> StackDump:
     record = {"rank": target.rank, "pid": target.pid, "host": host, "time": time.time(), "native": native}
     # The state first, from /proc alone: it holds whatever py-spy does next.
     started = time.monotonic()
@@ -96,8 +113,11 @@ def _dump_one(target: StackTarget, out_dir: Path, host: str, native: bool, timeo
     elif exe is None:
         record["error"] = f"py-spy is not installed: {sys.executable} -m pip install py-spy"
     else:
-        cmd = [exe, "dump", "--json", "--pid", str(target.pid)] + (["--native"] if native else []) \
+        cmd = (
+            [exe, "dump", "--json", "--pid", str(target.pid)]
+            + (["--native"] if native else [])
             + (["--nonblocking"] if nonblocking else [])
+        )
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if done.returncode == 0:
@@ -152,7 +172,7 @@ def _message(stderr: str) -> str:
         return "no output"
     parts = [lines[0].removeprefix("Error: ")]
     if "Caused by:" in lines:
-        for line in lines[lines.index("Caused by:") + 1:]:
+        for line in lines[lines.index("Caused by:") + 1 :]:
             if not line:
                 break
             parts.append(line.split(": ", 1)[1] if line[:1].isdigit() and ": " in line else line)
@@ -169,17 +189,21 @@ def _explain(stderr: str, pid: int, state: ProcessState | None = None) -> str:
         now = process_state(pid, readings=1)
         frozen = now.frozen
     if frozen:
-        return (f"py-spy could not read pid {pid}: the process is {FROZEN_STATES[frozen]}, so it cannot be "
-                f"attached to (py-spy: {message})")
+        return (
+            f"py-spy could not read pid {pid}: the process is {FROZEN_STATES[frozen]}, so it cannot be "
+            f"attached to (py-spy: {message})"
+        )
     if any(hint in stderr.lower() for hint in _PERMISSION_HINTS):
         capable = ptrace_capable()
         if capable:
-            return (f"py-spy dump of pid {pid} failed ({message}), although moedoctor may trace any process "
-                    "(it holds CAP_SYS_PTRACE): the process may be held by another tracer (a debugger), or gone")
+            return (
+                f"py-spy dump of pid {pid} failed ({message}), although moedoctor may trace any process "
+                "(it holds CAP_SYS_PTRACE): the process may be held by another tracer (a debugger), or gone"
+            )
         if os.geteuid() == 0:
-            return (f"py-spy has no permission to attach to pid {pid}: moedoctor runs as root, but without "
-                    f"CAP_SYS_PTRACE (or kernel.yama.ptrace_scope is 3); {_CAP_HELP}")
+            return (
+                f"py-spy has no permission to attach to pid {pid}: moedoctor runs as root, but without "
+                f"CAP_SYS_PTRACE (or kernel.yama.ptrace_scope is 3); {_CAP_HELP}"
+            )
         return f"py-spy has no permission to attach to pid {pid}. {PTRACE_HELP}"
     return f"py-spy dump of pid {pid} failed: {message}"
-
-

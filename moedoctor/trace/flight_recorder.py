@@ -40,33 +40,65 @@ MAX_TOTAL_ITEMS = 1 << 24
 MAX_DUMP_STRING = 1 << 20
 
 #: Keys of a dump and of its entries; two of them in a file's first bytes mark it as a dump.
-_DUMP_TOKENS = (b"entries", b"pg_config", b"pg_status", b"comm_lib_version", b"nccl_comm_state",
-                b"collective_seq_id", b"profiling_name", b"record_id", b"process_group")
+_DUMP_TOKENS = (
+    b"entries",
+    b"pg_config",
+    b"pg_status",
+    b"comm_lib_version",
+    b"nccl_comm_state",
+    b"collective_seq_id",
+    b"profiling_name",
+    b"record_id",
+    b"process_group",
+)
 _TOP_KEYS = frozenset({"entries", "pg_config", "pg_status", "nccl_comm_state"})
 
 #: Profiling-name bases (after ``nccl:`` / ``gloo:``) that differ from moedoctor's op names.
 #: Covers the names torchfrtrace knows (``flight_recorder/components/types.py``), lowercased.
 _OP_ALIASES = {
-    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced", "all_reduce_barrier": "barrier",
-    "allgather": "all_gather", "_allgather_base": "all_gather", "_all_gather_base": "all_gather",
-    "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather", "all_gather_v": "all_gather",
-    "allgather_coalesced": "all_gather_coalesced", "allgather_into_tensor_coalesced": "all_gather_coalesced",
+    "allreduce": "all_reduce",
+    "allreduce_coalesced": "all_reduce_coalesced",
+    "all_reduce_barrier": "barrier",
+    "allgather": "all_gather",
+    "_allgather_base": "all_gather",
+    "_all_gather_base": "all_gather",
+    "all_gather_single": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_v": "all_gather",
+    "allgather_coalesced": "all_gather_coalesced",
+    "allgather_into_tensor_coalesced": "all_gather_coalesced",
     "all_gather_into_tensor_coalesced": "all_gather_coalesced",
-    "_reduce_scatter_base": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_v": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_v": "reduce_scatter",
     "reduce_scatter_tensor_coalesced": "reduce_scatter_coalesced",
-    "alltoall": "all_to_all", "alltoall_base": "all_to_all", "all_to_all_single": "all_to_all",
+    "alltoall": "all_to_all",
+    "alltoall_base": "all_to_all",
+    "all_to_all_single": "all_to_all",
     "all_to_all_v_single": "all_to_all",
-    "_broadcast_oop": "broadcast", "_reduce_oop": "reduce",
-    "recvanysource": "recv", "recv_any_source": "recv",
+    "_broadcast_oop": "broadcast",
+    "_reduce_oop": "reduce",
+    "recvanysource": "recv",
+    "recv_any_source": "recv",
 }
 _PEER = re.compile(r"(\d+)\s*(->|<-)\s*(\d+)")
 
 #: c10 ScalarType names as the dumps spell them -> torch dtype names as moedoctor's traces do.
 _DTYPES = {
-    "Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
-    "Int": "int32", "Long": "int64", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool",
-    "ComplexFloat": "complex64", "ComplexDouble": "complex128", "ComplexHalf": "complex32",
+    "Float": "float32",
+    "Double": "float64",
+    "Half": "float16",
+    "BFloat16": "bfloat16",
+    "Int": "int32",
+    "Long": "int64",
+    "Short": "int16",
+    "Char": "int8",
+    "Byte": "uint8",
+    "Bool": "bool",
+    "ComplexFloat": "complex64",
+    "ComplexDouble": "complex128",
+    "ComplexHalf": "complex32",
 }
 
 # Frames that are not user code: interpreter internals, the standard library, torch, moedoctor and
@@ -147,6 +179,7 @@ def read_flight_recorder(path: Path) -> FlightRecorderRun:
 # ---------------------------------------------------------------------------------------------
 # Finding and loading files
 
+
 def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if not p.name.startswith(".") and p.is_file())
 
@@ -200,8 +233,9 @@ def _load_dump(path: Path, rank: int) -> _Dump:
     try:
         size = path.stat().st_size
         if size > safe_pickle.MAX_BYTES:
-            raise TraceError(f"{path}: {size} bytes is larger than a Flight Recorder dump can be "
-                             f"(at most {safe_pickle.MAX_BYTES})")
+            raise TraceError(
+                f"{path}: {size} bytes is larger than a Flight Recorder dump can be (at most {safe_pickle.MAX_BYTES})"
+            )
         data = path.read_bytes()
     except OSError as e:
         raise TraceError(f"{path}: cannot read ({e.strerror or e})") from None
@@ -213,8 +247,9 @@ def _load_dump(path: Path, rank: int) -> _Dump:
         try:
             raw = json.loads(data)
         except (ValueError, RecursionError) as e:
-            raise TraceError(f"{path}: neither a pickle nor JSON Flight Recorder dump ({type(e).__name__}: "
-                             f"{str(e)[:120]})") from None
+            raise TraceError(
+                f"{path}: neither a pickle nor JSON Flight Recorder dump ({type(e).__name__}: {str(e)[:120]})"
+            ) from None
     if not isinstance(raw, dict) or not _TOP_KEYS.intersection(k for k in raw if isinstance(k, str)):
         raise TraceError(f"{path}: not a Flight Recorder dump (no entries, pg_config or pg_status)")
     _check_bounds(raw, path)
@@ -233,8 +268,9 @@ def _check_bounds(raw: object, path: Path) -> None:
         value, depth = stack.pop()
         if isinstance(value, (str, bytes)):
             if len(value) > MAX_DUMP_STRING:
-                raise TraceError(f"{path}: a string of {len(value)} characters (over {MAX_DUMP_STRING}): "
-                                 "not a Flight Recorder dump")
+                raise TraceError(
+                    f"{path}: a string of {len(value)} characters (over {MAX_DUMP_STRING}): not a Flight Recorder dump"
+                )
             continue
         if not isinstance(value, (list, tuple, dict)) or id(value) in seen:
             continue
@@ -242,8 +278,9 @@ def _check_bounds(raw: object, path: Path) -> None:
         if depth > MAX_DEPTH:
             raise TraceError(f"{path}: nested deeper than {MAX_DEPTH} levels: not a Flight Recorder dump")
         if len(value) > MAX_ITEMS:
-            raise TraceError(f"{path}: a {type(value).__name__} of {len(value)} items (over {MAX_ITEMS}): "
-                             "not a Flight Recorder dump")
+            raise TraceError(
+                f"{path}: a {type(value).__name__} of {len(value)} items (over {MAX_ITEMS}): not a Flight Recorder dump"
+            )
         total += len(value)
         if total > MAX_TOTAL_ITEMS:
             raise TraceError(f"{path}: more than {MAX_TOTAL_ITEMS} values: not a Flight Recorder dump")
@@ -263,14 +300,16 @@ def _one_per_rank(dumps: list[_Dump], incomplete: list[str]) -> list[_Dump]:
     for rank, group in sorted(by_rank.items()):
         group.sort(key=lambda d: (d.encoding != "pickle", -len(_as_list(d.raw.get("entries")))))
         if len(group) > 1:
-            incomplete.append(f"rank {rank}: {len(group)} dumps ({', '.join(d.path.name for d in group)}); "
-                              f"read {group[0].path.name}")
+            incomplete.append(
+                f"rank {rank}: {len(group)} dumps ({', '.join(d.path.name for d in group)}); read {group[0].path.name}"
+            )
         chosen.append(group[0])
     return chosen
 
 
 # ---------------------------------------------------------------------------------------------
 # Turning dumps into traces
+
 
 def _build_run(dumps: list[_Dump], incomplete: list[str], named: set[int]) -> FlightRecorderRun:
     memberships = _group_ranks(dumps)
@@ -298,8 +337,9 @@ def _parse_ranks(value) -> tuple[int, ...] | None:
             value = json.loads(value)
         except (ValueError, RecursionError):
             return None
-    if isinstance(value, (list, tuple)) and all(isinstance(r, int) and not isinstance(r, bool)
-                                                and 0 <= r < MAX_RANKS for r in value):
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(r, int) and not isinstance(r, bool) and 0 <= r < MAX_RANKS for r in value
+    ):
         return tuple(value)
     return None
 
@@ -386,16 +426,23 @@ def _trace(dump: _Dump, memberships, world_size: int) -> RankTrace:
         problems.append(f"{dump.path.name}: {bad - MAX_PROBLEMS} more malformed entries")
     events.sort(key=lambda e: e.event_id)
     header = TraceHeader(
-        format=FORMAT_NAME, version=_version_number(version_text), rank=dump.rank, local_rank=dump.rank,
-        world_size=world_size, host=_text(raw.get("host")), pid=_int_or(raw.get("pid"), 0),
-        torch_version=_text(raw.get("torch_version")), moedoctor_version=moedoctor.__version__,
+        format=FORMAT_NAME,
+        version=_version_number(version_text),
+        rank=dump.rank,
+        local_rank=dump.rank,
+        world_size=world_size,
+        host=_text(raw.get("host")),
+        pid=_int_or(raw.get("pid"), 0),
+        torch_version=_text(raw.get("torch_version")),
+        moedoctor_version=moedoctor.__version__,
         start_time=min((e.time for e in events), default=0.0),
     )
     return RankTrace(path=dump.path, header=header, events=events, groups=groups, problems=problems)
 
 
-def _event(entry, rank: int, groups: dict[str, Group], memberships, world_size: int,
-           completed_upto: dict[str, int]) -> CollectiveEvent:
+def _event(
+    entry, rank: int, groups: dict[str, Group], memberships, world_size: int, completed_upto: dict[str, int]
+) -> CollectiveEvent:
     if not isinstance(entry, dict):
         raise TypeError(f"an entry is a {type(entry).__name__}")
     key = _group_key(entry)
@@ -423,11 +470,24 @@ def _event(entry, rank: int, groups: dict[str, Group], memberships, world_size: 
     created = entry.get("time_created_ns")
     time = created / 1e9 if isinstance(created, int | float) and not isinstance(created, bool) else 0.0
     return CollectiveEvent(
-        rank=rank, event_id=record_id, time=time, group=group, seq=seq, op=op, raw_op=raw_op,
-        in_shapes=_shapes(entry.get("input_sizes")), out_shapes=_shapes(entry.get("output_sizes")),
-        dtypes=_dtypes(entry.get("input_dtypes")), reduce_op=None, async_op=False,
-        thread=_text(entry.get("thread_name")), call_site=_call_site(entry.get("frames")),
-        phase=Phase.OTHER, step=0, peer=peer if is_p2p else None, p2p_seq=p2p_seq,
+        rank=rank,
+        event_id=record_id,
+        time=time,
+        group=group,
+        seq=seq,
+        op=op,
+        raw_op=raw_op,
+        in_shapes=_shapes(entry.get("input_sizes")),
+        out_shapes=_shapes(entry.get("output_sizes")),
+        dtypes=_dtypes(entry.get("input_dtypes")),
+        reduce_op=None,
+        async_op=False,
+        thread=_text(entry.get("thread_name")),
+        call_site=_call_site(entry.get("frames")),
+        phase=Phase.OTHER,
+        step=0,
+        peer=peer if is_p2p else None,
+        p2p_seq=p2p_seq,
         completed=_completed(entry, raw_op, time, completed_upto),
     )
 
@@ -459,8 +519,10 @@ def _shapes(value) -> tuple[tuple[int, ...], ...]:
     if value is None:
         return ()
     if not isinstance(value, (list, tuple)) or len(value) > MAX_TENSORS:
-        raise ValueError(f"sizes are {short(value)} of {len(value) if isinstance(value, (list, tuple)) else '?'} "
-                         f"items (at most {MAX_TENSORS})")
+        raise ValueError(
+            f"sizes are {short(value)} of {len(value) if isinstance(value, (list, tuple)) else '?'} "
+            f"items (at most {MAX_TENSORS})"
+        )
     shapes = []
     for shape in value:
         if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS:
@@ -562,41 +624,58 @@ def _int_or(value, default: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # What the dumps cannot tell
 
-def _what_is_missing(dumps: list[_Dump], traces: list[RankTrace], ranks: list[int], world_size: int,
-                     world_known: bool, memberships) -> list[str]:
-    notes = ["no phases, steps, FSDP module names or evidence (gradient norms, parameters without "
-             "gradients, checkpoint phases): Flight Recorder records none of them",
-             "reduce ops and async_op unknown: Flight Recorder does not record them"]
+
+def _what_is_missing(
+    dumps: list[_Dump], traces: list[RankTrace], ranks: list[int], world_size: int, world_known: bool, memberships
+) -> list[str]:
+    notes = [
+        "no phases, steps, FSDP module names or evidence (gradient norms, parameters without "
+        "gradients, checkpoint phases): Flight Recorder records none of them",
+        "reduce ops and async_op unknown: Flight Recorder does not record them",
+    ]
     absent = [r for r in range(world_size) if r not in ranks]
     if absent:
         how = "stated by pg_config" if world_known else "inferred from the highest rank in the file names"
         notes.append(f"ranks without a dump: {_ranks_text(absent)} (world size {world_size}, {how})")
     if not world_known and dumps:
-        notes.append(f"world size not stated by the dumps: {world_size} assumed from the file names; "
-                     "ranks after the highest-numbered file would go unnoticed")
+        notes.append(
+            f"world size not stated by the dumps: {world_size} assumed from the file names; "
+            "ranks after the highest-numbered file would go unnoticed"
+        )
     json_ranks = [d.rank for d in dumps if d.encoding == "json"]
     if json_ranks:
         notes.append(f"no call sites for ranks {_ranks_text(json_ranks)}: JSON dumps carry no Python frames")
-    no_frames = [t.rank for t, d in zip(traces, dumps)
-                 if d.encoding == "pickle" and t.events and all(e.call_site is None for e in t.events)]
+    no_frames = [
+        t.rank
+        for t, d in zip(traces, dumps)
+        if d.encoding == "pickle" and t.events and all(e.call_site is None for e in t.events)
+    ]
     if no_frames:
-        notes.append(f"no call sites for ranks {_ranks_text(no_frames)}: the dumps hold no user frames "
-                     "(dumped without stack traces?)")
+        notes.append(
+            f"no call sites for ranks {_ranks_text(no_frames)}: the dumps hold no user frames "
+            "(dumped without stack traces?)"
+        )
     for trace in traces:
         ids = [e.event_id for e in trace.events]
         if ids and ids[0] > 0:
             first = trace.events[0]
-            notes.append(f"rank {trace.rank}: ring buffer wrapped, {ids[0]} older entries dropped "
-                         f"(earliest kept: group {first.group.name} seq {first.seq}; raise TORCH_FR_BUFFER_SIZE)")
+            notes.append(
+                f"rank {trace.rank}: ring buffer wrapped, {ids[0]} older entries dropped "
+                f"(earliest kept: group {first.group.name} seq {first.seq}; raise TORCH_FR_BUFFER_SIZE)"
+            )
     if any(e.raw_op.startswith("gloo:") for t in traces for e in t.events):
-        notes.append("Gloo: entries never leave 'scheduled'; completion is taken from pg_status / 'retired', "
-                     "completion times are unknown, and a dump taken right after a collective may show it not "
-                     "yet completed. Gloo records no send/recv or monitored_barrier, and records "
-                     "reduce_scatter_tensor as an all_reduce of the whole input")
+        notes.append(
+            "Gloo: entries never leave 'scheduled'; completion is taken from pg_status / 'retired', "
+            "completion times are unknown, and a dump taken right after a collective may show it not "
+            "yet completed. Gloo records no send/recv or monitored_barrier, and records "
+            "reduce_scatter_tensor as an all_reduce of the whole input"
+        )
     inferred = sorted(name for name, (_, how) in memberships.items() if how == "seen")
     if inferred:
-        notes.append(f"group ranks not in pg_config for groups {', '.join(inferred)}: taken from the ranks "
-                     "whose dumps mention them (the default group: every rank)")
+        notes.append(
+            f"group ranks not in pg_config for groups {', '.join(inferred)}: taken from the ranks "
+            "whose dumps mention them (the default group: every rank)"
+        )
     versions = sorted({_version_text(d.raw.get("version")) for d in dumps})
     if len(versions) > 1:
         notes.append(f"dumps of mixed versions: {', '.join(versions)}")

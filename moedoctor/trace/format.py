@@ -90,12 +90,18 @@ def status_file_name(rank: int) -> str:
 def encode_status(rank: int, pid: int, state: str, **fields) -> bytes:
     """A status record as exactly ``STATUS_BYTES`` bytes: compact JSON padded with spaces, then
     ``\\n`` (string fields are cut to fit)."""
-    record = {"format": STATUS_FORMAT, "version": FORMAT_VERSION, "rank": rank, "pid": pid, "state": state,
-              **{k: v[:_MAX_ERROR] if isinstance(v, str) else v for k, v in fields.items()}}
+    record = {
+        "format": STATUS_FORMAT,
+        "version": FORMAT_VERSION,
+        "rank": rank,
+        "pid": pid,
+        "state": state,
+        **{k: v[:_MAX_ERROR] if isinstance(v, str) else v for k, v in fields.items()},
+    }
     data = _dumps(record).encode()
     if len(data) > STATUS_BYTES - 1:
         record = {k: v for k, v in record.items() if not isinstance(v, str) or k in ("format", "state")}
-        data = _dumps(record).encode()[:STATUS_BYTES - 1]
+        data = _dumps(record).encode()[: STATUS_BYTES - 1]
     return data.ljust(STATUS_BYTES - 1) + b"\n"
 
 
@@ -117,8 +123,19 @@ def reserve_status(traces: Path, rank: int, pid: int) -> int:
 def stop_status(fd: int, rank: int, pid: int, error: OSError, file: str, events: int) -> None:
     """Rewrite the status in place: recording stopped on ``error`` while writing ``file``, after
     ``events`` collectives. OSError when even that fails."""
-    _pwrite_all(fd, encode_status(rank, pid, STOPPED, t=time.time(), errno=error.errno,
-                                  error=error.strerror or str(error), file=file, events=events))
+    _pwrite_all(
+        fd,
+        encode_status(
+            rank,
+            pid,
+            STOPPED,
+            t=time.time(),
+            errno=error.errno,
+            error=error.strerror or str(error),
+            file=file,
+            events=events,
+        ),
+    )
 
 
 def _pwrite_all(fd: int, data: bytes) -> None:

@@ -39,9 +39,9 @@ from moedoctor.trace import schema
 from moedoctor.trace.flight_recorder import _completed, _group_key, _last_completed, normalize_op
 
 #: Where a completion came from, as the analysis names it.
-SOURCE_WORK = "work"                      # the recorder saw the collective's Work complete (``d`` records)
-SOURCE_FR_LIVE = "flight-recorder"        # the recorder's progress thread, from Flight Recorder (``d`` with ``src``)
-SOURCE_FR_DUMP = "flight-recorder-dump"   # the analysis, from the dumps in RUN_DIR/flight_recorder
+SOURCE_WORK = "work"  # the recorder saw the collective's Work complete (``d`` records)
+SOURCE_FR_LIVE = "flight-recorder"  # the recorder's progress thread, from Flight Recorder (``d`` with ``src``)
+SOURCE_FR_DUMP = "flight-recorder-dump"  # the analysis, from the dumps in RUN_DIR/flight_recorder
 #: The value of a ``d`` record's ``src`` key written by the progress thread.
 DONE_SOURCE_FR = "fr"
 
@@ -51,9 +51,9 @@ _SAME_INPUT = frozenset({"all_reduce", "broadcast", "all_gather", "reduce_scatte
 
 #: Flight Recorder ops (normalized) a trace op may be recorded as, besides its own name.
 _ALIASES = {
-    "reduce_scatter": {"all_reduce", "reduce_scatter_coalesced", "reduce"},   # Gloo emulates it; uneven lists
-    "all_reduce_coalesced": {"all_reduce"},                                   # Gloo: one all_reduce, several inputs
-    "all_gather": {"all_gather_coalesced", "broadcast"},                      # functional all_gather; uneven lists
+    "reduce_scatter": {"all_reduce", "reduce_scatter_coalesced", "reduce"},  # Gloo emulates it; uneven lists
+    "all_reduce_coalesced": {"all_reduce"},  # Gloo: one all_reduce, several inputs
+    "all_gather": {"all_gather_coalesced", "broadcast"},  # functional all_gather; uneven lists
     "all_gather_coalesced": {"all_gather"},
     "reduce_scatter_coalesced": {"reduce_scatter", "all_reduce"},
     "all_reduce": {"all_reduce_coalesced"},
@@ -65,11 +65,11 @@ class FrEntry:
     """One Flight Recorder entry, as much as the fusion needs."""
 
     group: str
-    seq: int                 # collective_seq_id
+    seq: int  # collective_seq_id
     is_p2p: bool
-    op: str                  # normalized (``normalize_op``)
+    op: str  # normalized (``normalize_op``)
     record_id: int
-    done: float | None       # Flight Recorder shows it completed: when (the issue time where unknown)
+    done: float | None  # Flight Recorder shows it completed: when (the issue time where unknown)
     numel: int | None = None  # input elements, all inputs together
     peer: int | None = None  # p2p: the peer as the source gave it (group rank in dumps, global in events)
     p2p_seq: int | None = None
@@ -97,6 +97,7 @@ def _numel(sizes) -> int | None:
 
 # ---------------------------------------------------------------------------------------------
 # Entries
+
 
 def entries_from_dump(raw: dict) -> list[FrEntry]:
     """The entries of a dump as ``_dump_nccl_trace`` / ``_dump_fr_trace`` return it (unpickled).
@@ -131,10 +132,19 @@ def entries_from_dump(raw: dict) -> list[FrEntry]:
             created = entry.get("time_created_ns")
             time = created / 1e9 if isinstance(created, int | float) and not isinstance(created, bool) else 0.0
             p2p_seq = entry.get("p2p_seq_id")
-            out.append(FrEntry(
-                group=key[0], seq=seq, is_p2p=is_p2p, op=op, record_id=record_id,
-                done=_completed(entry, raw_op, time, completed_upto), numel=_numel(entry.get("input_sizes") or ()),
-                peer=peer if is_p2p else None, p2p_seq=p2p_seq if _plain_int(p2p_seq) else None))
+            out.append(
+                FrEntry(
+                    group=key[0],
+                    seq=seq,
+                    is_p2p=is_p2p,
+                    op=op,
+                    record_id=record_id,
+                    done=_completed(entry, raw_op, time, completed_upto),
+                    numel=_numel(entry.get("input_sizes") or ()),
+                    peer=peer if is_p2p else None,
+                    p2p_seq=p2p_seq if _plain_int(p2p_seq) else None,
+                )
+            )
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
             continue
     return _fold_p2p_batches(out)
@@ -142,8 +152,20 @@ def entries_from_dump(raw: dict) -> list[FrEntry]:
 
 def entries_from_events(events) -> list[FrEntry]:
     """The entries of one rank's dump as ``read_flight_recorder`` made them into events."""
-    out = [FrEntry(group=e.group.name, seq=e.seq, is_p2p=e.is_p2p, op=e.op, record_id=e.event_id, done=e.completed,
-                   numel=_numel(e.in_shapes), peer=e.peer, p2p_seq=e.p2p_seq) for e in events]
+    out = [
+        FrEntry(
+            group=e.group.name,
+            seq=e.seq,
+            is_p2p=e.is_p2p,
+            op=e.op,
+            record_id=e.event_id,
+            done=e.completed,
+            numel=_numel(e.in_shapes),
+            peer=e.peer,
+            p2p_seq=e.p2p_seq,
+        )
+        for e in events
+    ]
     return _fold_p2p_batches(out)
 
 
@@ -161,8 +183,17 @@ def _fold_p2p_batches(entries: list[FrEntry]) -> list[FrEntry]:
                 i -= 1
             for j in range(i, len(out)):
                 if out[j].done is None and e.done is not None:
-                    out[j] = FrEntry(out[j].group, out[j].seq, True, out[j].op, out[j].record_id, e.done,
-                                     out[j].numel, out[j].peer, out[j].p2p_seq)
+                    out[j] = FrEntry(
+                        out[j].group,
+                        out[j].seq,
+                        True,
+                        out[j].op,
+                        out[j].record_id,
+                        e.done,
+                        out[j].numel,
+                        out[j].peer,
+                        out[j].p2p_seq,
+                    )
             continue
         out.append(e)
     return out
@@ -175,6 +206,7 @@ def _plain_int(value) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Analysis time: one rank's trace against its dump
 
+
 @dataclass
 class _Slot:
     """Every entry of one (group, collective_seq_id): one collective, or one coalesced batch."""
@@ -182,7 +214,7 @@ class _Slot:
     ops: list[str] = field(default_factory=list)
     numels: list[int | None] = field(default_factory=list)
     done: float | None = None
-    batch_done: float | None = None   # the batch's own ``coalesced`` entry, when there is one
+    batch_done: float | None = None  # the batch's own ``coalesced`` entry, when there is one
     has_batch: bool = False
 
     @property
@@ -220,9 +252,9 @@ def _matches(op: str, numel: int | None, slot: _Slot) -> bool:
 class Fusion:
     """What a dump says of one rank's collectives (by event id)."""
 
-    done: dict[int, float] = field(default_factory=dict)   # newly known complete: event id -> when
-    pending: set[int] = field(default_factory=set)          # Flight Recorder shows it not completed
-    unknown: set[int] = field(default_factory=set)          # Flight Recorder cannot tell
+    done: dict[int, float] = field(default_factory=dict)  # newly known complete: event id -> when
+    pending: set[int] = field(default_factory=set)  # Flight Recorder shows it not completed
+    unknown: set[int] = field(default_factory=set)  # Flight Recorder cannot tell
     misaligned: dict[str, int] = field(default_factory=dict)  # group -> first seq whose ops disagree
     contradicted: dict[str, int] = field(default_factory=dict)  # group -> seqs shown done after a pending one
 
@@ -245,7 +277,7 @@ def fuse(events, entries: list[FrEntry]) -> Fusion:
         by_group.setdefault(e.group.name, []).append(e)
     for name, group_events in by_group.items():
         colls = sorted((e for e in group_events if not e.is_p2p), key=lambda e: e.seq)
-        states: dict[int, tuple[str, float | None]] = {}   # event id -> ("done" | "pending" | "unknown", when)
+        states: dict[int, tuple[str, float | None]] = {}  # event id -> ("done" | "pending" | "unknown", when)
         first_bad = None
         recorded = [s for (g, s) in slots if g == name]
         lo, hi = (min(recorded), max(recorded)) if recorded else (0, 0)
@@ -265,8 +297,9 @@ def fuse(events, entries: list[FrEntry]) -> Fusion:
             when = slot.state
             states[e.event_id] = ("done", when) if when is not None else ("pending", None)
         # Completed after a pending one of the same group: not believed.
-        first_pending = min((e.seq for e in colls if states[e.event_id][0] == "pending" and e.completed is None),
-                            default=None)
+        first_pending = min(
+            (e.seq for e in colls if states[e.event_id][0] == "pending" and e.completed is None), default=None
+        )
         if first_pending is not None:
             for e in colls:
                 if e.seq > first_pending and states[e.event_id][0] == "done":
@@ -334,7 +367,7 @@ _C_RECORD = re.compile(schema.line_pattern("th", ("i", "g", "seq", "pseq", "op",
 class _Pending:
     event_id: int
     op: str
-    shapes: bytes | list | None   # the record's "in" (JSON text until needed)
+    shapes: bytes | list | None  # the record's "in" (JSON text until needed)
     thread: bytes | str
 
     def numel(self) -> int | None:
@@ -366,11 +399,11 @@ class LiveTracker:
         self._groups: dict[int, str] = {}
         self.pending: dict[str, dict[int, _Pending]] = {}
         self._where: dict[int, tuple[str, int]] = {}
-        self.top_seq: dict[str, int] = {}           # highest collective seq recorded per group
+        self.top_seq: dict[str, int] = {}  # highest collective seq recorded per group
         self.last_event = -1
         self._thread_last: dict[bytes | str, int] = {}  # thread -> its latest event id
-        self.misaligned: dict[str, str] = {}         # group -> why Flight Recorder is not used for it
-        self.p2p_groups: set[str] = set()            # groups with p2p ops (their pg_status mixes numberings)
+        self.misaligned: dict[str, str] = {}  # group -> why Flight Recorder is not used for it
+        self.p2p_groups: set[str] = set()  # groups with p2p ops (their pg_status mixes numberings)
         self._disagree: dict[str, int] = {}
         self.parse_errors = 0
 
@@ -383,7 +416,7 @@ class LiveTracker:
         if end < 0:
             self._partial = data
             return
-        self._partial = data[end + 1:]
+        self._partial = data[end + 1 :]
         for line in data[:end].split(b"\n"):
             if line.startswith(b'{"k":"c"'):
                 self._collective(line)
@@ -474,8 +507,9 @@ class LiveTracker:
         for seq, slot in slots.items():
             p = pending.get(seq)
             if p is not None and not _matches(p.op, p.numel(), slot):
-                self.misaligned[group] = (f"Flight Recorder's collective #{seq} is {'/'.join(slot.ops)}, "
-                                          f"the trace's is {p.op}")
+                self.misaligned[group] = (
+                    f"Flight Recorder's collective #{seq} is {'/'.join(slot.ops)}, the trace's is {p.op}"
+                )
                 return False
         if full and slots:
             lo, hi = min(slots), max(slots)
@@ -504,16 +538,28 @@ class LiveTracker:
             pending_seqs = sorted(s for (g, s), slot in slots.items() if slot.state is None)
             first_pending = pending_seqs[0] if pending_seqs else None
             pending = self.pending.get(group, {})
-            done = [s for (g, s), slot in slots.items() if slot.state is not None
-                    and (first_pending is None or s < first_pending) and s in pending
-                    and (not launched or self._thread_last.get(pending[s].thread, -1) > pending[s].event_id)]
+            done = [
+                s
+                for (g, s), slot in slots.items()
+                if slot.state is not None
+                and (first_pending is None or s < first_pending)
+                and s in pending
+                and (not launched or self._thread_last.get(pending[s].thread, -1) > pending[s].event_id)
+            ]
             if done:
                 out += self._claim(group, max(done))
         return out
 
-    def resolve_active(self, active: list[FrEntry], backend_seq: dict[str, int], tops_before: dict[str, int],
-                       settled: int, window: int, final: bool = False,
-                       last_completed: dict[str, int] | None = None) -> list[int]:
+    def resolve_active(
+        self,
+        active: list[FrEntry],
+        backend_seq: dict[str, int],
+        tops_before: dict[str, int],
+        settled: int,
+        window: int,
+        final: bool = False,
+        last_completed: dict[str, int] | None = None,
+    ) -> list[int]:
         """From an ``onlyActive`` NCCL dump (it lists only the entries not yet completed).
 
         A followed collective ``s`` of group ``g`` is complete when Flight Recorder recorded it and
@@ -546,8 +592,9 @@ class LiveTracker:
                 if before == now and count not in (now, now - 1):  # quiet, and still not equal
                     self._disagree[group] = self._disagree.get(group, 0) + 1
                     if self._disagree[group] >= 3:
-                        self.misaligned[group] = (f"the group's sequence counter says {count}, the trace "
-                                                  f"has {now} collectives")
+                        self.misaligned[group] = (
+                            f"the group's sequence counter says {count}, the trace has {now} collectives"
+                        )
                 continue
             self._disagree.pop(group, None)
             mine = listed.get(group, [])

@@ -12,9 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moedoctor.events import (
-    CallSite, CollectiveEvent, Coverage, Evidence, Group, GroupCoverage, TraceHeader,
-)
+from moedoctor.events import CallSite, CollectiveEvent, Coverage, Evidence, Group, GroupCoverage, TraceHeader
 from moedoctor.trace import format as fmt
 from moedoctor.trace import schema
 from moedoctor.trace.schema import MAX_WORLD_SIZE
@@ -27,6 +25,7 @@ RECORD_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError, Re
 MAX_HEADER_BYTES = 64 << 10
 #: A record line longer than this is skipped as corrupt without being parsed (a real one is < 10 KB).
 MAX_RECORD_BYTES = 1 << 20
+
 
 def short(value) -> str:
     """A value for a message, bounded: the repr of a small scalar, else only its type (never the
@@ -55,7 +54,7 @@ class Completion:
 
     event_ids: tuple[int, ...]
     time: float
-    source: str | None = None   # who proved it: None for the collective's Work, "fr" for Flight Recorder
+    source: str | None = None  # who proved it: None for the collective's Work, "fr" for Flight Recorder
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,26 +100,39 @@ def read_header(path: Path) -> TraceHeader:
     except (ValueError, RecursionError) as e:
         raise TraceError(f"{path}: not a moedoctor trace (unreadable header: {str(e)[:120]})") from None
     if not isinstance(raw, dict) or raw.get("format") != fmt.FORMAT_NAME:
-        raise TraceError(f"{path}: not a moedoctor trace (format {short(raw.get('format'))})"
-                         if isinstance(raw, dict) else f"{path}: not a moedoctor trace")
+        raise TraceError(
+            f"{path}: not a moedoctor trace (format {short(raw.get('format'))})"
+            if isinstance(raw, dict)
+            else f"{path}: not a moedoctor trace"
+        )
     if raw.get("version") != fmt.FORMAT_VERSION:
-        raise TraceError(f"{path}: trace format version {short(raw.get('version'))} is not supported "
-                         f"(this moedoctor reads version {fmt.FORMAT_VERSION})")
+        raise TraceError(
+            f"{path}: trace format version {short(raw.get('version'))} is not supported "
+            f"(this moedoctor reads version {fmt.FORMAT_VERSION})"
+        )
     try:
         header = TraceHeader(
-            format=raw["format"], version=raw["version"], rank=int(raw["rank"]),
-            local_rank=int(raw["local_rank"]), world_size=int(raw["world_size"]), host=str(raw["host"]),
-            pid=int(raw["pid"]), torch_version=str(raw["torch"]), moedoctor_version=str(raw["moedoctor"]),
+            format=raw["format"],
+            version=raw["version"],
+            rank=int(raw["rank"]),
+            local_rank=int(raw["local_rank"]),
+            world_size=int(raw["world_size"]),
+            host=str(raw["host"]),
+            pid=int(raw["pid"]),
+            torch_version=str(raw["torch"]),
+            moedoctor_version=str(raw["moedoctor"]),
             start_time=float(raw["start_time"]),
         )
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise TraceError(f"{path}: malformed header ({type(e).__name__}: {str(e)[:120]})") from None
     if not 0 < header.world_size <= MAX_WORLD_SIZE:
-        raise TraceError(f"{path}: malformed header (world size {bounded_int(header.world_size)} outside "
-                         f"1..{MAX_WORLD_SIZE})")
+        raise TraceError(
+            f"{path}: malformed header (world size {bounded_int(header.world_size)} outside 1..{MAX_WORLD_SIZE})"
+        )
     if not 0 <= header.rank < header.world_size:
-        raise TraceError(f"{path}: malformed header (rank {bounded_int(header.rank)} outside the world size "
-                         f"{header.world_size})")
+        raise TraceError(
+            f"{path}: malformed header (rank {bounded_int(header.rank)} outside the world size {header.world_size})"
+        )
     return header
 
 

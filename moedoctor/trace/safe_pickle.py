@@ -24,27 +24,76 @@ from pathlib import Path
 from moedoctor.trace.reader import TraceError
 
 #: Opcodes that push a plain value, assemble a container or manage the stack and memo.
-ALLOWED_OPCODES = frozenset({
-    "PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP",
-    "NONE", "NEWTRUE", "NEWFALSE",
-    "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT",
-    "STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8",
-    "BINBYTES", "SHORT_BINBYTES", "BINBYTES8",
-    "EMPTY_LIST", "APPEND", "APPENDS", "LIST",
-    "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
-    "EMPTY_DICT", "DICT", "SETITEM", "SETITEMS",
-    "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "GET", "BINGET", "LONG_BINGET",
-})
+ALLOWED_OPCODES = frozenset(
+    {
+        "PROTO",
+        "FRAME",
+        "STOP",
+        "MARK",
+        "POP",
+        "POP_MARK",
+        "DUP",
+        "NONE",
+        "NEWTRUE",
+        "NEWFALSE",
+        "INT",
+        "BININT",
+        "BININT1",
+        "BININT2",
+        "LONG",
+        "LONG1",
+        "LONG4",
+        "FLOAT",
+        "BINFLOAT",
+        "STRING",
+        "BINSTRING",
+        "SHORT_BINSTRING",
+        "UNICODE",
+        "SHORT_BINUNICODE",
+        "BINUNICODE",
+        "BINUNICODE8",
+        "BINBYTES",
+        "SHORT_BINBYTES",
+        "BINBYTES8",
+        "EMPTY_LIST",
+        "APPEND",
+        "APPENDS",
+        "LIST",
+        "EMPTY_TUPLE",
+        "TUPLE",
+        "TUPLE1",
+        "TUPLE2",
+        "TUPLE3",
+        "EMPTY_DICT",
+        "DICT",
+        "SETITEM",
+        "SETITEMS",
+        "PUT",
+        "BINPUT",
+        "LONG_BINPUT",
+        "MEMOIZE",
+        "GET",
+        "BINGET",
+        "LONG_BINGET",
+    }
+)
 
 _MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"})
 
 #: Why the dangerous opcodes are refused, for the error message.
 _REFUSED_WHY = {
-    "GLOBAL": "imports a global", "STACK_GLOBAL": "imports a global", "INST": "instantiates a class",
-    "OBJ": "instantiates a class", "REDUCE": "calls a function", "BUILD": "sets object state",
-    "NEWOBJ": "instantiates a class", "NEWOBJ_EX": "instantiates a class",
-    "PERSID": "loads a persistent id", "BINPERSID": "loads a persistent id",
-    "EXT1": "imports a registered extension", "EXT2": "imports a registered extension",
+    "GLOBAL": "imports a global",
+    "STACK_GLOBAL": "imports a global",
+    "INST": "instantiates a class",
+    "OBJ": "instantiates a class",
+    "REDUCE": "calls a function",
+    "BUILD": "sets object state",
+    "NEWOBJ": "instantiates a class",
+    "NEWOBJ_EX": "instantiates a class",
+    "PERSID": "loads a persistent id",
+    "BINPERSID": "loads a persistent id",
+    "EXT1": "imports a registered extension",
+    "EXT2": "imports a registered extension",
     "EXT4": "imports a registered extension",
 }
 
@@ -76,14 +125,17 @@ def check_opcodes(data: bytes, source: str = "pickle") -> None:
                 # Picklers number memo slots 0, 1, 2, ... in order. A far larger index (a flipped
                 # byte) would make the C unpickler allocate and clear a memo table of that size.
                 if name != "MEMOIZE" and not 0 <= arg <= memo_size:
-                    raise TraceError(f"{source}: corrupt pickle (memo index {arg} at byte {pos}, "
-                                     f"{memo_size} slots used so far)")
+                    raise TraceError(
+                        f"{source}: corrupt pickle (memo index {arg} at byte {pos}, {memo_size} slots used so far)"
+                    )
                 memo_size += 1
             if name not in ALLOWED_OPCODES:
                 why = _REFUSED_WHY.get(opcode.name, "is outside the plain-data allow-list")
                 shown = f" {arg!r}" if isinstance(arg, str) and len(arg) < 80 else ""
-                raise PickleRefused(f"{source}: refused to load: opcode {opcode.name}{shown} at byte {pos} "
-                                    f"{why}; Flight Recorder dumps hold plain data only (nothing was executed)")
+                raise PickleRefused(
+                    f"{source}: refused to load: opcode {opcode.name}{shown} at byte {pos} "
+                    f"{why}; Flight Recorder dumps hold plain data only (nothing was executed)"
+                )
     except TraceError:
         raise
     except Exception as e:  # pickletools raises ValueError and friends on any malformed stream

@@ -43,6 +43,7 @@ MAX_DIM = (1 << 63) - 1
 
 # ---- value types ----------------------------------------------------------------------------------
 
+
 def _int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -82,7 +83,8 @@ class _Memo:
 
 def _shapes_ok(x: tuple) -> bool:
     return len(x) <= MAX_TENSORS and all(
-        isinstance(s, tuple) and len(s) <= MAX_DIMS and all(_int(d) and 0 <= d <= MAX_DIM for d in s) for s in x)
+        isinstance(s, tuple) and len(s) <= MAX_DIMS and all(_int(d) and 0 <= d <= MAX_DIM for d in s) for s in x
+    )
 
 
 def _as_shapes(x: list) -> tuple:
@@ -98,6 +100,7 @@ def _checked(test: Callable[[Any], bool]) -> Callable[[Any], Any]:
         if not test(value):
             raise TypeError("value of the wrong type")
         return value
+
     return convert
 
 
@@ -156,8 +159,13 @@ def _coverage_groups(value) -> tuple[tuple[str, int, int | None], ...]:
         raise TypeError("coverage groups of the wrong type")
     out = []
     for item in value:
-        if not (isinstance(item, list) and len(item) == 3 and _str(item[0]) and _int(item[1])
-                and (item[2] is None or _int(item[2]))):
+        if not (
+            isinstance(item, list)
+            and len(item) == 3
+            and _str(item[0])
+            and _int(item[1])
+            and (item[2] is None or _int(item[2]))
+        ):
             raise TypeError("coverage group of the wrong type")
         out.append((item[0], item[1], item[2]))
     return tuple(out)
@@ -183,7 +191,7 @@ class Key:
 
 @dataclass(frozen=True)
 class Record:
-    kind: str            # the value of "k"
+    kind: str  # the value of "k"
     title: str
     keys: tuple[Key, ...]
 
@@ -191,108 +199,191 @@ class Record:
         return next(k for k in self.keys if k.key == key)
 
 
-GROUP = Record("g", "process group definition", (
-    Key("id", "id", INT, doc="this file's id for the group"),
-    Key("name", "name", STR, doc="the process group's `group_name`, which agrees across ranks"),
-    Key("desc", "desc", STR, required=False, doc="its `group_desc` (`default_pg`, ...)"),
-    Key("ranks", "ranks", RANKS, doc="global ranks in group-rank order"),
-))
+GROUP = Record(
+    "g",
+    "process group definition",
+    (
+        Key("id", "id", INT, doc="this file's id for the group"),
+        Key("name", "name", STR, doc="the process group's `group_name`, which agrees across ranks"),
+        Key("desc", "desc", STR, required=False, doc="its `group_desc` (`default_pg`, ...)"),
+        Key("ranks", "ranks", RANKS, doc="global ranks in group-rank order"),
+    ),
+)
 
-SITE = Record("s", "call site definition", (
-    Key("id", "id", INT, doc="this file's id for the call site"),
-    Key("file", "file", STR, doc="the first frame outside torch, moedoctor and the standard library"),
-    Key("line", "line", INT),
-    Key("fn", "function", STR),
-    Key("stack", "stack", STRS, required=False, doc="up to 8 such frames outward from it, innermost first, "
-                                                    "as `file:line function`"),
-))
+SITE = Record(
+    "s",
+    "call site definition",
+    (
+        Key("id", "id", INT, doc="this file's id for the call site"),
+        Key("file", "file", STR, doc="the first frame outside torch, moedoctor and the standard library"),
+        Key("line", "line", INT),
+        Key("fn", "function", STR),
+        Key(
+            "stack",
+            "stack",
+            STRS,
+            required=False,
+            doc="up to 8 such frames outward from it, innermost first, as `file:line function`",
+        ),
+    ),
+)
 
-COLLECTIVE = Record("c", "a collective or p2p op, written before it is issued", (
-    Key("i", "event_id", COUNT, doc="event id, per file, from 0"),
-    Key("g", "group", GROUP_REF, doc="the group's id (a `g` record before it)"),
-    Key("seq", "seq", COUNT, doc="per-group collective sequence number kept by moedoctor, from 1. P2P ops do not "
-                                 "advance it: they carry the number of collectives before them"),
-    Key("pseq", "p2p_seq", INT, required=False, doc="p2p only: sequence number per (group, peer) pair, from 1"),
-    Key("s", "call_site", SITE_REF, doc="the call site's id (`null` when no frame is outside torch, e.g. an "
-                                        "autograd device thread)"),
-    Key("t", "time", NUMBER, doc="Unix time issued"),
-    Key("op", "op", STR, doc="normalized: `all_reduce`, `all_gather`, `reduce_scatter`, `broadcast`, `barrier`, "
-                             "`all_to_all`, `gather`, `scatter`, `reduce`, `send`, `recv`, `monitored_barrier`, "
-                             "`all_reduce_coalesced`, `all_gather_coalesced`, `reduce_scatter_coalesced`"),
-    Key("raw", "raw_op", STR, doc="the dispatcher op, e.g. `c10d::_reduce_scatter_base_`, "
-                                  "`_c10d_functional::all_reduce`"),
-    Key("in", "in_shapes", SHAPES, doc="shapes of the input tensors (at most 64; `n` then gives the real counts)"),
-    Key("out", "out_shapes", SHAPES, doc="shapes of the output tensors (at most 64)"),
-    Key("dt", "dtypes", STRS, doc="distinct input dtypes, in order"),
-    Key("async", "async_op", BOOL, doc="the caller did not wait (c10d `async_op`, or any functional collective)"),
-    Key("th", "thread", STR, doc="thread name"),
-    Key("ph", "phase", PHASE, doc="phase: `forward`, `backward`, `optimizer`, `checkpoint_save`, "
-                                  "`checkpoint_load`, `other`"),
-    Key("step", "step", INT, doc="optimizer steps completed so far (steps of the first optimizer that stepped)"),
-    Key("red", "reduce_op", STR, required=False,
-        doc="reduce op (`sum`, `avg`, `max`, ...): inline from the native kernel and for functional collectives; "
-            "the Python kernels give a c10d collective's in an `a` record"),
-    Key("n", "counts", INTS, required=False, doc="`[inputs, outputs]`: the real tensor counts, when over 64"),
-    Key("sp", "splits", SPLITS, required=False,
-        doc="`all_to_all_single` only: `[input_split_sizes, output_split_sizes]`, rows sent to and received from "
-            "each group member in group-rank order (`[]`: equal splits)"),
-    Key("root", "root", OPT_INT, required=False,
-        doc="rooted ops (`broadcast`, `reduce`, `gather`, `scatter`): the root's global rank (added in 0.1.1; "
-            "absent in older traces)"),
-    Key("mod", "module", STR, required=False,
-        doc="fully qualified name of the FSDP2 unit whose hook issued it, when one did"),
-    Key("peer", "peer", INT, required=False, doc="p2p only: the peer's global rank"),
-    Key("dev", "device", STR, required=False,
-        doc="device of the first input tensor, as torch prints it (`cpu`, `cuda:0`); absent without one "
-            "(added in 0.1.2)"),
-))
+COLLECTIVE = Record(
+    "c",
+    "a collective or p2p op, written before it is issued",
+    (
+        Key("i", "event_id", COUNT, doc="event id, per file, from 0"),
+        Key("g", "group", GROUP_REF, doc="the group's id (a `g` record before it)"),
+        Key(
+            "seq",
+            "seq",
+            COUNT,
+            doc="per-group collective sequence number kept by moedoctor, from 1. P2P ops do not "
+            "advance it: they carry the number of collectives before them",
+        ),
+        Key("pseq", "p2p_seq", INT, required=False, doc="p2p only: sequence number per (group, peer) pair, from 1"),
+        Key(
+            "s",
+            "call_site",
+            SITE_REF,
+            doc="the call site's id (`null` when no frame is outside torch, e.g. an autograd device thread)",
+        ),
+        Key("t", "time", NUMBER, doc="Unix time issued"),
+        Key(
+            "op",
+            "op",
+            STR,
+            doc="normalized: `all_reduce`, `all_gather`, `reduce_scatter`, `broadcast`, `barrier`, "
+            "`all_to_all`, `gather`, `scatter`, `reduce`, `send`, `recv`, `monitored_barrier`, "
+            "`all_reduce_coalesced`, `all_gather_coalesced`, `reduce_scatter_coalesced`",
+        ),
+        Key(
+            "raw",
+            "raw_op",
+            STR,
+            doc="the dispatcher op, e.g. `c10d::_reduce_scatter_base_`, `_c10d_functional::all_reduce`",
+        ),
+        Key("in", "in_shapes", SHAPES, doc="shapes of the input tensors (at most 64; `n` then gives the real counts)"),
+        Key("out", "out_shapes", SHAPES, doc="shapes of the output tensors (at most 64)"),
+        Key("dt", "dtypes", STRS, doc="distinct input dtypes, in order"),
+        Key("async", "async_op", BOOL, doc="the caller did not wait (c10d `async_op`, or any functional collective)"),
+        Key("th", "thread", STR, doc="thread name"),
+        Key(
+            "ph",
+            "phase",
+            PHASE,
+            doc="phase: `forward`, `backward`, `optimizer`, `checkpoint_save`, `checkpoint_load`, `other`",
+        ),
+        Key("step", "step", INT, doc="optimizer steps completed so far (steps of the first optimizer that stepped)"),
+        Key(
+            "red",
+            "reduce_op",
+            STR,
+            required=False,
+            doc="reduce op (`sum`, `avg`, `max`, ...): inline from the native kernel and for functional collectives; "
+            "the Python kernels give a c10d collective's in an `a` record",
+        ),
+        Key("n", "counts", INTS, required=False, doc="`[inputs, outputs]`: the real tensor counts, when over 64"),
+        Key(
+            "sp",
+            "splits",
+            SPLITS,
+            required=False,
+            doc="`all_to_all_single` only: `[input_split_sizes, output_split_sizes]`, rows sent to and received from "
+            "each group member in group-rank order (`[]`: equal splits)",
+        ),
+        Key(
+            "root",
+            "root",
+            OPT_INT,
+            required=False,
+            doc="rooted ops (`broadcast`, `reduce`, `gather`, `scatter`): the root's global rank (added in 0.1.1; "
+            "absent in older traces)",
+        ),
+        Key(
+            "mod",
+            "module",
+            STR,
+            required=False,
+            doc="fully qualified name of the FSDP2 unit whose hook issued it, when one did",
+        ),
+        Key("peer", "peer", INT, required=False, doc="p2p only: the peer's global rank"),
+        Key(
+            "dev",
+            "device",
+            STR,
+            required=False,
+            doc="device of the first input tensor, as torch prints it (`cpu`, `cuda:0`); absent without one "
+            "(added in 0.1.2)",
+        ),
+    ),
+)
 
-DONE = Record("d", "completions", (
-    Key("t", "time", NUMBER, doc="Unix time of the poll that saw them complete"),
-    Key("i", "event_ids", IDS, doc="event ids (a list, or one int)"),
-    Key("src", "source", STR, required=False, doc="`fr`: proven from Flight Recorder, not a `Work`"),
-))
+DONE = Record(
+    "d",
+    "completions",
+    (
+        Key("t", "time", NUMBER, doc="Unix time of the poll that saw them complete"),
+        Key("i", "event_ids", IDS, doc="event ids (a list, or one int)"),
+        Key("src", "source", STR, required=False, doc="`fr`: proven from Flight Recorder, not a `Work`"),
+    ),
+)
 
-ANNOTATE = Record("a", "annotation of an earlier collective", (
-    Key("i", "event_id", INT, doc="the collective's event id"),
-    Key("red", "reduce_op", OPT_STR, doc="its reduce op, or `null` when unknown"),
-))
+ANNOTATE = Record(
+    "a",
+    "annotation of an earlier collective",
+    (
+        Key("i", "event_id", INT, doc="the collective's event id"),
+        Key("red", "reduce_op", OPT_STR, doc="its reduce op, or `null` when unknown"),
+    ),
+)
 
-EVIDENCE = Record("e", "evidence", (
-    Key("t", "time", NUMBER),
-    Key("kind", "kind", STR),
-    Key("step", "step", INT),
-    Key("data", "data", OBJECT, required=False),
-))
+EVIDENCE = Record(
+    "e",
+    "evidence",
+    (
+        Key("t", "time", NUMBER),
+        Key("kind", "kind", STR),
+        Key("step", "step", INT),
+        Key("data", "data", OBJECT, required=False),
+    ),
+)
 
-COVERAGE = Record("v", "coverage", (
-    Key("t", "time", NUMBER),
-    Key("reason", "reason", STR),
-    Key("groups", "groups", COVERAGE_GROUPS, doc="`[name, recorded, backend]` per process group"),
-    Key("dropped", "dropped", COUNT, required=False),
-))
+COVERAGE = Record(
+    "v",
+    "coverage",
+    (
+        Key("t", "time", NUMBER),
+        Key("reason", "reason", STR),
+        Key("groups", "groups", COVERAGE_GROUPS, doc="`[name, recorded, backend]` per process group"),
+        Key("dropped", "dropped", COUNT, required=False),
+    ),
+)
 
-CAP = Record("cap", "event cap reached", (
-    Key("t", "time", NUMBER),
-    Key("limit", "limit", INT),
-))
+CAP = Record("cap", "event cap reached", (Key("t", "time", NUMBER), Key("limit", "limit", INT)))
 
-HEADER = Record("", "header (first line)", (
-    Key("format", "format", STR, doc='always `"moedoctor-trace"`'),
-    Key("version", "version", INT, doc="`1`; a reader rejects versions it does not know, and folders mixing them"),
-    Key("rank", "rank", INT, doc="of this process in the default group"),
-    Key("local_rank", "local_rank", INT, doc="on its host"),
-    Key("world_size", "world_size", INT, doc="of the default group"),
-    Key("host", "host", STR, doc="where the rank runs"), Key("pid", "pid", INT, doc="its process id"),
-    Key("torch", "torch_version", STR, doc="torch's version"),
-    Key("moedoctor", "moedoctor_version", STR, doc="moedoctor's version"),
-    Key("start_time", "start_time", NUMBER, doc="Unix time the trace was opened (at `init_process_group`)"),
-))
+HEADER = Record(
+    "",
+    "header (first line)",
+    (
+        Key("format", "format", STR, doc='always `"moedoctor-trace"`'),
+        Key("version", "version", INT, doc="`1`; a reader rejects versions it does not know, and folders mixing them"),
+        Key("rank", "rank", INT, doc="of this process in the default group"),
+        Key("local_rank", "local_rank", INT, doc="on its host"),
+        Key("world_size", "world_size", INT, doc="of the default group"),
+        Key("host", "host", STR, doc="where the rank runs"),
+        Key("pid", "pid", INT, doc="its process id"),
+        Key("torch", "torch_version", STR, doc="torch's version"),
+        Key("moedoctor", "moedoctor_version", STR, doc="moedoctor's version"),
+        Key("start_time", "start_time", NUMBER, doc="Unix time the trace was opened (at `init_process_group`)"),
+    ),
+)
 
 RECORDS = {r.kind: r for r in (GROUP, SITE, COLLECTIVE, DONE, ANNOTATE, EVIDENCE, COVERAGE, CAP)}
 
 
 # ---- reading ----------------------------------------------------------------------------------------
+
 
 def decode(record: Record, rec: dict) -> dict[str, Any]:
     """The values of one record of kind ``record`` by attribute name, each type-checked (references
@@ -335,6 +426,7 @@ def decode_collective(rec: dict, rank: int, groups: dict[int, Group], sites: dic
 
 
 # ---- writing ----------------------------------------------------------------------------------------
+
 
 def _writer(record: Record) -> Callable[..., str]:
     """A function writing ``record`` as one JSON line, from the JSON text of each value: required
@@ -397,6 +489,7 @@ def record_of(event: CollectiveEvent, group_id: int, site_id: int | None) -> dic
 
 # ---- checking any writer's output --------------------------------------------------------------
 
+
 def problems(rec: dict) -> list[str]:
     """What is wrong with one parsed record line against the tables: an unknown kind, a missing or
     unknown key, a value of the wrong type, keys out of the table's order. Empty when none."""
@@ -424,10 +517,22 @@ def problems(rec: dict) -> list[str]:
 
 #: What a value of each type looks like in a line both recorders write (no spaces; strings without
 #: escapes where the scanners rely on them).
-_VALUE = {INT: rb"-?\d+", COUNT: rb"\d+", NUMBER: rb"[^,]*", STR: rb'"[^"\\]*"', BOOL: rb"(?:true|false)",
-          SHAPES: rb'\[[^"]*?\]', STRS: rb"\[[^\]]*\]", PHASE: rb'"[a-z_]*"', GROUP_REF: rb"\d+",
-          SITE_REF: rb"(?:\d+|null)", OPT_INT: rb"(?:-?\d+|null)", INTS: rb"\[[^\]]*\]",
-          SPLITS: rb"\[\[[^\]]*\],\[[^\]]*\]\]", RANKS: rb"\[[^\]]*\]"}
+_VALUE = {
+    INT: rb"-?\d+",
+    COUNT: rb"\d+",
+    NUMBER: rb"[^,]*",
+    STR: rb'"[^"\\]*"',
+    BOOL: rb"(?:true|false)",
+    SHAPES: rb'\[[^"]*?\]',
+    STRS: rb"\[[^\]]*\]",
+    PHASE: rb'"[a-z_]*"',
+    GROUP_REF: rb"\d+",
+    SITE_REF: rb"(?:\d+|null)",
+    OPT_INT: rb"(?:-?\d+|null)",
+    INTS: rb"\[[^\]]*\]",
+    SPLITS: rb"\[\[[^\]]*\],\[[^\]]*\]\]",
+    RANKS: rb"\[[^\]]*\]",
+}
 
 
 def line_pattern(until: str, capture: tuple[str, ...], strings: tuple[str, ...] = ()) -> bytes:
@@ -459,14 +564,13 @@ def line_pattern(until: str, capture: tuple[str, ...], strings: tuple[str, ...] 
 
 # ---- documentation -------------------------------------------------------------------------------
 
+
 def markdown(record: Record) -> str:
     """The table of ``record``'s keys for ``docs/trace-format.md``."""
     rows = ["| key | type | meaning |", "|---|---|---|"]
     for k in record.keys:
         rows.append(f"| `{k.key}` | {k.type.name}{'' if k.required else ', optional'} | {k.doc} |")
     return "\n".join(rows)
-
-
 
 
 def sync_docs(text: str) -> str:

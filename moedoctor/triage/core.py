@@ -35,9 +35,7 @@ from moedoctor.errors import EXIT_USAGE, MoedoctorError
 from moedoctor.runner import procs
 from moedoctor.runner.gpu import write_gpu_snapshot
 from moedoctor.runner.rundir import RunDir
-from moedoctor.runner.stacks import (
-    StackDump, StackTarget, dump_stacks, find_py_spy,
-)
+from moedoctor.runner.stacks import StackDump, StackTarget, dump_stacks, find_py_spy
 from moedoctor.triage.flight_recorder import FlightRecorderResult, trigger_dumps
 
 ENV_RUN_DIR = "MOEDOCTOR_RUN_DIR"
@@ -74,20 +72,38 @@ class TriageResult:
 
     def to_dict(self) -> dict:
         return {
-            "pid": self.pid, "launcher": self.launcher, "out_dir": str(self.out_dir), "evidence": self.evidence,
-            "ranks": {str(r.rank): {"pid": r.pid, "state": r.state,
-                                    "stack_error": self.stacks[r.rank].error if r.rank in self.stacks else None}
-                      for r in self.ranks},
+            "pid": self.pid,
+            "launcher": self.launcher,
+            "out_dir": str(self.out_dir),
+            "evidence": self.evidence,
+            "ranks": {
+                str(r.rank): {
+                    "pid": r.pid,
+                    "state": r.state,
+                    "stack_error": self.stacks[r.rank].error if r.rank in self.stacks else None,
+                }
+                for r in self.ranks
+            },
             "gpu": {"available": bool(self.gpu.get("available")), "reason": self.gpu.get("reason")},
-            "flight_recorder": {"enabled": self.flight_recorder.enabled,
-                                "dumps": {str(r): str(p) for r, p in sorted(self.flight_recorder.dumps.items())}},
+            "flight_recorder": {
+                "enabled": self.flight_recorder.enabled,
+                "dumps": {str(r): str(p) for r, p in sorted(self.flight_recorder.dumps.items())},
+            },
             "run_dir": None if self.run_dir is None else str(self.run_dir),
             "notes": self.notes,
         }
 
 
-def triage(pid: int, out_dir: Path, *, native: bool = False, flight_recorder: bool = True,
-           fr_wait: float = 5.0, snapshot_wait: float = 1.5, host: str | None = None) -> TriageResult:
+def triage(
+    pid: int,
+    out_dir: Path,
+    *,
+    native: bool = False,
+    flight_recorder: bool = True,
+    fr_wait: float = 5.0,
+    snapshot_wait: float = 1.5,
+    host: str | None = None,
+) -> TriageResult:
     """Examine the job PID belongs to; raise ``MoedoctorError`` when PID is no torch job or nothing
     could be read."""
     host = host or socket.gethostname()
@@ -115,8 +131,10 @@ def triage(pid: int, out_dir: Path, *, native: bool = False, flight_recorder: bo
         fr = trigger_dumps({r.rank: (r.pid, r.env) for r in ranks}, out_dir / "flight_recorder", wait=fr_wait)
         notes.extend(fr.notes)
         if not fr.enabled:
-            notes.append("Flight Recorder: the job set no TORCH_NCCL_DEBUG_INFO_PIPE_FILE, so no dump can be "
-                         "asked for (NCCL only: Gloo has no such trigger)")
+            notes.append(
+                "Flight Recorder: the job set no TORCH_NCCL_DEBUG_INFO_PIPE_FILE, so no dump can be "
+                "asked for (NCCL only: Gloo has no such trigger)"
+            )
     else:
         notes.append("Flight Recorder: not asked (--no-flight-recorder)")
 
@@ -129,11 +147,23 @@ def triage(pid: int, out_dir: Path, *, native: bool = False, flight_recorder: bo
     if evidence == "traces" and report.verify_command and run_dir is not None:
         # verify replays the job's own run directory (its manifest holds the command), not this copy
         report.verify_command = report.verify_command.replace(str(out_dir), str(run_dir))
-    return TriageResult(pid=pid, launcher=launcher, ranks=ranks, out_dir=out_dir, stacks=stacks, gpu=gpu,
-                        flight_recorder=fr, run_dir=run_dir, evidence=evidence, report=report, notes=notes)
+    return TriageResult(
+        pid=pid,
+        launcher=launcher,
+        ranks=ranks,
+        out_dir=out_dir,
+        stacks=stacks,
+        gpu=gpu,
+        flight_recorder=fr,
+        run_dir=run_dir,
+        evidence=evidence,
+        report=report,
+        notes=notes,
+    )
 
 
 # ---- which processes ----------------------------------------------------------------------------
+
 
 def find_ranks(pid: int) -> tuple[int | None, list[RankProcess]]:
     """(launcher pid or None, the job's rank processes on this node) for a rank's or a launcher's PID."""
@@ -141,10 +171,12 @@ def find_ranks(pid: int) -> tuple[int | None, list[RankProcess]]:
         raise MoedoctorError(f"no such process: {pid}", EXIT_USAGE)
     env = procs.environ(pid)
     if env is None:
-        why = ("moedoctor runs as root, so /proc is restricted here (hidepid, another PID namespace, or a "
-               "container without CAP_SYS_PTRACE): run moedoctor triage inside the job's container"
-               if os.geteuid() == 0 else
-               "it belongs to another user; run moedoctor triage as that user or as root")
+        why = (
+            "moedoctor runs as root, so /proc is restricted here (hidepid, another PID namespace, or a "
+            "container without CAP_SYS_PTRACE): run moedoctor triage inside the job's container"
+            if os.geteuid() == 0
+            else "it belongs to another user; run moedoctor triage as that user or as root"
+        )
         raise MoedoctorError(f"cannot read the environment of pid {pid} ({_command(pid)}): {why}", EXIT_USAGE)
     if "RANK" in env:
         parent = _ppid(pid)
@@ -156,9 +188,12 @@ def find_ranks(pid: int) -> tuple[int | None, list[RankProcess]]:
         return None, _ranked({rank: procs.JobProcess(pid, parent or 0, rank, None, None)})
     found = procs.rank_processes(procs.job_processes(pid))
     if not found:
-        raise MoedoctorError(f"pid {pid} ({_command(pid)}) is not a torch distributed job: no process with RANK in "
-                             "its environment under it. Give the pid of torchrun, of its elastic agent or of a "
-                             "rank.", EXIT_USAGE)
+        raise MoedoctorError(
+            f"pid {pid} ({_command(pid)}) is not a torch distributed job: no process with RANK in "
+            "its environment under it. Give the pid of torchrun, of its elastic agent or of a "
+            "rank.",
+            EXIT_USAGE,
+        )
     return pid, _ranked(found)
 
 
@@ -190,6 +225,7 @@ def _command(pid: int) -> str:
 
 
 # ---- collecting ---------------------------------------------------------------------------------
+
 
 def _dump_all(ranks: list[RankProcess], folder: Path, host: str, native: bool) -> dict[int, StackDump]:
     targets = [StackTarget(r.rank, r.pid, nonblocking=r.state in _NO_ATTACH) for r in ranks]
@@ -238,14 +274,24 @@ def _take_traces(run_dir: Path, out_dir: Path, notes: list[str]) -> bool:
 
 # ---- the report ---------------------------------------------------------------------------------
 
-def _report(out_dir: Path, stacks: dict[int, StackDump], ranks: list[RankProcess], traces: bool,
-            fr: FlightRecorderResult, notes: list[str]) -> tuple[Report, str]:
+
+def _report(
+    out_dir: Path,
+    stacks: dict[int, StackDump],
+    ranks: list[RankProcess],
+    traces: bool,
+    fr: FlightRecorderResult,
+    notes: list[str],
+) -> tuple[Report, str]:
     states = {r.rank: r.state for r in ranks}
     world = next((int(r.env["WORLD_SIZE"]) for r in ranks if r.env.get("WORLD_SIZE", "").isdigit()), None)
-    from_stacks = report_from_stacks(stacks, source=str(out_dir), world_size=world,
-                                     gpus=read_gpu_snapshots(out_dir / "gpu", []), states=states)
-    for source, label in ((out_dir if traces else None, "traces"),
-                          (out_dir / "flight_recorder" if fr.dumps else None, "flight-recorder")):
+    from_stacks = report_from_stacks(
+        stacks, source=str(out_dir), world_size=world, gpus=read_gpu_snapshots(out_dir / "gpu", []), states=states
+    )
+    for source, label in (
+        (out_dir if traces else None, "traces"),
+        (out_dir / "flight_recorder" if fr.dumps else None, "flight-recorder"),
+    ):
         if source is None:
             continue
         try:
@@ -258,8 +304,7 @@ def _report(out_dir: Path, stacks: dict[int, StackDump], ranks: list[RankProcess
             run.gpus = read_gpu_snapshots(out_dir / "gpu", run.incomplete)
         report = analyze(run)
         if report.verdict == Verdict.HEALTHY and from_stacks.verdict != Verdict.HEALTHY:
-            notes.append(f"the {label} show no problem yet (recorded up to a moment ago); the report is "
-                         "the stacks'")
+            notes.append(f"the {label} show no problem yet (recorded up to a moment ago); the report is the stacks'")
             return from_stacks, "stacks"
         return report, label
     return from_stacks, "stacks"

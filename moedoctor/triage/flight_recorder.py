@@ -29,7 +29,7 @@ DEFAULT_DUMP_PREFIX = "/tmp/nccl_trace_rank_"
 
 @dataclass
 class FlightRecorderResult:
-    dumps: dict[int, Path] = field(default_factory=dict)   # rank -> the copy in the triage folder
+    dumps: dict[int, Path] = field(default_factory=dict)  # rank -> the copy in the triage folder
     notes: list[str] = field(default_factory=list)
     enabled: bool = False
 
@@ -42,8 +42,9 @@ def dump_prefix(env: dict[str, str]) -> str:
     return next((env[v] for v in DUMP_VARIABLES if env.get(v)), DEFAULT_DUMP_PREFIX)
 
 
-def trigger_dumps(ranks: dict[int, tuple[int, dict[str, str]]], out_dir: Path, wait: float = 5.0,
-                  poll: float = 0.2) -> FlightRecorderResult:
+def trigger_dumps(
+    ranks: dict[int, tuple[int, dict[str, str]]], out_dir: Path, wait: float = 5.0, poll: float = 0.2
+) -> FlightRecorderResult:
     """Write to the debug pipe of each rank (``rank -> (pid, environ)``) that has one, and copy the
     dumps that appear within ``wait`` seconds into ``out_dir/fr_rank_<rank>``."""
     result = FlightRecorderResult()
@@ -59,8 +60,10 @@ def trigger_dumps(ranks: dict[int, tuple[int, dict[str, str]]], out_dir: Path, w
         try:
             fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
         except OSError as e:
-            why = {errno.ENOENT: "does not exist (not an NCCL process group yet, or TORCH_FR_BUFFER_SIZE=0)",
-                   errno.ENXIO: "has no reader (the rank's NCCL heartbeat monitor is not running)"}
+            why = {
+                errno.ENOENT: "does not exist (not an NCCL process group yet, or TORCH_FR_BUFFER_SIZE=0)",
+                errno.ENXIO: "has no reader (the rank's NCCL heartbeat monitor is not running)",
+            }
             result.notes.append(f"rank {rank}: Flight Recorder pipe {pipe} {why.get(e.errno, str(e))}")
             continue
         try:

@@ -14,9 +14,9 @@ from moedoctor.trace.reader import TraceError, read_traces
 
 @dataclass
 class RunNumbers:
-    losses: dict[int, dict[int, float]] = field(default_factory=dict)      # rank -> backward ordinal -> loss
-    step_ends: dict[int, dict[int, float]] = field(default_factory=dict)   # rank -> step -> wall time
-    loss_steps: dict[int, dict[int, int]] = field(default_factory=dict)    # rank -> backward ordinal -> step
+    losses: dict[int, dict[int, float]] = field(default_factory=dict)  # rank -> backward ordinal -> loss
+    step_ends: dict[int, dict[int, float]] = field(default_factory=dict)  # rank -> step -> wall time
+    loss_steps: dict[int, dict[int, int]] = field(default_factory=dict)  # rank -> backward ordinal -> step
     problems: list[str] = field(default_factory=list)
 
     def step_times(self) -> dict[int, float]:
@@ -61,16 +61,17 @@ def read_numbers(run_dir: Path) -> RunNumbers:
 class LossComparison:
     compared: int
     matched: int
-    worst_relative: float          # largest |after - before| / max(|before|, tiny) over compared losses
-    mismatches: tuple[str, ...]    # "rank 1 loss #2: 2.310000 vs 2.410000"
+    worst_relative: float  # largest |after - before| / max(|before|, tiny) over compared losses
+    mismatches: tuple[str, ...]  # "rank 1 loss #2: 2.310000 vs 2.410000"
 
     @property
     def passed(self) -> bool:
         return self.compared > 0 and self.matched == self.compared
 
 
-def compare_losses(before: RunNumbers, after: RunNumbers, rtol: float = 1e-4, atol: float = 1e-6,
-                   upto_step: int | None = None) -> LossComparison:
+def compare_losses(
+    before: RunNumbers, after: RunNumbers, rtol: float = 1e-4, atol: float = 1e-6, upto_step: int | None = None
+) -> LossComparison:
     """Every loss the original run recorded before step ``upto_step``, the step its ranks diverged in
     (from that step on, the original's numbers come from ranks that no longer ran the same program:
     some stepped where others skipped, or a collective was silently paired with another rank's
@@ -101,10 +102,10 @@ def compare_losses(before: RunNumbers, after: RunNumbers, rtol: float = 1e-4, at
 
 @dataclass(frozen=True)
 class StepTimeComparison:
-    steps: tuple[int, ...]         # the steps both runs completed (step 0 is warm-up: never counted)
-    before: float | None           # median seconds over ``steps``
+    steps: tuple[int, ...]  # the steps both runs completed (step 0 is warm-up: never counted)
+    before: float | None  # median seconds over ``steps``
     after: float | None
-    after_all: float | None        # the rerun's median over all its steps
+    after_all: float | None  # the rerun's median over all its steps
 
     @property
     def change(self) -> float | None:

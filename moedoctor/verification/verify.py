@@ -31,7 +31,12 @@ from moedoctor.runner import Outcome, RunConfig, RunObserver, RunResult, run_job
 from moedoctor.runner.manifest import HangRecord, hang_of, load_manifest
 from moedoctor.runner.rundir import RunDir
 from moedoctor.verification.numbers import (
-    LossComparison, RunNumbers, StepTimeComparison, compare_losses, compare_step_times, read_numbers,
+    LossComparison,
+    RunNumbers,
+    StepTimeComparison,
+    compare_losses,
+    compare_step_times,
+    read_numbers,
 )
 
 
@@ -108,8 +113,9 @@ def load_original(path: Path) -> OriginalRun:
     try:
         manifest = load_manifest(layout.manifest)
     except FileNotFoundError:
-        raise MoedoctorError(f"{path} is not a moedoctor run directory (no manifest.json); "
-                             "give the job after -- instead") from None
+        raise MoedoctorError(
+            f"{path} is not a moedoctor run directory (no manifest.json); give the job after -- instead"
+        ) from None
     except (OSError, ValueError) as e:
         raise MoedoctorError(f"cannot read {layout.manifest}: {e}") from None
     command = manifest.get("command")
@@ -131,10 +137,18 @@ def verify(config: VerifyConfig, observer: RunObserver | None = None) -> Verific
     run_dir = Path(config.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     fix_config_path = write_fix_config(run_dir, config.fix_config)
-    branches = {os.path.normpath(section["branch"]["file"]) for section in config.fix_config.values()
-                if isinstance(section, dict) and isinstance(section.get("branch"), dict)}
-    run = replace(config.run, fixes=tuple(f.name for f in fixes), fix_config=fix_config_path, fix_checks=True,
-                  command=script_command(list(config.run.command), branches) if branches else config.run.command)
+    branches = {
+        os.path.normpath(section["branch"]["file"])
+        for section in config.fix_config.values()
+        if isinstance(section, dict) and isinstance(section.get("branch"), dict)
+    }
+    run = replace(
+        config.run,
+        fixes=tuple(f.name for f in fixes),
+        fix_config=fix_config_path,
+        fix_checks=True,
+        command=script_command(list(config.run.command), branches) if branches else config.run.command,
+    )
     started = time.monotonic()
     result = run_job(run, observer)
     elapsed = time.monotonic() - started
@@ -149,13 +163,23 @@ def verify(config: VerifyConfig, observer: RunObserver | None = None) -> Verific
         checks += _fix_checks(fix.name, status, report, result)
     losses = step_times = None
     if original is not None:
-        losses = compare_losses(original.numbers, after, config.loss_rtol, config.loss_atol,
-                                upto_step=_divergence_step(original.report))
+        losses = compare_losses(
+            original.numbers, after, config.loss_rtol, config.loss_atol, upto_step=_divergence_step(original.report)
+        )
         checks.append(_loss_check(losses, original.numbers))
         step_times = compare_step_times(original.numbers, after)
         checks.append(_step_time_check(step_times))
-    return Verification(tuple(f.name for f in fixes), run.command, run_dir, original.path if original else None,
-                        checks, report, result, losses, step_times)
+    return Verification(
+        tuple(f.name for f in fixes),
+        run.command,
+        run_dir,
+        original.path if original else None,
+        checks,
+        report,
+        result,
+        losses,
+        step_times,
+    )
 
 
 def _analyze(run_dir: Path) -> Report | None:
@@ -222,12 +246,20 @@ def _sequence_check(report: Report | None, result: RunResult, original: Original
         return Check("identical collective sequences", False, before, _describe_report(report))
     coverage = result.coverage
     if coverage is not None and not coverage.complete:
-        return Check("identical collective sequences", False, before,
-                     f"{report.collectives} collectives agree, but the coverage check found "
-                     f"{len(coverage.gaps)} gap(s): a missed collective cannot be ruled out")
+        return Check(
+            "identical collective sequences",
+            False,
+            before,
+            f"{report.collectives} collectives agree, but the coverage check found "
+            f"{len(coverage.gaps)} gap(s): a missed collective cannot be ruled out",
+        )
     ranks = ", ".join(map(str, report.traced_ranks))
-    return Check("identical collective sequences", True, before,
-                 f"identical on every rank ({report.collectives} collectives, ranks {ranks}); coverage complete")
+    return Check(
+        "identical collective sequences",
+        True,
+        before,
+        f"identical on every rank ({report.collectives} collectives, ranks {ranks}); coverage complete",
+    )
 
 
 def _fix_checks(name: str, status: FixStatus, report: Report | None, result: RunResult) -> list[Check]:
@@ -236,8 +268,7 @@ def _fix_checks(name: str, status: FixStatus, report: Report | None, result: Run
     applied = status.applied_ranks()
     notes = status.notes()
     if not status.ranks:
-        applied_check = Check(f"{name} applied", False, "-",
-                              "no rank reported it (was the fix installed? see job.log)")
+        applied_check = Check(f"{name} applied", False, "-", "no rank reported it (was the fix installed? see job.log)")
     elif not applied:
         searched = status.searched()
         shown = ", ".join(searched[:3]) + (f" and {len(searched) - 3} more" if len(searched) > 3 else "")
@@ -248,18 +279,21 @@ def _fix_checks(name: str, status: FixStatus, report: Report | None, result: Run
         applied_check = Check(f"{name} applied", False, "-", f"did not apply: {why}")
     elif set(applied) != expected:
         missing = sorted(expected - set(applied))
-        applied_check = Check(f"{name} applied", False, "-",
-                              f"applied on ranks {applied} only; not on {missing}"
-                              + (f" ({'; '.join(notes)})" if notes else ""))
+        applied_check = Check(
+            f"{name} applied",
+            False,
+            "-",
+            f"applied on ranks {applied} only; not on {missing}" + (f" ({'; '.join(notes)})" if notes else ""),
+        )
     else:
         calls = ", ".join(f"{path.split(':')[-1]} x{n}" for path, n in status.calls().items() if n)
-        applied_check = Check(f"{name} applied", True, "-", f"on all {len(applied)} ranks: {calls}",
-                              detail="; ".join(notes))
+        applied_check = Check(
+            f"{name} applied", True, "-", f"on all {len(applied)} ranks: {calls}", detail="; ".join(notes)
+        )
     checks = [applied_check]
     by_name = status.checks()
     if not by_name:
-        checks.append(Check(f"{name}: numerical check", None, "-",
-                            "never ran (the fix was not exercised on any rank)"))
+        checks.append(Check(f"{name}: numerical check", None, "-", "never ran (the fix was not exercised on any rank)"))
     for check_name, per_rank in by_name.items():
         failed = [(r, c) for r, c in per_rank if c.passed is False]
         unknown = [(r, c) for r, c in per_rank if c.passed is None]
@@ -274,8 +308,9 @@ def _fix_checks(name: str, status: FixStatus, report: Report | None, result: Run
             checks.append(Check(f"{name}: {check_name}", None, "-", f"could not be established: {why}"))
         else:
             detail = per_rank[0][1].detail
-            checks.append(Check(f"{name}: {check_name}", True, "-",
-                                f"holds on all {len(per_rank)} ranks: {detail}{worst_text}"))
+            checks.append(
+                Check(f"{name}: {check_name}", True, "-", f"holds on all {len(per_rank)} ranks: {detail}{worst_text}")
+            )
     return checks
 
 
@@ -293,10 +328,18 @@ def _loss_check(losses: LossComparison, before: RunNumbers) -> Check:
     ranks = sorted(before.losses)
     before_text = f"{losses.compared} losses (ranks {', '.join(map(str, ranks))})"
     if losses.passed:
-        return Check("losses before the hang", True, before_text,
-                     f"all {losses.compared} match (largest relative difference {losses.worst_relative:.2g})")
-    return Check("losses before the hang", False, before_text,
-                 f"{losses.compared - losses.matched} of {losses.compared} differ: {losses.mismatches[0]}")
+        return Check(
+            "losses before the hang",
+            True,
+            before_text,
+            f"all {losses.compared} match (largest relative difference {losses.worst_relative:.2g})",
+        )
+    return Check(
+        "losses before the hang",
+        False,
+        before_text,
+        f"{losses.compared - losses.matched} of {losses.compared} differ: {losses.mismatches[0]}",
+    )
 
 
 def _step_time_check(times: StepTimeComparison) -> Check:
@@ -305,6 +348,10 @@ def _step_time_check(times: StepTimeComparison) -> Check:
         return Check("step time", None, "the original run completed too few steps", after, required=False)
     change = times.change
     steps = ", ".join(map(str, times.steps))
-    return Check("step time", None, f"{times.before * 1e3:.1f} ms (steps {steps})",
-                 f"{times.after * 1e3:.1f} ms ({change:+.1%}); all steps: {times.after_all * 1e3:.1f} ms",
-                 required=False)
+    return Check(
+        "step time",
+        None,
+        f"{times.before * 1e3:.1f} ms (steps {steps})",
+        f"{times.after * 1e3:.1f} ms ({change:+.1%}); all steps: {times.after_all * 1e3:.1f} ms",
+        required=False,
+    )

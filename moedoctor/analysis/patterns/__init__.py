@@ -31,10 +31,19 @@ THRESHOLD = 0.4
 TIE = 0.01
 
 MODULES = (
-    "all_to_all_split_mismatch", "skipped_optimizer_step", "inflight_metric_allreduce", "uneven_dtensor_allgather",
+    "all_to_all_split_mismatch",
+    "skipped_optimizer_step",
+    "inflight_metric_allreduce",
+    "uneven_dtensor_allgather",
     "inactive_experts",
-    "rank_conditional_collective", "microbatch_count_mismatch", "collective_order_inversion", "shape_mismatch",
-    "rank_stopped", "straggler", "not_a_desync", "unknown_desync",
+    "rank_conditional_collective",
+    "microbatch_count_mismatch",
+    "collective_order_inversion",
+    "shape_mismatch",
+    "rank_stopped",
+    "straggler",
+    "not_a_desync",
+    "unknown_desync",
 )
 
 
@@ -42,7 +51,7 @@ MODULES = (
 class Finding:
     score: float
     evidence: tuple[str, ...]
-    culprits: tuple[int, ...] | None = None   # a pattern's own culprits, used when the generic rules found none
+    culprits: tuple[int, ...] | None = None  # a pattern's own culprits, used when the generic rules found none
     suggestion: Suggestion | None = None
     #: Settings that point the pattern's fix at this job's own code (``{fix name: section}``,
     #: e.g. the ``if`` that made the rank-local decision), so ``moedoctor verify`` needs no --config.
@@ -95,8 +104,10 @@ class Context:
     def _decision(self) -> tuple[Branch | None, list[int]]:
         if self.div is None:
             return None, []
-        sites = {r: (e.call_site.where if (e := self.event(r)) is not None and e.call_site else None)
-                 for r in self.div.per_rank}
+        sites = {
+            r: (e.call_site.where if (e := self.event(r)) is not None and e.call_site else None)
+            for r in self.div.per_rank
+        }
         found: dict[Branch, list[int]] = {}
         for rank in sorted(self.present()):
             stack = self.stack(rank)
@@ -119,8 +130,12 @@ class Context:
         return {} if self.div is None else {r: v for r, v in self.div.per_rank.items() if v is not None}
 
     def desync_kind(self) -> bool:
-        return self.div is not None and self.div.kind in (DivergenceKind.MISMATCH, DivergenceKind.MISSING,
-                                                         DivergenceKind.P2P, DivergenceKind.CONTRACT)
+        return self.div is not None and self.div.kind in (
+            DivergenceKind.MISMATCH,
+            DivergenceKind.MISSING,
+            DivergenceKind.P2P,
+            DivergenceKind.CONTRACT,
+        )
 
 
 @dataclass
@@ -129,11 +144,11 @@ class StackContext:
     ranks grouped by identical stack (``StackClass``), those inside a collective and those outside,
     the ranks whose process does not run (state letter), and every rank's dump."""
 
-    stacks: dict                   # rank -> StackDump
-    inside: list                   # StackClass, waiting in a collective
-    outside: list                  # StackClass, outside any collective
-    frozen: dict[int, str]         # rank -> why its process does not run
-    letters: dict[int, str]        # rank -> its process state letter
+    stacks: dict  # rank -> StackDump
+    inside: list  # StackClass, waiting in a collective
+    outside: list  # StackClass, outside any collective
+    frozen: dict[int, str]  # rank -> why its process does not run
+    letters: dict[int, str]  # rank -> its process state letter
 
     def ops(self, classes) -> str:
         """The collectives ``classes`` wait in, and from where."""
@@ -155,9 +170,9 @@ class Pattern:
     id: str
     title: str
     fixes: tuple[str, ...]
-    desync: bool                   # a code desync (verdict desync), or a hang of another kind (stuck)
+    desync: bool  # a code desync (verdict desync), or a hang of another kind (stuck)
     classify: Callable[[Context], Finding | None]
-    advice: str                    # what to change, when the finding brings no suggestion of its own
+    advice: str  # what to change, when the finding brings no suggestion of its own
     #: The pattern's reading of a job known only by its stacks (``moedoctor triage``, or a run that
     #: recorded nothing); None where stacks alone cannot show it. The registry's order decides.
     from_stacks: Callable[[StackContext], StackFinding | None] | None = None

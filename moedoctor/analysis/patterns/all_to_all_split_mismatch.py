@@ -41,25 +41,42 @@ def classify(ctx: Context) -> Finding | None:
     bad = div.classes[-1] if div.classes else ()  # the breakers' class (every rank when all disagree)
     v = next((div.per_rank[r] for r in bad if div.per_rank.get(r) is not None), None)
     v = v or next(x for x in div.per_rank.values() if x is not None)
-    evidence = [f"every rank of group {div.group.label()} issued {v.op} #{div.seq} ({v.short_site}), but the sizes "
-                f"they exchange do not pair up: " + "; ".join(div.breaches[:6])
-                + (f" (and {len(div.breaches) - 6} more)" if len(div.breaches) > 6 else "")]
+    evidence = [
+        f"every rank of group {div.group.label()} issued {v.op} #{div.seq} ({v.short_site}), but the sizes "
+        f"they exchange do not pair up: "
+        + "; ".join(div.breaches[:6])
+        + (f" (and {len(div.breaches) - 6} more)" if len(div.breaches) > 6 else "")
+    ]
     if v.splits is not None:
-        evidence.append("splits (input / output rows per member): " + "; ".join(
-            f"rank {r}: {list(x.splits[0]) or 'equal'} / {list(x.splits[1]) or 'equal'}"
-            for r, x in div.per_rank.items() if x is not None and x.splits is not None))
+        evidence.append(
+            "splits (input / output rows per member): "
+            + "; ".join(
+                f"rank {r}: {list(x.splits[0]) or 'equal'} / {list(x.splits[1]) or 'equal'}"
+                for r, x in div.per_rank.items()
+                if x is not None and x.splits is not None
+            )
+        )
     if bad:
-        evidence.append(f"{names(bad)} disagree{'s' if len(bad) == 1 else ''} with the peers "
-                        f"{'it exchanges' if len(bad) == 1 else 'they exchange'} with: receive counts not taken "
-                        "from what the senders announced")
-    return Finding(0.95, tuple(evidence), culprits=tuple(bad) or None,
-                   suggestion=Suggestion(v.call_site, v.function, _ADVICE))
+        evidence.append(
+            f"{names(bad)} disagree{'s' if len(bad) == 1 else ''} with the peers "
+            f"{'it exchanges' if len(bad) == 1 else 'they exchange'} with: receive counts not taken "
+            "from what the senders announced"
+        )
+    return Finding(
+        0.95, tuple(evidence), culprits=tuple(bad) or None, suggestion=Suggestion(v.call_site, v.function, _ADVICE)
+    )
 
 
-_ADVICE = ("Exchange the per-destination counts first (dist.all_to_all_single on the counts tensor) and pass "
-           "what was received as output_split_sizes; never compute the receive counts locally.")
+_ADVICE = (
+    "Exchange the per-destination counts first (dist.all_to_all_single on the counts tensor) and pass "
+    "what was received as output_split_sizes; never compute the receive counts locally."
+)
 
 PATTERN = Pattern(
-    id="all-to-all-split-mismatch", title="all_to_all split mismatch", fixes=(), desync=True, classify=classify,
+    id="all-to-all-split-mismatch",
+    title="all_to_all split mismatch",
+    fixes=(),
+    desync=True,
+    classify=classify,
     advice=_ADVICE,
 )

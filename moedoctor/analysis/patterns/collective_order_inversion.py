@@ -52,8 +52,10 @@ def classify(ctx: Context) -> Finding | None:
         site = e.call_site.short if e is not None and e.call_site else "?"
         if e is not None and e.call_site:
             sites.append((e.call_site.where, e.call_site.function))
-        evidence.append(f"rank {edge.rank} waits in {edge.op} #{edge.seq} of group {view.groups[edge.group].label()} "
-                        f"({site}) for {names(edge.waits_for)}, which never issued it")
+        evidence.append(
+            f"rank {edge.rank} waits in {edge.op} #{edge.seq} of group {view.groups[edge.group].label()} "
+            f"({site}) for {names(edge.waits_for)}, which never issued it"
+        )
     groups = sorted({e.group for e in ctx.cycle})
     evidence.append(f"the waits form a cycle across groups {', '.join(groups)}: no single group shows a mismatch")
     site, fn = sites[0] if sites else (None, None)
@@ -64,27 +66,39 @@ def classify(ctx: Context) -> Finding | None:
     looped = cycle_loop_exit(view, ctx.cycle) if unknown else None
     if looped is not None:
         group, ex = looped
-        evidence.append(f"score 0.2: on group {view.groups[group].label()} {names(ex.looping)} "
-                        f"{'is' if len(ex.looping) == 1 else 'are'} still in a loop of collectives from {ex.short} "
-                        f"that {names(ex.left)} left after fewer iterations: a loop run a different number of "
-                        "times closed the cycle, not a reordering")
+        evidence.append(
+            f"score 0.2: on group {view.groups[group].label()} {names(ex.looping)} "
+            f"{'is' if len(ex.looping) == 1 else 'are'} still in a loop of collectives from {ex.short} "
+            f"that {names(ex.left)} left after fewer iterations: a loop run a different number of "
+            "times closed the cycle, not a reordering"
+        )
         return Finding(0.2, tuple(evidence), suggestion=Suggestion(site, fn, _ADVICE))
     if unknown:
         evidence.extend(unknown)
-        guards = [g for edge in ctx.cycle if (e := view.event(edge.rank, edge.group, edge.seq)) is not None
-                  and (g := rank_guard(e.call_site.stack if e.call_site else ())) is not None]
+        guards = [
+            g
+            for edge in ctx.cycle
+            if (e := view.event(edge.rank, edge.group, edge.seq)) is not None
+            and (g := rank_guard(e.call_site.stack if e.call_site else ())) is not None
+        ]
         new = _first_time(ctx)
         if new and len(new) < len(ctx.cycle):
-            evidence.append(f"score 0.2: {new[0]}, while the other collectives of the cycle were issued before by "
-                            "every rank: a collective that appeared on some ranks, not a reordering")
+            evidence.append(
+                f"score 0.2: {new[0]}, while the other collectives of the cycle were issued before by "
+                "every rank: a collective that appeared on some ranks, not a reordering"
+            )
             return Finding(0.2, tuple(evidence), suggestion=Suggestion(site, fn, _ADVICE))
         if guards:
-            evidence.append(f"score 0.2: the collective at {guards[0].short} is issued under `{guards[0].kind} "
-                            f"{guards[0].text}`, a branch on the rank: some ranks never issue it")
+            evidence.append(
+                f"score 0.2: the collective at {guards[0].short} is issued under `{guards[0].kind} "
+                f"{guards[0].text}`, a branch on the rank: some ranks never issue it"
+            )
             return Finding(0.2, tuple(evidence), suggestion=Suggestion(site, fn, _ADVICE))
-        evidence.append("score 0.45 instead of 0.95: every rank of the cycle is blocked in a collective and none is "
-                        "under a branch on the rank, but the history does not show every rank issuing the "
-                        "collectives of the cycle (a collective that only some ranks issue cannot be ruled out)")
+        evidence.append(
+            "score 0.45 instead of 0.95: every rank of the cycle is blocked in a collective and none is "
+            "under a branch on the rank, but the history does not show every rank issuing the "
+            "collectives of the cycle (a collective that only some ranks issue cannot be ruled out)"
+        )
         return Finding(0.45, tuple(evidence), suggestion=Suggestion(site, fn, _ADVICE))
     deviators, habit = _deviators(ctx)
     evidence.extend(habit)
@@ -108,15 +122,20 @@ def _deviators(ctx: Context) -> tuple[list[int], list[str]]:
         if other is None:
             continue
         mine = [x for x in view.events(rank, group, before=event.seq) if x.call_site and x.call_site.where == site]
-        theirs = [x for x in view.events(rank, other[0]) if x.call_site and x.call_site.where == other[1]
-                  and x.event_id < event.event_id]
+        theirs = [
+            x
+            for x in view.events(rank, other[0])
+            if x.call_site and x.call_site.where == other[1] and x.event_id < event.event_id
+        ]
         if not mine or not theirs:
             continue
         if theirs[-1].event_id < mine[-1].event_id:
             changed.append(rank)
             first, then = site.rsplit("/", 1)[-1], other[1].rsplit("/", 1)[-1]
-            lines.append(f"rank {rank} issued {first} before {then} this time, after the other order the time "
-                         "before: it changed its order")
+            lines.append(
+                f"rank {rank} issued {first} before {then} this time, after the other order the time "
+                "before: it changed its order"
+            )
         else:
             kept.append(rank)
     if changed and kept:
@@ -134,8 +153,10 @@ def _first_time(ctx: Context) -> list[str]:
         if e is None or e.call_site is None:
             continue
         if not view.issued_from(edge.rank, edge.group, e.call_site.where, before=edge.seq):
-            found.append(f"rank {edge.rank} issues {e.op} from {e.call_site.short} on group "
-                         f"{view.groups[edge.group].label()} for the first time")
+            found.append(
+                f"rank {edge.rank} issues {e.op} from {e.call_site.short} on group "
+                f"{view.groups[edge.group].label()} for the first time"
+            )
     return found
 
 
@@ -150,16 +171,24 @@ def _never_issued(ctx: Context) -> list[str]:
             continue
         for m in edge.waits_for:
             if not view.issued_from(m, edge.group, e.call_site.where):
-                found.append(f"rank {m} never issued a collective from {e.call_site.short} on group "
-                             f"{view.groups[edge.group].label()}, where rank {edge.rank} waits for it")
+                found.append(
+                    f"rank {m} never issued a collective from {e.call_site.short} on group "
+                    f"{view.groups[edge.group].label()}, where rank {edge.rank} waits for it"
+                )
     return found
 
 
-_ADVICE = ("Issue the collectives of these overlapping groups in one fixed order on every rank (for example "
-           "always the tensor-parallel group before the data-parallel one), or launch both asynchronously and "
-           "wait on both.")
+_ADVICE = (
+    "Issue the collectives of these overlapping groups in one fixed order on every rank (for example "
+    "always the tensor-parallel group before the data-parallel one), or launch both asynchronously and "
+    "wait on both."
+)
 
 PATTERN = Pattern(
-    id="collective-order-inversion", title="Collective order inversion across groups", fixes=(), desync=True,
-    classify=classify, advice=_ADVICE,
+    id="collective-order-inversion",
+    title="Collective order inversion across groups",
+    fixes=(),
+    desync=True,
+    classify=classify,
+    advice=_ADVICE,
 )

@@ -85,9 +85,13 @@ def classify(ctx: Context) -> Finding | None:
     if len(backward) < 2 or not any(v.op in _FSDP_BACKWARD_OPS for v in backward.values()):
         return _reduced_per_parameter(ctx)
     score = 0.35
-    evidence = [f"the divergence at #{div.seq} of group {div.group.label()} is in backward: "
-                + ", ".join(f"rank {r}: {v.op} {[list(s) for s in v.shapes]}"
-                            + (f" of FSDP unit {v.module}" if v.module else "") for r, v in backward.items())]
+    evidence = [
+        f"the divergence at #{div.seq} of group {div.group.label()} is in backward: "
+        + ", ".join(
+            f"rank {r}: {v.op} {[list(s) for s in v.shapes]}" + (f" of FSDP unit {v.module}" if v.module else "")
+            for r, v in backward.items()
+        )
+    ]
     culprits = None
     modules = {v.module for v in backward.values()}
     ops = {v.op for v in backward.values()}
@@ -98,25 +102,37 @@ def classify(ctx: Context) -> Finding | None:
             most = max(sizes.values())
             fewer = sorted(r for r, n in sizes.items() if n < most)
             culprits = tuple(fewer)
-            evidence.append(f"FSDP unit {next(iter(modules))} {next(iter(ops))}s {most} elements on "
-                            f"{names(sorted(r for r, n in sizes.items() if n == most))} but "
-                            + ", ".join(f"{sizes[r]} on rank {r}" for r in fewer)
-                            + ": gradients of some of its parameters are missing there (parameters without gradients)")
+            evidence.append(
+                f"FSDP unit {next(iter(modules))} {next(iter(ops))}s {most} elements on "
+                f"{names(sorted(r for r, n in sizes.items() if n == most))} but "
+                + ", ".join(f"{sizes[r]} on rank {r}" for r in fewer)
+                + ": gradients of some of its parameters are missing there (parameters without gradients)"
+            )
     elif len(modules) > 1 and None not in modules:
         score += 0.25
-        evidence.append("different FSDP units are reduced at the same sequence number: post-backward hooks fired "
-                        "in a different order across ranks")
+        evidence.append(
+            "different FSDP units are reduced at the same sequence number: post-backward hooks fired "
+            "in a different order across ranks"
+        )
         # The rank that never ran, in this step's forward, a unit another rank is in: its router sent no
         # token there (the unit was skipped), which reordered the backward hooks.
         step = min(v.step for v in backward.values())
-        ran = {r: {e.module for e in view.events(r, div.group.name, before=div.seq)
-                   if e.step == step and e.phase.value == "forward" and e.module} for r in backward}
+        ran = {
+            r: {
+                e.module
+                for e in view.events(r, div.group.name, before=div.seq)
+                if e.step == step and e.phase.value == "forward" and e.module
+            }
+            for r in backward
+        }
         skipped = sorted(r for r in backward if any(v.module not in ran[r] for o, v in backward.items() if o != r))
         if skipped and len(skipped) < len(backward):
             culprits = tuple(skipped)
-            evidence.append(f"{names(skipped)} did not run, in step {step}'s forward, the FSDP unit(s) "
-                            + ", ".join(sorted({v.module for o, v in backward.items() if o not in skipped}))
-                            + " that the other ranks reduce now")
+            evidence.append(
+                f"{names(skipped)} did not run, in step {step}'s forward, the FSDP unit(s) "
+                + ", ".join(sorted({v.module for o, v in backward.items() if o not in skipped}))
+                + " that the other ranks reduce now"
+            )
     without = {}
     for r in div.per_rank:
         names_: set[str] = set()
@@ -126,14 +142,17 @@ def classify(ctx: Context) -> Finding | None:
                 names_.update(p for p in params if isinstance(p, str))
         without[r] = names_
     if any(without.values()) and len({frozenset(v) for v in without.values()}) > 1:
-        odd = sorted(r for r, v in without.items()
-                     if v and _sparse_members(v, [w for o, w in without.items() if o != r]))
+        odd = sorted(
+            r for r, v in without.items() if v and _sparse_members(v, [w for o, w in without.items() if o != r])
+        )
         score += 0.25 if odd else 0.15
         r = (odd or sorted(r for r, v in without.items() if v))[0]
         sample = ", ".join(sorted(without[r])[:3])
-        evidence.append(f"rank {r} had parameters without gradients at an optimizer step ({sample}"
-                        f"{', ...' if len(without[r]) > 3 else ''}) that other ranks had gradients for"
-                        + (": members of a module list that got no tokens" if odd else ""))
+        evidence.append(
+            f"rank {r} had parameters without gradients at an optimizer step ({sample}"
+            f"{', ...' if len(without[r]) > 3 else ''}) that other ranks had gradients for"
+            + (": members of a module list that got no tokens" if odd else "")
+        )
     units = {e.module for r in div.per_rank for e in view.events(r, div.group.name) if e.module}
     lists: dict[str, set[int]] = {}
     for u in units:
@@ -143,16 +162,25 @@ def classify(ctx: Context) -> Finding | None:
     per_member = sorted(prefix for prefix, idx in lists.items() if len(idx) > 1)
     if per_member:
         score += 0.05
-        evidence.append(f"the model shards the members of a module list as separate FSDP units "
-                        f"({', '.join(f'{p}.0..{max(lists[p])}' for p in per_member[:3])}): each member is "
-                        "gathered and reduced only where it runs")
+        evidence.append(
+            f"the model shards the members of a module list as separate FSDP units "
+            f"({', '.join(f'{p}.0..{max(lists[p])}' for p in per_member[:3])}): each member is "
+            "gathered and reduced only where it runs"
+        )
     event = ctx.event(next(iter(backward)))
     suggestion = Suggestion(
         None if event is None or event.call_site is None else event.call_site.where,
-        None if event is None or event.call_site is None else event.call_site.function, _ADVICE)
+        None if event is None or event.call_site is None else event.call_site.function,
+        _ADVICE,
+    )
     # For MoE code moedoctor has no block class for: expert-zero-term's structural mode (module lists).
-    return Finding(round(score, 3), tuple(evidence), culprits=culprits, suggestion=suggestion,
-                   fix_config={"expert-zero-term": {"lists": "auto"}})
+    return Finding(
+        round(score, 3),
+        tuple(evidence),
+        culprits=culprits,
+        suggestion=suggestion,
+        fix_config={"expert-zero-term": {"lists": "auto"}},
+    )
 
 
 def _missing_at(view, rank: int, step: int) -> dict[str, tuple[int, ...]]:
@@ -163,8 +191,11 @@ def _missing_at(view, rank: int, step: int) -> dict[str, tuple[int, ...]]:
         if e.step is not None and e.step > step:
             break
         names, shapes = e.data.get("names") or [], e.data.get("shapes") or []
-        found = {n: tuple(shapes[i]) if i < len(shapes) and isinstance(shapes[i], list) else ()
-                 for i, n in enumerate(names) if isinstance(n, str)}
+        found = {
+            n: tuple(shapes[i]) if i < len(shapes) and isinstance(shapes[i], list) else ()
+            for i, n in enumerate(names)
+            if isinstance(n, str)
+        }
     return found
 
 
@@ -188,8 +219,7 @@ def _idle_members(missing: dict[int, dict[str, tuple[int, ...]]]) -> dict[int, l
     """Per rank, its parameters without a gradient that belong to module-list members and that some
     other rank had a gradient for."""
     everywhere = set.intersection(*(set(m) for m in missing.values())) if missing else set()
-    return {r: sorted(n for n in m if n not in everywhere and _list_member(n) is not None)
-            for r, m in missing.items()}
+    return {r: sorted(n for n in m if n not in everywhere and _list_member(n) is not None) for r, m in missing.items()}
 
 
 def _reduction_never_launched(ctx: Context) -> Finding | None:
@@ -209,16 +239,24 @@ def _reduction_never_launched(ctx: Context) -> Finding | None:
         return None
     params = sorted({n for r in div.missing for n in idle[r]})
     v = next(iter(present.values()))
-    evidence = [f"{names(sorted(present))} wait{'s' if len(present) == 1 else ''} in {v.op} #{div.seq} of group "
-                f"{div.group.label()}, a gradient reduction issued in step {step}'s backward ({v.short_site}), "
-                f"that {names(div.missing)} never issued",
-                f"{names(div.missing)} had no gradient, at the end of that backward, for "
-                f"{', '.join(params[:4])}{f' and {len(params) - 4} more' if len(params) > 4 else ''} (parameters "
-                f"of members of a module list) that {names(sorted(present))} had gradients for: those members "
-                "got no token there, and the reduction that carries their gradients was never launched"]
+    evidence = [
+        f"{names(sorted(present))} wait{'s' if len(present) == 1 else ''} in {v.op} #{div.seq} of group "
+        f"{div.group.label()}, a gradient reduction issued in step {step}'s backward ({v.short_site}), "
+        f"that {names(div.missing)} never issued",
+        f"{names(div.missing)} had no gradient, at the end of that backward, for "
+        f"{', '.join(params[:4])}{f' and {len(params) - 4} more' if len(params) > 4 else ''} (parameters "
+        f"of members of a module list) that {names(sorted(present))} had gradients for: those members "
+        "got no token there, and the reduction that carries their gradients was never launched",
+    ]
     suggestion = Suggestion(v.call_site, v.function, _ADVICE)
-    return Finding(0.6, tuple(evidence), culprits=tuple(div.missing), suggestion=suggestion,
-                   fix_config={"expert-zero-term": {"lists": "auto"}}, explains_crash=True)
+    return Finding(
+        0.6,
+        tuple(evidence),
+        culprits=tuple(div.missing),
+        suggestion=suggestion,
+        fix_config={"expert-zero-term": {"lists": "auto"}},
+        explains_crash=True,
+    )
 
 
 def _reduced_per_parameter(ctx: Context) -> Finding | None:
@@ -241,37 +279,54 @@ def _reduced_per_parameter(ctx: Context) -> Finding | None:
     group = div.group.name
 
     def shapes(rank: int) -> list[tuple]:
-        return [e.in_shapes for e in view.events(rank, group) if e.step == step and e.seq <= div.seq
-                and e.call_site is not None and e.call_site.where == site]
+        return [
+            e.in_shapes
+            for e in view.events(rank, group)
+            if e.step == step and e.seq <= div.seq and e.call_site is not None and e.call_site.where == site
+        ]
 
     ref = shapes(kept[0])
     skipped = {r: _skips_only(ref, shapes(r), [(missing[r][n],) for n in idle[r]]) for r in odd}
     params = sorted({n for r in odd for n in idle[r]})
     score = 0.6
-    evidence = [f"{names(odd)} had no gradient, at the end of step {step}'s backward, for "
-                f"{', '.join(params[:4])}{f' and {len(params) - 4} more' if len(params) > 4 else ''} (parameters "
-                f"of members of a module list) that {names(kept)} had gradients for: those members got no token",
-                f"every rank issued #{div.seq} of group {div.group.label()} from the same call site "
-                f"({site.rsplit('/', 1)[-1]}), one collective per parameter with a gradient"]
+    evidence = [
+        f"{names(odd)} had no gradient, at the end of step {step}'s backward, for "
+        f"{', '.join(params[:4])}{f' and {len(params) - 4} more' if len(params) > 4 else ''} (parameters "
+        f"of members of a module list) that {names(kept)} had gradients for: those members got no token",
+        f"every rank issued #{div.seq} of group {div.group.label()} from the same call site "
+        f"({site.rsplit('/', 1)[-1]}), one collective per parameter with a gradient",
+    ]
     if all(n is not None for n in skipped.values()):
         score += 0.1
-        evidence.append(f"up to #{div.seq}, {names(odd)} issued from there {names(kept[:1])}'s collectives of "
-                        f"step {step} with collectives of those parameters' shapes left out: the loop skipped "
-                        "them, and the collectives after them pair with other parameters")
+        evidence.append(
+            f"up to #{div.seq}, {names(odd)} issued from there {names(kept[:1])}'s collectives of "
+            f"step {step} with collectives of those parameters' shapes left out: the loop skipped "
+            "them, and the collectives after them pair with other parameters"
+        )
     event = ctx.event(odd[0])
-    suggestion = Suggestion(site, None if event is None or event.call_site is None else event.call_site.function,
-                            _ADVICE)
-    return Finding(round(score, 3), tuple(evidence), culprits=tuple(odd), suggestion=suggestion,
-                   fix_config={"expert-zero-term": {"lists": "auto"}})
+    suggestion = Suggestion(
+        site, None if event is None or event.call_site is None else event.call_site.function, _ADVICE
+    )
+    return Finding(
+        round(score, 3),
+        tuple(evidence),
+        culprits=tuple(odd),
+        suggestion=suggestion,
+        fix_config={"expert-zero-term": {"lists": "auto"}},
+    )
 
 
-_ADVICE = ("Make every expert take part every step: run all experts on all tokens with zero routing weight for "
-           "unrouted ones (or add a zero-weighted term over every expert parameter), so every rank has the same "
-           "gradients and FSDP2 reduces the same buffers in the same order. Check the output matches the sparse path.")
+_ADVICE = (
+    "Make every expert take part every step: run all experts on all tokens with zero routing weight for "
+    "unrouted ones (or add a zero-weighted term over every expert parameter), so every rank has the same "
+    "gradients and FSDP2 reduces the same buffers in the same order. Check the output matches the sparse path."
+)
 
 PATTERN = Pattern(
-    id="inactive-experts", title="Inactive experts (MoE gradients missing on some ranks)",
+    id="inactive-experts",
+    title="Inactive experts (MoE gradients missing on some ranks)",
     fixes=("expert-dense", "expert-zero-term"),
     desync=True,
-    classify=classify, advice=_ADVICE,
+    classify=classify,
+    advice=_ADVICE,
 )

@@ -49,8 +49,11 @@ def classify(ctx: Context) -> Finding | None:
         return None  # the metric all-reduce is matched against another collective, not against nothing
     div, view = ctx.div, ctx.view
     present = ctx.present()
-    small = sorted(r for r, v in present.items() if v.op == "all_reduce" and v.numel <= SMALL and v.module is None
-                   and v.phase in _USER_PHASES)
+    small = sorted(
+        r
+        for r, v in present.items()
+        if v.op == "all_reduce" and v.numel <= SMALL and v.module is None and v.phase in _USER_PHASES
+    )
     other = sorted(r for r in div.per_rank if r not in small)
     if not small or not other:
         return None
@@ -69,23 +72,35 @@ def classify(ctx: Context) -> Finding | None:
     if not history and loop is None:
         return None  # a call site the other ranks never used, and nothing shows it runs on every rank
     theirs = [present[r] for r in other if r in present]
-    if theirs and all(t.op == "all_reduce" and t.numel <= SMALL and t.module is None
-                      and t.phase not in ("forward", "backward") for t in theirs):
+    if theirs and all(
+        t.op == "all_reduce" and t.numel <= SMALL and t.module is None and t.phase not in ("forward", "backward")
+        for t in theirs
+    ):
         return None  # two metric all-reduces: a different pattern (shape mismatch / rank-conditional)
-    desc = ", ".join(f"rank {r}: " + ("nothing" if div.per_rank[r] is None else
-                                      f"{div.per_rank[r].op} {[list(s) for s in div.per_rank[r].shapes]}"
-                                      + (f" of FSDP unit {div.per_rank[r].module}" if div.per_rank[r].module else ""))
-                     for r in other[:4])
+    desc = ", ".join(
+        f"rank {r}: "
+        + (
+            "nothing"
+            if div.per_rank[r] is None
+            else f"{div.per_rank[r].op} {[list(s) for s in div.per_rank[r].shapes]}"
+            + (f" of FSDP unit {div.per_rank[r].module}" if div.per_rank[r].module else "")
+        )
+        for r in other[:4]
+    )
     if not any(t.module is not None or t.phase in ("forward", "backward") for t in theirs):
         return None  # nothing FSDP-issued or from forward/backward to be matched against: nothing in flight
     score = 0.3 if history else 0.2
-    evidence = [f"at #{div.seq} of group {div.group.label()} {names(small)} issued a {v.numel}-element all_reduce "
-                f"from user code ({v.short_site}) where the others issued {desc}"]
+    evidence = [
+        f"at #{div.seq} of group {div.group.label()} {names(small)} issued a {v.numel}-element all_reduce "
+        f"from user code ({v.short_site}) where the others issued {desc}"
+    ]
     if loop is not None:
         score += 0.1
-        evidence.append(f"it is issued inside the loop at {loop.short} ({loop.text}), which runs the backward passes "
-                        "and no optimizer step (a micro-batch loop), under no branch on the rank: every rank issues "
-                        "it, once per micro-batch")
+        evidence.append(
+            f"it is issued inside the loop at {loop.short} ({loop.text}), which runs the backward passes "
+            "and no optimizer step (a micro-batch loop), under no branch on the rank: every rank issues "
+            "it, once per micro-batch"
+        )
     elif history:
         evidence.append(f"{names(other)} issued collectives from {v.short_site} before: every rank issues it")
     fsdp = [t for t in theirs if t.module is not None]
@@ -96,38 +111,52 @@ def classify(ctx: Context) -> Finding | None:
     elif any(t.numel > SMALL for t in theirs):
         score += 0.15
     # Issued once per micro-batch: the same call site several times in one step.
-    per_step = Counter(e.step for e in view.events(small[0], group) if e.call_site is not None
-                       and e.call_site.where == v.call_site)
+    per_step = Counter(
+        e.step for e in view.events(small[0], group) if e.call_site is not None and e.call_site.where == v.call_site
+    )
     if per_step and max(per_step.values()) >= 2:
         score += 0.2
         step, n = max(per_step.items(), key=lambda kv: (kv[1], -kv[0]))
-        evidence.append(f"{v.short_site} issues {n} all_reduces per step on rank {small[0]} (step {step}): "
-                        "it runs inside the micro-batch loop")
+        evidence.append(
+            f"{v.short_site} issues {n} all_reduces per step on rank {small[0]} (step {step}): "
+            "it runs inside the micro-batch loop"
+        )
     fix_config = None
     for t in fsdp[:1]:
-        gathered = any(e.module == t.module and e.op == t.op and e.step == t.step
-                       for e in view.events(small[0], group, before=div.seq))
+        gathered = any(
+            e.module == t.module and e.op == t.op and e.step == t.step
+            for e in view.events(small[0], group, before=div.seq)
+        )
         if not gathered:
             score += 0.1
             if t.op == "all_gather" and t.phase == "forward":
                 # A unit gathered by the first forward that uses it: gathering the kept units when the
                 # root's forward starts puts these all-gathers in one place on every rank.
                 fix_config = {"fsdp-gather-upfront": {"units": "kept"}}
-            evidence.append(f"{names(small)} had not yet issued the {t.op} of FSDP unit {t.module} in step {t.step} "
-                            f"that {names(other)} {verb(other, 'was', 'were')} in: the FSDP collectives before the "
-                            "metric all_reduce differ across ranks")
+            evidence.append(
+                f"{names(small)} had not yet issued the {t.op} of FSDP unit {t.module} in step {t.step} "
+                f"that {names(other)} {verb(other, 'was', 'were')} in: the FSDP collectives before the "
+                "metric all_reduce differ across ranks"
+            )
     caller = ""
     if len(stack) > 1:
         caller = f" (called from {stack[1].rsplit('/', 1)[-1]})"
     suggestion = Suggestion(v.call_site, v.function, _ADVICE + caller)
-    return Finding(round(score, 3), tuple(evidence), suggestion=suggestion, culprits=tuple(small),
-                   fix_config=fix_config)
+    return Finding(
+        round(score, 3), tuple(evidence), suggestion=suggestion, culprits=tuple(small), fix_config=fix_config
+    )
 
 
-_ADVICE = ("Move the metric all_reduce out of the micro-batch loop: accumulate the metrics locally and "
-           "all_reduce them once after the last micro-batch, or reduce them on a separate process group.")
+_ADVICE = (
+    "Move the metric all_reduce out of the micro-batch loop: accumulate the metrics locally and "
+    "all_reduce them once after the last micro-batch, or reduce them on a separate process group."
+)
 
 PATTERN = Pattern(
-    id="inflight-metric-allreduce", title="Metric all-reduce while FSDP collectives are in flight",
-    fixes=("metrics-after-microbatches", "fsdp-gather-upfront"), desync=True, classify=classify, advice=_ADVICE,
+    id="inflight-metric-allreduce",
+    title="Metric all-reduce while FSDP collectives are in flight",
+    fixes=("metrics-after-microbatches", "fsdp-gather-upfront"),
+    desync=True,
+    classify=classify,
+    advice=_ADVICE,
 )

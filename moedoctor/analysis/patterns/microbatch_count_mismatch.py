@@ -62,30 +62,47 @@ def classify(ctx: Context) -> Finding | None:
     step = present[in_loop[0]].step
     since = min(present[r].time for r in in_loop)
     backwards = {r: len(view.evidence(r, "backward_begin", step)) for r in div.per_rank}
-    closed = [r for r in in_loop if any(e.time < since for kind in ("grad_norm", "optimizer_step_begin")
-                                        for e in view.evidence(r, kind, step))]
+    closed = [
+        r
+        for r in in_loop
+        if any(e.time < since for kind in ("grad_norm", "optimizer_step_begin") for e in view.evidence(r, kind, step))
+    ]
     if closed:
-        return Finding(0.1, (f"{names(closed)} already computed the step {step} gradient norm: the forward is the "
-                             "next iteration's, not an extra micro-batch",))
+        return Finding(
+            0.1,
+            (
+                f"{names(closed)} already computed the step {step} gradient norm: the forward is the "
+                "next iteration's, not an extra micro-batch",
+            ),
+        )
     discarded = [r for r in in_loop if view.discarded_in(r, step)]
     if discarded:
-        return Finding(0.1, (f"{names(discarded)} cleared {'its' if len(discarded) == 1 else 'their'} gradients "
-                             f"(zero_grad) after a step {step} backward pass without stepping: the next iteration, "
-                             "not another micro-batch",))
+        return Finding(
+            0.1,
+            (
+                f"{names(discarded)} cleared {'its' if len(discarded) == 1 else 'their'} gradients "
+                f"(zero_grad) after a step {step} backward pass without stepping: the next iteration, "
+                "not another micro-batch",
+            ),
+        )
     done = max(backwards[r] for r in moved_on)
     if done == 0 or min(backwards[r] for r in in_loop) < done:
         return None
     score = 0.55 if how == "structure" else 0.45
     if how == "structure":
-        evidence = [f"at #{div.seq} of group {div.group.label()} {names(in_loop)} issued again a collective "
-                    f"{'it' if len(in_loop) == 1 else 'they'} had issued earlier in step {step} (another pass over "
-                    f"the step's repeated part) while {names(moved_on)} issued one not issued yet in the step "
-                    f"(closing it); backward passes so far: "
-                    + ", ".join(f"rank {r}: {backwards[r]}" for r in sorted(div.per_rank))]
+        evidence = [
+            f"at #{div.seq} of group {div.group.label()} {names(in_loop)} issued again a collective "
+            f"{'it' if len(in_loop) == 1 else 'they'} had issued earlier in step {step} (another pass over "
+            f"the step's repeated part) while {names(moved_on)} issued one not issued yet in the step "
+            f"(closing it); backward passes so far: "
+            + ", ".join(f"rank {r}: {backwards[r]}" for r in sorted(div.per_rank))
+        ]
     else:
-        evidence = [f"at step {step} {names(moved_on)} moved on after {done} backward pass(es) while {names(in_loop)} "
-                    f"{'is' if len(in_loop) == 1 else 'are'} in another micro-batch "
-                    f"({', '.join(f'rank {r}: {backwards[r]}' for r in in_loop)} backward passes so far)"]
+        evidence = [
+            f"at step {step} {names(moved_on)} moved on after {done} backward pass(es) while {names(in_loop)} "
+            f"{'is' if len(in_loop) == 1 else 'are'} in another micro-batch "
+            f"({', '.join(f'rank {r}: {backwards[r]}' for r in in_loop)} backward passes so far)"
+        ]
     earlier = {r: Counter(e.step for e in view.evidence(r, "backward_begin") if e.step < step) for r in div.per_rank}
     common = set.intersection(*(set(c) for c in earlier.values())) if earlier else set()
     if common and all(len({earlier[r][s] for r in earlier}) == 1 for s in common):
@@ -95,16 +112,28 @@ def classify(ctx: Context) -> Finding | None:
     loop = shared_loop(ctx.stack(in_loop[0]))
     if loop is not None and not calls_in(loop.file, loop.line, "step"):
         score += 0.1
-        evidence.append(f"{names(in_loop)}' collective is issued inside the loop at {loop.short} ({loop.text}), "
-                        "which runs the backward passes and no optimizer step: a micro-batch loop")
-    return Finding(round(score, 3), tuple(evidence), culprits=tuple(moved_on),
-                   suggestion=Suggestion(v.call_site, v.function, _ADVICE))
+        evidence.append(
+            f"{names(in_loop)}' collective is issued inside the loop at {loop.short} ({loop.text}), "
+            "which runs the backward passes and no optimizer step: a micro-batch loop"
+        )
+    return Finding(
+        round(score, 3),
+        tuple(evidence),
+        culprits=tuple(moved_on),
+        suggestion=Suggestion(v.call_site, v.function, _ADVICE),
+    )
 
 
-_ADVICE = ("Make the number of micro-batches per step the same on every rank: all_reduce the local count with "
-           "ReduceOp.MAX and pad with empty micro-batches, or balance the batches before the step.")
+_ADVICE = (
+    "Make the number of micro-batches per step the same on every rank: all_reduce the local count with "
+    "ReduceOp.MAX and pad with empty micro-batches, or balance the batches before the step."
+)
 
 PATTERN = Pattern(
-    id="microbatch-count-mismatch", title="Micro-batch count mismatch", fixes=(), desync=True,
-    classify=classify, advice=_ADVICE,
+    id="microbatch-count-mismatch",
+    title="Micro-batch count mismatch",
+    fixes=(),
+    desync=True,
+    classify=classify,
+    advice=_ADVICE,
 )

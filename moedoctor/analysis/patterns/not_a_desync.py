@@ -46,19 +46,23 @@ def classify(ctx: Context) -> Finding | None:
     view = ctx.view
     members = sorted(div.per_rank)
     v = div.per_rank[members[0]]
-    evidence = [f"every rank of group {div.group.label()} ({names(members)}) issued the same {v.op} "
-                f"#{div.seq} ({[list(s) for s in v.shapes]} {'/'.join(v.dtypes)}, {v.short_site}) last, and none "
-                "was seen completing it"]
-    unknown: list[str] = []   # what could not be established
-    against: list[str] = []   # what contradicts it
+    evidence = [
+        f"every rank of group {div.group.label()} ({names(members)}) issued the same {v.op} "
+        f"#{div.seq} ({[list(s) for s in v.shapes]} {'/'.join(v.dtypes)}, {v.short_site}) last, and none "
+        "was seen completing it"
+    ]
+    unknown: list[str] = []  # what could not be established
+    against: list[str] = []  # what contradicts it
 
     unobserved = [r for r in members if not view.completion_observed(r, div.group.name, div.seq)]
     if unobserved:
         unknown.append(_completion_unknown(ctx, div, unobserved))
         evidence.extend(_order_hints(ctx, div))
     else:
-        evidence.append(f"completion is observed on every member (earlier collectives of theirs were seen "
-                        f"completing, or Flight Recorder shows #{div.seq} pending): #{div.seq} really did not complete")
+        evidence.append(
+            f"completion is observed on every member (earlier collectives of theirs were seen "
+            f"completing, or Flight Recorder shows #{div.seq} pending): #{div.seq} really did not complete"
+        )
 
     stack_unknown, stack_against, stack_fine = _stacks(ctx, members)
     unknown.extend(stack_unknown)
@@ -67,11 +71,13 @@ def classify(ctx: Context) -> Finding | None:
 
     stopped = [r for r in members if view.frozen(r) in ("T", "t")]
     if stopped:
-        against.append(f"{names(stopped)} {verb(stopped, 'does', 'do')} not run (stopped): a stopped process, "
-                       "not the hardware or network (rank-stopped)")
+        against.append(
+            f"{names(stopped)} {verb(stopped, 'does', 'do')} not run (stopped): a stopped process, "
+            "not the hardware or network (rank-stopped)"
+        )
 
     evidence.extend(hardware_evidence(ctx))
-    missing = int(bool(unobserved)) + int(bool(stack_unknown))   # conditions not established
+    missing = int(bool(unobserved)) + int(bool(stack_unknown))  # conditions not established
     if against:
         score = CONTRADICTED
     elif missing:
@@ -81,8 +87,10 @@ def classify(ctx: Context) -> Finding | None:
     if score < ESTABLISHED:
         evidence.extend(f"not established: {line}" for line in unknown)
         evidence.extend(f"against it: {line}" for line in against)
-        evidence.append(f"score {score:.2f} instead of {ESTABLISHED:.2f}: not named a hardware or network fault, "
-                        f"because {_why(bool(unobserved), bool(stack_unknown), stack_against, stopped)}")
+        evidence.append(
+            f"score {score:.2f} instead of {ESTABLISHED:.2f}: not named a hardware or network fault, "
+            f"because {_why(bool(unobserved), bool(stack_unknown), stack_against, stopped)}"
+        )
     return Finding(score, tuple(evidence), suggestion=Suggestion(None, None, _ADVICE))
 
 
@@ -115,12 +123,16 @@ def _completion_unknown(ctx: Context, div: Divergence, ranks: list[int]) -> str:
     elif e is not None and e.raw_op.startswith("_c10d_functional"):
         why = "a functional collective: the recorder does not see it complete"
     elif not any(view.completion_tracked(r) for r in ranks):
-        why = ("no collective of theirs was ever seen completing: NCCL works the recorder could not watch, or "
-               "a trace without completion records")
+        why = (
+            "no collective of theirs was ever seen completing: NCCL works the recorder could not watch, or "
+            "a trace without completion records"
+        )
     else:
         why = "no earlier collective of this group was seen completing there"
-    return (f"completion of collectives was not observed on {names(ranks)} ({why}): that #{div.seq} never "
-            "completed, and which collective each rank is really blocked in, is not known")
+    return (
+        f"completion of collectives was not observed on {names(ranks)} ({why}): that #{div.seq} never "
+        "completed, and which collective each rank is really blocked in, is not known"
+    )
 
 
 def _order_hints(ctx: Context, div: Divergence) -> list[str]:
@@ -142,9 +154,11 @@ def _order_hints(ctx: Context, div: Divergence) -> list[str]:
             first = sorted(r for r, o in orders.items() if o)
             second = sorted(r for r, o in orders.items() if not o)
             other = view.groups[name].label()
-            found.append(f"{names(first)} issued #{div.seq} of group {div.group.label()} before the last collective "
-                         f"of group {other}, {names(second)} after it: with completion unknown, a collective order "
-                         "inversion across these groups cannot be ruled out")
+            found.append(
+                f"{names(first)} issued #{div.seq} of group {div.group.label()} before the last collective "
+                f"of group {other}, {names(second)} after it: with completion unknown, a collective order "
+                "inversion across these groups cannot be ruled out"
+            )
     return found
 
 
@@ -152,8 +166,14 @@ def _stacks(ctx: Context, members: list[int]) -> tuple[list[str], list[str], lis
     """(could not be established, contradicts it, supports it) from the members' stacks."""
     view = ctx.view
     if not view.run.stacks:
-        return (["no stack was taken of any rank: that every rank waits inside this collective, and not "
-                 "elsewhere after issuing it, is not established"], [], [])
+        return (
+            [
+                "no stack was taken of any rank: that every rank waits inside this collective, and not "
+                "elsewhere after issuing it, is not established"
+            ],
+            [],
+            [],
+        )
     absent, unreadable, outside = [], [], []
     inside: dict[int, RankStack] = {}
     for r in members:
@@ -172,8 +192,10 @@ def _stacks(ctx: Context, members: list[int]) -> tuple[list[str], list[str], lis
     against = list(outside)
     places = {(rs.collective, _site(rs)) for rs in inside.values()}
     if len(places) > 1:
-        against.append("the ranks' stacks are in different places: "
-                       + "; ".join(f"rank {r} in {rs.waits_in} from {rs.where()}" for r, rs in sorted(inside.items())))
+        against.append(
+            "the ranks' stacks are in different places: "
+            + "; ".join(f"rank {r} in {rs.waits_in} from {rs.where()}" for r, rs in sorted(inside.items()))
+        )
     fine = []
     if inside and len(places) == 1:
         rs = next(iter(inside.values()))
@@ -204,21 +226,30 @@ def hardware_evidence(ctx: Context) -> list[str]:
                 bad.append(f"GPU {d.index}: row remapping failed")
             if d.utilization is not None and d.utilization >= 99:
                 bad.append(f"GPU {d.index}: {d.utilization}% busy (a kernel spinning, e.g. NCCL waiting)")
-        found.append(f"NVML on {snap.host}: "
-                     + ("; ".join(bad) if bad else f"no GPU errors on {len(snap.devices)} GPU(s)"))
+        found.append(
+            f"NVML on {snap.host}: " + ("; ".join(bad) if bad else f"no GPU errors on {len(snap.devices)} GPU(s)")
+        )
     if view.hang_declared:
         silent = [r for r in view.ranks if not any(c.reason == "snapshot" for c in view.traces[r].coverage)]
         if silent:
-            found.append(f"{names(silent)} did not answer the watchdog's snapshot request (no coverage record): "
-                         "the process's Python threads are not running (stopped, or stuck in a driver call)")
+            found.append(
+                f"{names(silent)} did not answer the watchdog's snapshot request (no coverage record): "
+                "the process's Python threads are not running (stopped, or stuck in a driver call)"
+            )
     return found
 
 
-_ADVICE = ("Not a code problem: check the hardware and the network. Look for Xid errors in dmesg, ECC and retired "
-           "pages in nvidia-smi -q, transport errors with NCCL_DEBUG=INFO, and each rank's process state "
-           "(ps -o stat: T is stopped, D is stuck in the kernel). Patching the training code would be wrong.")
+_ADVICE = (
+    "Not a code problem: check the hardware and the network. Look for Xid errors in dmesg, ECC and retired "
+    "pages in nvidia-smi -q, transport errors with NCCL_DEBUG=INFO, and each rank's process state "
+    "(ps -o stat: T is stopped, D is stuck in the kernel). Patching the training code would be wrong."
+)
 
 PATTERN = Pattern(
-    id="not-a-desync", title="Not a desync (hardware or network)", fixes=(), desync=False, classify=classify,
+    id="not-a-desync",
+    title="Not a desync (hardware or network)",
+    fixes=(),
+    desync=False,
+    classify=classify,
     advice=_ADVICE,
 )

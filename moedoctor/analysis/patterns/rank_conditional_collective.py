@@ -66,51 +66,70 @@ def classify(ctx: Context) -> Finding | None:
                 best = omitted
             continue
         score = 0.35
-        evidence = [f"{names(ranks)} issued {present[ranks[0]].op} #{div.seq} of group {div.group.label()} from "
-                    f"{present[ranks[0]].short_site}, a call site {names(others)} never issued a collective from"]
+        evidence = [
+            f"{names(ranks)} issued {present[ranks[0]].op} #{div.seq} of group {div.group.label()} from "
+            f"{present[ranks[0]].short_site}, a call site {names(others)} never issued a collective from"
+        ]
         next_ops = [view.event(r, group, div.seq + 1) for r in ranks]
         theirs = [ctx.event(r) for r in others]
         in_cycle = bool(ctx.cycle) and any(edge.group == group for edge in ctx.cycle)
         if all(t is None for t in theirs) and in_cycle:
             they = "it is" if len(others) == 1 else "they are"
-            evidence.append(f"{names(others)} never issued #{div.seq}, but {they} "
-                            "blocked in a collective of another group (a wait-for cycle): that does not show "
-                            f"{'it' if len(others) == 1 else 'they'} would never issue it")
+            evidence.append(
+                f"{names(others)} never issued #{div.seq}, but {they} "
+                "blocked in a collective of another group (a wait-for cycle): that does not show "
+                f"{'it' if len(others) == 1 else 'they'} would never issue it"
+            )
         elif all(t is None for t in theirs):
             score += 0.25
             evidence.append(f"{names(others)} never issued #{div.seq}: the extra collective has no partner")
         elif all(n is not None for n in next_ops) and all(
-                t is not None and t.signature() == next_ops[0].signature() for t in theirs):
+            t is not None and t.signature() == next_ops[0].signature() for t in theirs
+        ):
             score += 0.25
-            evidence.append(f"{names(ranks)}' next collective (#{div.seq + 1}) is what {names(others)} issued at "
-                            f"#{div.seq}: an op inserted on a subset")
+            evidence.append(
+                f"{names(ranks)}' next collective (#{div.seq + 1}) is what {names(others)} issued at "
+                f"#{div.seq}: an op inserted on a subset"
+            )
         shared = [t for t in theirs if t is not None and _site(t) in sites[ranks[0]]]
         if theirs and len(shared) == len(theirs):
             score += 0.15
-            evidence.append(f"what {names(others)} issued there ({shared[0].op} from {shared[0].call_site.short}) is a "
-                            f"collective {names(ranks)} also issue{'s' if len(ranks) == 1 else ''}: "
-                            "the extra op shifted "
-                            f"{'its' if len(ranks) == 1 else 'their'} sequence")
+            evidence.append(
+                f"what {names(others)} issued there ({shared[0].op} from {shared[0].call_site.short}) is a "
+                f"collective {names(ranks)} also issue{'s' if len(ranks) == 1 else ''}: "
+                "the extra op shifted "
+                f"{'its' if len(ranks) == 1 else 'their'} sequence"
+            )
         guard = rank_guard(ctx.stack(ranks[0]))
         if guard is not None:
             score += 0.3
-            evidence.append(f"the call is made under `{guard.kind} {guard.text}` ({guard.short}), a branch on the "
-                            "rank: only the ranks that take it issue the collective")
+            evidence.append(
+                f"the call is made under `{guard.kind} {guard.text}` ({guard.short}), a branch on the "
+                "rank: only the ranks that take it issue the collective"
+            )
         recurring = sum(1 for e in view.events(ranks[0], group) if _site(e) == site)
         if recurring > 1:
             score += 0.1
-            evidence.append(f"{present[ranks[0]].short_site} issued {recurring} collectives on rank {ranks[0]}, "
-                            f"none on {names(others)}")
+            evidence.append(
+                f"{present[ranks[0]].short_site} issued {recurring} collectives on rank {ranks[0]}, "
+                f"none on {names(others)}"
+            )
         exit_ = loop_exit(view, group, div.seq, list(div.per_rank))
         if exit_ is not None and set(exit_.left) == set(ranks):
             score -= 0.3
-            evidence.append(f"but {names(ranks)} had just left a loop of collectives from {exit_.short} that "
-                            f"{names(others)} {'is' if len(others) == 1 else 'are'} still in: a loop run a different "
-                            "number of times, not a collective inserted on some ranks")
+            evidence.append(
+                f"but {names(ranks)} had just left a loop of collectives from {exit_.short} that "
+                f"{names(others)} {'is' if len(others) == 1 else 'are'} still in: a loop run a different "
+                "number of times, not a collective inserted on some ranks"
+            )
         if best is None or score > best.score:
             v = present[ranks[0]]
-            best = Finding(round(score, 3), tuple(evidence), culprits=tuple(ranks),
-                           suggestion=Suggestion(v.call_site, v.function, _ADVICE))
+            best = Finding(
+                round(score, 3),
+                tuple(evidence),
+                culprits=tuple(ranks),
+                suggestion=Suggestion(v.call_site, v.function, _ADVICE),
+            )
     return best
 
 
@@ -159,10 +178,16 @@ def _skipped(view, group: str, seq: int, rank: int, ranks: list[int], v) -> bool
     return False
 
 
-_ADVICE = ("Take this collective out of the rank-dependent branch: call it on every rank of the group (only the "
-           "rank that needs the result uses it), or do the work locally on that one rank without a collective.")
+_ADVICE = (
+    "Take this collective out of the rank-dependent branch: call it on every rank of the group (only the "
+    "rank that needs the result uses it), or do the work locally on that one rank without a collective."
+)
 
 PATTERN = Pattern(
-    id="rank-conditional-collective", title="Rank-conditional collective", fixes=(), desync=True,
-    classify=classify, advice=_ADVICE,
+    id="rank-conditional-collective",
+    title="Rank-conditional collective",
+    fixes=(),
+    desync=True,
+    classify=classify,
+    advice=_ADVICE,
 )

@@ -46,8 +46,9 @@ def classify(ctx: Context) -> Finding | None:
     if not frozen or not ctx.hang or ctx.cycle:
         return None
     div = ctx.div
-    if div is not None and not (div.kind in (DivergenceKind.MISSING, DivergenceKind.STALLED)
-                                or (div.kind == DivergenceKind.P2P and div.missing)):
+    if div is not None and not (
+        div.kind in (DivergenceKind.MISSING, DivergenceKind.STALLED) or (div.kind == DivergenceKind.P2P and div.missing)
+    ):
         return None  # the ranks issued different collectives: a desync, whatever stopped since
     awaited = _awaited(ctx)
     related = sorted(r for r in frozen if awaited is None or r in awaited)
@@ -60,11 +61,17 @@ def classify(ctx: Context) -> Finding | None:
     if waiting:
         evidence.append(waiting)
     if not related:
-        evidence.append(f"the other ranks are not seen waiting for {names(stopped)} "
-                        "(score lowered: another rank may hold the job as well)")
+        evidence.append(
+            f"the other ranks are not seen waiting for {names(stopped)} "
+            "(score lowered: another rank may hold the job as well)"
+        )
     evidence.append("a process that does not run is not a code desync: no change to the collectives applies")
-    return Finding(AWAITED if related else ELSEWHERE, tuple(evidence), culprits=tuple(stopped),
-                   suggestion=Suggestion(None, None, advice(frozen[stopped[0]], stopped[0], view.stack(stopped[0]))))
+    return Finding(
+        AWAITED if related else ELSEWHERE,
+        tuple(evidence),
+        culprits=tuple(stopped),
+        suggestion=Suggestion(None, None, advice(frozen[stopped[0]], stopped[0], view.stack(stopped[0]))),
+    )
 
 
 def _awaited(ctx: Context) -> set[int] | None:
@@ -88,13 +95,14 @@ def stopped_line(view, rank: int, state: ProcessState) -> str:
     else:
         site = f", {last.call_site.short}" if last.call_site else ""
         done = "completed" if last.completed is not None else "not seen completing"
-        where = (f"its last collective was {last.op} #{last.seq} of group {view.groups[last.group.name].label()}"
-                 f"{site}, {done}")
+        where = (
+            f"its last collective was {last.op} #{last.seq} of group {view.groups[last.group.name].label()}"
+            f"{site}, {done}"
+        )
     frame = view.stack_frame(rank)
     if frame is not None:
         inside = view.in_distributed(rank)
-        where += (f"; its main thread is in {frame}"
-                  + (", inside torch.distributed" if inside else ""))
+        where += f"; its main thread is in {frame}" + (", inside torch.distributed" if inside else "")
     return f"rank {rank}'s process is {state.describe()} — {where}"
 
 
@@ -108,8 +116,10 @@ def _waiting_line(ctx: Context, stopped: list[int]) -> str | None:
     v = div.per_rank[waiting[0]]
     site = f" ({v.short_site})" if v.short_site else ""
     verb = "waits" if len(waiting) == 1 else "wait"
-    return (f"{names(waiting)} {verb} in {v.op} #{div.seq} of group {div.group.label()}{site} for "
-            f"{'it' if len(stopped) == 1 else 'them'}")
+    return (
+        f"{names(waiting)} {verb} in {v.op} #{div.seq} of group {div.group.label()}{site} for "
+        f"{'it' if len(stopped) == 1 else 'them'}"
+    )
 
 
 def advice(state: ProcessState | None, rank: int | None = None, dump=None) -> str:
@@ -118,12 +128,16 @@ def advice(state: ProcessState | None, rank: int | None = None, dump=None) -> st
     who = f"rank {rank}" if rank is not None else "the rank"
     if state is not None and state.frozen == "D":
         where = f" (it sleeps in {state.wchan})" if state.wchan else ""
-        return (f"Not a code problem: {who}'s process is stuck in a kernel or driver call{where}. Read the kernel "
-                "log (dmesg: hung task warnings, GPU Xid errors, NFS/Lustre \"server not responding\"), check the "
-                "device or the mount it waits on, and the node's health. Changing the collectives would be wrong.")
-    return (f"Not a code problem: {who}'s process is stopped. Find what stopped it (kill -STOP, Ctrl-Z, a batch "
-            f"scheduler suspending the job, a debugger attached to it) and continue it (kill -CONT{pid}) or "
-            "detach the debugger. Changing the collectives would be wrong.")
+        return (
+            f"Not a code problem: {who}'s process is stuck in a kernel or driver call{where}. Read the kernel "
+            'log (dmesg: hung task warnings, GPU Xid errors, NFS/Lustre "server not responding"), check the '
+            "device or the mount it waits on, and the node's health. Changing the collectives would be wrong."
+        )
+    return (
+        f"Not a code problem: {who}'s process is stopped. Find what stopped it (kill -STOP, Ctrl-Z, a batch "
+        f"scheduler suspending the job, a debugger attached to it) and continue it (kill -CONT{pid}) or "
+        "detach the debugger. Changing the collectives would be wrong."
+    )
 
 
 def from_stacks(ctx: StackContext) -> StackFinding | None:
@@ -137,20 +151,36 @@ def from_stacks(ctx: StackContext) -> StackFinding | None:
     by_why: dict[str, list[int]] = {}
     for r, why in ctx.frozen.items():
         by_why.setdefault(why, []).append(r)
-    summary = (f"{PATTERN.title}: " + "; ".join(
-                   f"{names(rs)}'s process{'' if len(rs) == 1 else 'es'} {'is' if len(rs) == 1 else 'are'} {why}"
-                   for why, rs in by_why.items())
-               + (f", while {names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {ctx.ops(others)}"
-                  if waiting else "")
-               + ". Not a code desync: no change to the collectives applies.")
+    summary = (
+        f"{PATTERN.title}: "
+        + "; ".join(
+            f"{names(rs)}'s process{'' if len(rs) == 1 else 'es'} {'is' if len(rs) == 1 else 'are'} {why}"
+            for why, rs in by_why.items()
+        )
+        + (
+            f", while {names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {ctx.ops(others)}"
+            if waiting
+            else ""
+        )
+        + ". Not a code desync: no change to the collectives applies."
+    )
     first = culprits[0]
     dump = ctx.stacks.get(first)
     state = dump.process if dump is not None and dump.process is not None else ProcessState(ctx.letters[first])
-    return StackFinding(summary, culprits, f"{names(culprits)}: the process does not run",
-                        Suggestion(None, None, advice(state, first, dump)))
+    return StackFinding(
+        summary,
+        culprits,
+        f"{names(culprits)}: the process does not run",
+        Suggestion(None, None, advice(state, first, dump)),
+    )
 
 
 PATTERN = Pattern(
-    id="rank-stopped", title="A rank does not run (stopped, or stuck in the kernel)", fixes=(), desync=False,
-    classify=classify, advice=advice(None), from_stacks=from_stacks,
+    id="rank-stopped",
+    title="A rank does not run (stopped, or stuck in the kernel)",
+    fixes=(),
+    desync=False,
+    classify=classify,
+    advice=advice(None),
+    from_stacks=from_stacks,
 )

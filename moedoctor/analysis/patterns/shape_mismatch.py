@@ -48,27 +48,33 @@ def classify(ctx: Context) -> Finding | None:
     # One collective with different sizes comes from one line; different lines are different collectives.
     score = 0.45 if len(phases) == 1 and len(sites) <= 1 else 0.3
     div = ctx.div
-    detail = "; ".join(f"rank {r}: {[list(s) for s in v.shapes]} {'/'.join(v.dtypes)}"
-                       + (f" {v.reduce_op}" if v.reduce_op else "") for r, v in present.items())
+    detail = "; ".join(
+        f"rank {r}: {[list(s) for s in v.shapes]} {'/'.join(v.dtypes)}" + (f" {v.reduce_op}" if v.reduce_op else "")
+        for r, v in present.items()
+    )
     v = next(iter(present.values()))
-    evidence = [f"every rank issued {next(iter(ops))} #{div.seq} of group {div.group.label()} but the "
-                f"{' and '.join(what)} differ ({detail})"]
+    evidence = [
+        f"every rank issued {next(iter(ops))} #{div.seq} of group {div.group.label()} but the "
+        f"{' and '.join(what)} differ ({detail})"
+    ]
     for r in present:
         skipped = omission(ctx.view, div.group.name, div.seq, r, [o for o in present if o != r])
         if skipped is not None:
             score = min(score, 0.3)
             shapes = ", ".join(f"{e.op} {[list(s) for s in e.in_shapes]}" for e in skipped.missing[:4])
-            evidence.append(f"score 0.3: rank {r} left out {len(skipped.missing)} collective(s) that the ranks issued "
-                            f"at this point of their repeated sequence before and the others issue now ({shapes}): "
-                            "items skipped on one rank (a parameter without a gradient, a key it lacks), not one "
-                            "collective resized")
+            evidence.append(
+                f"score 0.3: rank {r} left out {len(skipped.missing)} collective(s) that the ranks issued "
+                f"at this point of their repeated sequence before and the others issue now ({shapes}): "
+                "items skipped on one rank (a parameter without a gradient, a key it lacks), not one "
+                "collective resized"
+            )
             break
     return Finding(score, tuple(evidence), suggestion=Suggestion(v.call_site, v.function, _ADVICE))
 
 
-_ADVICE = ("Make the collective's sizes the same on every rank: agree on them first (a small all_gather of the "
-           "sizes, then pad to the maximum), and build buckets in a deterministic order (sorted names, not a set).")
-
-PATTERN = Pattern(
-    id="shape-mismatch", title="Shape mismatch", fixes=(), desync=True, classify=classify, advice=_ADVICE,
+_ADVICE = (
+    "Make the collective's sizes the same on every rank: agree on them first (a small all_gather of the "
+    "sizes, then pad to the maximum), and build buckets in a deterministic order (sorted names, not a set)."
 )
+
+PATTERN = Pattern(id="shape-mismatch", title="Shape mismatch", fixes=(), desync=True, classify=classify, advice=_ADVICE)

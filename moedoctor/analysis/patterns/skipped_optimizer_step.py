@@ -82,37 +82,57 @@ def classify(ctx: Context) -> Finding | None:
     score, evidence = 0.0, []
     if finite_check:
         score += 0.45
-        evidence.append(f"the ranks parted at a rank-local check for inf/NaN, `if {branch.test}:` ({branch.short}): "
-                        f"{names(stepping)} went the way that steps, {names(skipping)} the other")
+        evidence.append(
+            f"the ranks parted at a rank-local check for inf/NaN, `if {branch.test}:` ({branch.short}): "
+            f"{names(stepping)} went the way that steps, {names(skipping)} the other"
+        )
     backward = [r for r in skipping if view.evidence(r, "backward_begin", step)]
     if stepped and len(backward) == len(skipping):
         score += 0.25
-        evidence.append(f"in step {step} {names(stepped)} ran optimizer.step (optimizer step hooks) and "
-                        f"{names(skipping)} did not, after {'its' if len(skipping) == 1 else 'their'} backward pass")
+        evidence.append(
+            f"in step {step} {names(stepped)} ran optimizer.step (optimizer step hooks) and "
+            f"{names(skipping)} did not, after {'its' if len(skipping) == 1 else 'their'} backward pass"
+        )
     where = ctx.positions()
-    if all(where.get(r) == RESTART for r in skipping if r in where) and any(r in where for r in skipping) \
-            and all(where.get(r) == CLOSING for r in stepping if r in where):
+    if (
+        all(where.get(r) == RESTART for r in skipping if r in where)
+        and any(r in where for r in skipping)
+        and all(where.get(r) == CLOSING for r in stepping if r in where)
+    ):
         score += 0.15
-        evidence.append(f"{names(skipping)} issued again a collective of the step's beginning while "
-                        f"{names(stepping)} issued one not issued yet in step {step} (closing it)")
+        evidence.append(
+            f"{names(skipping)} issued again a collective of the step's beginning while "
+            f"{names(stepping)} issued one not issued yet in step {step} (closing it)"
+        )
     cleared = [r for r in cleared if r in skipping]
     if cleared and not any(discarded[r] for r in stepping):
         score += 0.35
-        evidence.append(f"{names(cleared)} cleared {'its' if len(cleared) == 1 else 'their'} gradients "
-                        f"(zero_grad) after the step {step} backward pass without calling optimizer.step: "
-                        "the step was skipped, not delayed")
+        evidence.append(
+            f"{names(cleared)} cleared {'its' if len(cleared) == 1 else 'their'} gradients "
+            f"(zero_grad) after the step {step} backward pass without calling optimizer.step: "
+            "the step was skipped, not delayed"
+        )
     if phase_stepping:
         v = present[phase_stepping[0]]
         elsewhere = "; ".join(
-            f"rank {r} " + ("never issued it" if div.per_rank[r] is None else
-                            f"issued {div.per_rank[r].op} ({div.per_rank[r].short_site}, {div.per_rank[r].phase})")
-            for r in skipping[:4])
+            f"rank {r} "
+            + (
+                "never issued it"
+                if div.per_rank[r] is None
+                else f"issued {div.per_rank[r].op} ({div.per_rank[r].short_site}, {div.per_rank[r].phase})"
+            )
+            for r in skipping[:4]
+        )
         score += 0.1
-        evidence.append(f"at #{div.seq} of group {div.group.label()} {names(phase_stepping)} "
-                        f"{verb(phase_stepping, 'is', 'are')} inside Optimizer.step ({v.op} from {v.short_site}) "
-                        f"while {elsewhere}")
-    nonfinite = {r: [e for e in view.evidence(r, "grad_norm", step) if _nonfinite(e)] + view.nonfinite_loss(r, step)
-                 for r in ranks}
+        evidence.append(
+            f"at #{div.seq} of group {div.group.label()} {names(phase_stepping)} "
+            f"{verb(phase_stepping, 'is', 'are')} inside Optimizer.step ({v.op} from {v.short_site}) "
+            f"while {elsewhere}"
+        )
+    nonfinite = {
+        r: [e for e in view.evidence(r, "grad_norm", step) if _nonfinite(e)] + view.nonfinite_loss(r, step)
+        for r in ranks
+    }
     bad = sorted(r for r in skipping if nonfinite[r])
     if bad and not any(nonfinite[r] for r in stepping):
         record = nonfinite[bad[0]][0]
@@ -120,8 +140,10 @@ def classify(ctx: Context) -> Finding | None:
         score += 0.35
         site = record.data.get("site")
         what = "loss" if record.kind == "loss" else "local gradient norm"
-        evidence.append(f"{names(bad)} computed a non-finite {what} ({value}) at step {record.step}"
-                        f"{f' ({site})' if site else ''}; {names(stepping)} had finite ones")
+        evidence.append(
+            f"{names(bad)} computed a non-finite {what} ({value}) at step {record.step}"
+            f"{f' ({site})' if site else ''}; {names(stepping)} had finite ones"
+        )
     if score < 0.3:
         return None  # ranks that parted around a step, with nothing that says a step was skipped
     suggestion = None
@@ -137,24 +159,43 @@ def classify(ctx: Context) -> Finding | None:
         agree = "all" if branch.runs_when else "any"
         taken = "steps" if branch.runs_when else "skips"
         if not finite_check:
-            evidence.append(f"the decision is `if {branch.test}:` ({branch.short}): {names(stepping)} went the way "
-                            f"that steps, {names(skipping)} the other; the test is rank-local (its value is no "
-                            "collective)")
-        fix_config = {"skip-step-collectively": {"branch": {"file": branch.file, "line": branch.line, "agree": agree,
-                                                            "test": branch.test}}}
-        suggestion = Suggestion(f"{branch.file}:{branch.line}", None,
-                                f"Make this decision collective: all_reduce its 0/1 value over the group "
-                                f"(ReduceOp.{'MAX' if agree == 'any' else 'MIN'}) before the `if`, so every rank "
-                                f"{taken} when {'any' if agree == 'any' else 'all'} of them would. " + _ADVICE)
-    return Finding(round(min(score, 1.0), 3), tuple(evidence), culprits=tuple(bad or cleared or skipping),
-                   suggestion=suggestion, fix_config=fix_config)
+            evidence.append(
+                f"the decision is `if {branch.test}:` ({branch.short}): {names(stepping)} went the way "
+                f"that steps, {names(skipping)} the other; the test is rank-local (its value is no "
+                "collective)"
+            )
+        fix_config = {
+            "skip-step-collectively": {
+                "branch": {"file": branch.file, "line": branch.line, "agree": agree, "test": branch.test}
+            }
+        }
+        suggestion = Suggestion(
+            f"{branch.file}:{branch.line}",
+            None,
+            f"Make this decision collective: all_reduce its 0/1 value over the group "
+            f"(ReduceOp.{'MAX' if agree == 'any' else 'MIN'}) before the `if`, so every rank "
+            f"{taken} when {'any' if agree == 'any' else 'all'} of them would. " + _ADVICE,
+        )
+    return Finding(
+        round(min(score, 1.0), 3),
+        tuple(evidence),
+        culprits=tuple(bad or cleared or skipping),
+        suggestion=suggestion,
+        fix_config=fix_config,
+    )
 
 
-_ADVICE = ("Decide to skip collectively: all_reduce the non-finite flag (a 0/1 tensor) with ReduceOp.MAX over "
-           "the optimizer's group before the decision, so every rank skips optimizer.step() or none does. "
-           "Zeroing the grads instead is not a no-op for AdamW (weight decay and momentum still move the weights).")
+_ADVICE = (
+    "Decide to skip collectively: all_reduce the non-finite flag (a 0/1 tensor) with ReduceOp.MAX over "
+    "the optimizer's group before the decision, so every rank skips optimizer.step() or none does. "
+    "Zeroing the grads instead is not a no-op for AdamW (weight decay and momentum still move the weights)."
+)
 
 PATTERN = Pattern(
-    id="skipped-optimizer-step", title="Skipped optimizer step", fixes=("skip-step-collectively",), desync=True,
-    classify=classify, advice=_ADVICE,
+    id="skipped-optimizer-step",
+    title="Skipped optimizer step",
+    fixes=("skip-step-collectively",),
+    desync=True,
+    classify=classify,
+    advice=_ADVICE,
 )

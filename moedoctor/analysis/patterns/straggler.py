@@ -39,8 +39,10 @@ def classify(ctx: Context) -> Finding | None:
         if not outside or not inside or any(view.died(r) or view.frozen(r) for r in outside):
             return None
         evidence = [_where(view, r) for r in outside]
-        evidence.append(f"{names(inside)} {'waits' if len(inside) == 1 else 'wait'} inside torch.distributed "
-                        f"({view.stack_frame(inside[0])})")
+        evidence.append(
+            f"{names(inside)} {'waits' if len(inside) == 1 else 'wait'} inside torch.distributed "
+            f"({view.stack_frame(inside[0])})"
+        )
         return Finding(0.7, tuple(evidence), culprits=tuple(outside), suggestion=_suggest(view, outside[0]))
     if not (div.kind == DivergenceKind.MISSING or (div.kind == DivergenceKind.P2P and div.missing)):
         return None
@@ -50,8 +52,10 @@ def classify(ctx: Context) -> Finding | None:
     waiting = sorted(r for r, v in div.per_rank.items() if v is not None)
     v = div.per_rank[waiting[0]]
     where = f" ({v.short_site})" if v.short_site else ""
-    evidence = [f"{names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {v.op} #{div.seq} of group "
-                f"{div.group.label()}{where} for {names(div.missing)}, which never issued it"]
+    evidence = [
+        f"{names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {v.op} #{div.seq} of group "
+        f"{div.group.label()}{where} for {names(div.missing)}, which never issued it"
+    ]
     inside = [view.in_distributed(r) for r in roots]
     done = []
     for r in roots:
@@ -68,8 +72,10 @@ def classify(ctx: Context) -> Finding | None:
     elif all(i is None for i in inside) and all(done):
         # Without a stack, a rank stuck in its own code and a rank that skipped the collective
         # look the same: not enough to name this pattern on its own.
-        evidence.append(f"no stack of {names(roots)} to show where {'it is' if len(roots) == 1 else 'they are'} "
-                        "stuck (run with py-spy available)")
+        evidence.append(
+            f"no stack of {names(roots)} to show where {'it is' if len(roots) == 1 else 'they are'} "
+            "stuck (run with py-spy available)"
+        )
         score = 0.35
     else:
         score = 0.2
@@ -78,21 +84,26 @@ def classify(ctx: Context) -> Finding | None:
 
 def _where(view, rank: int) -> str:
     frame = view.stack_frame(rank)
-    return (f"rank {rank}'s main thread is in {frame}, "
-            "outside torch.distributed")
+    return f"rank {rank}'s main thread is in {frame}, outside torch.distributed"
 
 
 def _suggest(view, rank: int) -> Suggestion:
     frame = view.stack_frame(rank)
     if frame is None:
         return Suggestion(None, None, _ADVICE)
-    return Suggestion(f"{frame.file}:{frame.line}", frame.function,
-                      f"Rank {rank} is stuck in {frame.function}, not in a collective. " + _ADVICE)
+    return Suggestion(
+        f"{frame.file}:{frame.line}",
+        frame.function,
+        f"Rank {rank} is stuck in {frame.function}, not in a collective. " + _ADVICE,
+    )
 
 
-_ADVICE = ("Find out why it does not return (a hung read, a data loader worker, a lock, an endless loop): "
-           "changing the collectives would be wrong. Bound the wait (a timeout and a retry on the read) and "
-           "log which input it was on.")
+_ADVICE = (
+    "Find out why it does not return (a hung read, a data loader worker, a lock, an endless loop): "
+    "changing the collectives would be wrong. Bound the wait (a timeout and a retry on the read) and "
+    "log which input it was on."
+)
+
 
 def from_stacks(ctx: StackContext) -> StackFinding | None:
     """Some ranks inside a collective, others outside any: the ones outside are where the others
@@ -103,16 +114,27 @@ def from_stacks(ctx: StackContext) -> StackFinding | None:
     waiting = sorted(r for c in ctx.inside for r in c.ranks)
     odd = ctx.outside[0].stack
     be = "is" if len(culprits) == 1 else "are"
-    summary = (f"{PATTERN.title}: {names(culprits)} {be} in {odd.where()}, outside any collective, while "
-               f"{names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {ctx.ops(ctx.inside)}.")
+    summary = (
+        f"{PATTERN.title}: {names(culprits)} {be} in {odd.where()}, outside any collective, while "
+        f"{names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {ctx.ops(ctx.inside)}."
+    )
     f = odd.user_frame
-    suggestion = Suggestion(None if f is None else f"{f.file}:{f.line}", None if f is None else f.function,
-                            f"{names(culprits)} {be} stuck in {odd.where()}, not in a collective. " + PATTERN.advice)
-    return StackFinding(summary, culprits, f"{names(culprits)}: outside any collective while the others wait in one",
-                        suggestion)
+    suggestion = Suggestion(
+        None if f is None else f"{f.file}:{f.line}",
+        None if f is None else f.function,
+        f"{names(culprits)} {be} stuck in {odd.where()}, not in a collective. " + PATTERN.advice,
+    )
+    return StackFinding(
+        summary, culprits, f"{names(culprits)}: outside any collective while the others wait in one", suggestion
+    )
 
 
 PATTERN = Pattern(
-    id="straggler", title="Straggler (not a desync)", fixes=(), desync=False, classify=classify, advice=_ADVICE,
+    id="straggler",
+    title="Straggler (not a desync)",
+    fixes=(),
+    desync=False,
+    classify=classify,
+    advice=_ADVICE,
     from_stacks=from_stacks,
 )

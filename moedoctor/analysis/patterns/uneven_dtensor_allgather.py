@@ -66,25 +66,29 @@ def classify(ctx: Context) -> Finding | None:
     score, evidence = 0.0, []
     if exit_ is not None:
         score += 0.45
-        evidence.append(f"the ranks were looping over items with one collective each at {exit_.short}: "
-                        f"{names(exit_.left)} left the loop after "
-                        + ", ".join(f"{exit_.counts[r]}" for r in exit_.left)
-                        + f" while {names(exit_.looping)} issued "
-                        + ", ".join(f"{exit_.counts[r]}" for r in exit_.looping)
-                        + " so far: they walk different numbers of items (keys)")
+        evidence.append(
+            f"the ranks were looping over items with one collective each at {exit_.short}: "
+            f"{names(exit_.left)} left the loop after "
+            + ", ".join(f"{exit_.counts[r]}" for r in exit_.left)
+            + f" while {names(exit_.looping)} issued "
+            + ", ".join(f"{exit_.counts[r]}" for r in exit_.looping)
+            + " so far: they walk different numbers of items (keys)"
+        )
     if saving:
         score += 0.2
-        evidence.append(f"the divergence at #{div.seq} of group {div.group.label()} is inside a checkpoint save "
-                        f"(phase checkpoint_save on {names(saving)})")
+        evidence.append(
+            f"the divergence at #{div.seq} of group {div.group.label()} is inside a checkpoint save "
+            f"(phase checkpoint_save on {names(saving)})"
+        )
     ops = {v.op for v in present.values()}
     if ops & _GATHERS:
         score += 0.15
         ops_text = ", ".join(f"rank {r}: {v.op} from {v.short_site}" for r, v in present.items())
-        evidence.append(f"ops at the divergence: {ops_text}"
-                        " (all_gather_object issues a size all_gather, then a payload all_gather)")
+        evidence.append(
+            f"ops at the divergence: {ops_text} (all_gather_object issues a size all_gather, then a payload all_gather)"
+        )
     runs = {r: _save_run(ctx, r) for r in div.per_rank}
-    counts = {r: Counter(e.call_site.where for e in run if e.call_site)
-              for r, run in runs.items()}
+    counts = {r: Counter(e.call_site.where for e in run if e.call_site) for r, run in runs.items()}
     total: Counter[str] = Counter()
     for c in counts.values():
         total.update(c)
@@ -98,23 +102,38 @@ def classify(ctx: Context) -> Finding | None:
             score += 0.3
             short = loop_site.rsplit("/", 1)[-1]
             detail = ", ".join(f"rank {r}: {n}" for r, n in sorted(per_rank.items()))
-            evidence.append(f"in this save the ranks issued different numbers of collectives from the per-key call "
-                            f"site {short} before they parted ({detail}): they walk different key sets")
-    begun = {r: bool([e for e in view.evidence(r, "checkpoint_save_begin")
-                      if runs[r] and e.time >= runs[r][0].time - 1.0]) for r in div.per_rank}
+            evidence.append(
+                f"in this save the ranks issued different numbers of collectives from the per-key call "
+                f"site {short} before they parted ({detail}): they walk different key sets"
+            )
+    begun = {
+        r: bool([e for e in view.evidence(r, "checkpoint_save_begin") if runs[r] and e.time >= runs[r][0].time - 1.0])
+        for r in div.per_rank
+    }
     if any(begun.values()) and not all(begun.values()):
         score += 0.1
         entered = sorted(r for r, b in begun.items() if b)
-        evidence.append(f"{names(entered)} entered the checkpoint writer (checkpoint_save_begin) while "
-                        f"{names(sorted(r for r, b in begun.items() if not b))} had not")
+        evidence.append(
+            f"{names(entered)} entered the checkpoint writer (checkpoint_save_begin) while "
+            f"{names(sorted(r for r, b in begun.items() if not b))} had not"
+        )
     if not uneven_keys and exit_ is None and score > 0.35:
-        evidence.append(f"score 0.35 instead of {score:.2f}: a desync inside a save, but no per-key call site whose "
-                        "collective count differs across ranks (the key sets are not shown to differ)")
+        evidence.append(
+            f"score 0.35 instead of {score:.2f}: a desync inside a save, but no per-key call site whose "
+            "collective count differs across ranks (the key sets are not shown to differ)"
+        )
         score = 0.35
     suggestion = None
     if loop_site:
-        fn = next((e.call_site.function for run in runs.values() for e in run
-                   if e.call_site and e.call_site.where == loop_site), None)
+        fn = next(
+            (
+                e.call_site.function
+                for run in runs.values()
+                for e in run
+                if e.call_site and e.call_site.where == loop_site
+            ),
+            None,
+        )
         suggestion = Suggestion(loop_site, fn, _ADVICE)
     fix_config = None
     branch, filled = ctx.decision(), False
@@ -126,24 +145,42 @@ def classify(ctx: Context) -> Finding | None:
         # Walk the same keys: an item is skipped only where every rank would skip it.
         agree = "any" if branch.runs_when else "all"
         if filled:
-            evidence.append(f"the per-key loop walks a collection filled earlier; what went in was decided by "
-                            f"`if {branch.test}:` ({branch.short}), a rank-local test (an empty or pruned local "
-                            "shard): the ranks filled it with different keys")
+            evidence.append(
+                f"the per-key loop walks a collection filled earlier; what went in was decided by "
+                f"`if {branch.test}:` ({branch.short}), a rank-local test (an empty or pruned local "
+                "shard): the ranks filled it with different keys"
+            )
         else:
-            evidence.append(f"the per-key decision is `if {branch.test}:` ({branch.short}): the ranks went different "
-                            "ways on the same key (a rank-local test: an empty or pruned local shard)")
-        fix_config = {"key-manifest-checkpoint": {"branch": {"file": branch.file, "line": branch.line, "agree": agree,
-                                                             "test": branch.test}}}
+            evidence.append(
+                f"the per-key decision is `if {branch.test}:` ({branch.short}): the ranks went different "
+                "ways on the same key (a rank-local test: an empty or pruned local shard)"
+            )
+        fix_config = {
+            "key-manifest-checkpoint": {
+                "branch": {"file": branch.file, "line": branch.line, "agree": agree, "test": branch.test}
+            }
+        }
         suggestion = Suggestion(f"{branch.file}:{branch.line}", None, _ADVICE)
-    return Finding(round(score, 3), tuple(evidence), suggestion=suggestion, fix_config=fix_config,
-                   culprits=exit_.left if exit_ is not None else None)
+    return Finding(
+        round(score, 3),
+        tuple(evidence),
+        suggestion=suggestion,
+        fix_config=fix_config,
+        culprits=exit_.left if exit_ is not None else None,
+    )
 
 
-_ADVICE = ("Agree on one rank-invariant key manifest before the per-key collectives (all_reduce MAX of its "
-           "length, then all_gather of the padded manifests), walk it in the same order on every rank, and "
-           "take part with an empty shard for keys this rank lacks.")
+_ADVICE = (
+    "Agree on one rank-invariant key manifest before the per-key collectives (all_reduce MAX of its "
+    "length, then all_gather of the padded manifests), walk it in the same order on every rank, and "
+    "take part with an empty shard for keys this rank lacks."
+)
 
 PATTERN = Pattern(
-    id="uneven-dtensor-allgather", title="Uneven DTensor all-gather in checkpoint save",
-    fixes=("key-manifest-checkpoint",), desync=True, classify=classify, advice=_ADVICE,
+    id="uneven-dtensor-allgather",
+    title="Uneven DTensor all-gather in checkpoint save",
+    fixes=("key-manifest-checkpoint",),
+    desync=True,
+    classify=classify,
+    advice=_ADVICE,
 )

@@ -83,16 +83,28 @@ def extension_name() -> str:
     install locations and versions (a new build per change, one per environment)."""
     import torch
 
-    return build_key(_SOURCE.read_bytes(), prefix=sys.prefix, torch_dir=os.path.dirname(torch.__file__),
-                     source_path=str(_SOURCE), torch_version=torch.__version__, python_version=sys.version)
+    return build_key(
+        _SOURCE.read_bytes(),
+        prefix=sys.prefix,
+        torch_dir=os.path.dirname(torch.__file__),
+        source_path=str(_SOURCE),
+        torch_version=torch.__version__,
+        python_version=sys.version,
+    )
 
 
-def build_key(source: bytes, *, prefix: str, torch_dir: str, source_path: str, torch_version: str,
-              python_version: str) -> str:
+def build_key(
+    source: bytes, *, prefix: str, torch_dir: str, source_path: str, torch_version: str, python_version: str
+) -> str:
     """``moedoctor_native_<digest>``: what a build depends on, and the environment it belongs to.
     Paths count resolved (a symlinked venv is one environment)."""
-    parts = [os.path.realpath(prefix), os.path.realpath(torch_dir), os.path.realpath(source_path), torch_version,
-             python_version]
+    parts = [
+        os.path.realpath(prefix),
+        os.path.realpath(torch_dir),
+        os.path.realpath(source_path),
+        torch_version,
+        python_version,
+    ]
     digest = hashlib.sha256(source + b"\0" + "\0".join(parts).encode())
     return f"moedoctor_native_{digest.hexdigest()[:12]}"
 
@@ -113,12 +125,18 @@ def _build(announce):
     if before is None:
         announce("building the native recorder for this environment (first run, ~40 s)...")
     started = time.monotonic()
-    module = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"],
-                                verbose=os.environ.get("MOEDOCTOR_NATIVE_VERBOSE", "") == "1")
+    module = cpp_extension.load(
+        name=name,
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O2"],
+        verbose=os.environ.get("MOEDOCTOR_NATIVE_VERBOSE", "") == "1",
+    )
     after = _library_mtime(name)
     if after != before:  # built now (or rebuilt: torch decided the inputs changed)
-        announce(f"native recorder {'built' if before is None else 'rebuilt'} for this environment in "
-                 f"{time.monotonic() - started:.0f} s ({_folder(name)})")
+        announce(
+            f"native recorder {'built' if before is None else 'rebuilt'} for this environment in "
+            f"{time.monotonic() - started:.0f} s ({_folder(name)})"
+        )
     return module
 
 
@@ -226,10 +244,16 @@ class NativeKernels:
         reductions = {int(v): k.lower() for k, v in ReduceOp.RedOpType.__members__.items()}  # type: ignore[call-overload]
         reduce_names = [reductions.get(i, str(i)) for i in range(max(reductions) + 1)]
         constants = {
-            "INTERNAL": callsite.INTERNAL, "MODULE_CALL": callsite.MODULE_CALL,
-            "FSDP_GROUP": callsite.FSDP_GROUP, "CKPT_SAVE": callsite.CKPT_SAVE, "CKPT_LOAD": callsite.CKPT_LOAD,
-            "MAX_SHAPES": core.MAX_SHAPES, "MAX_STACK": callsite.MAX_STACK, "MAX_WALK": callsite.MAX_WALK,
-            "MAX_PENDING": progress.MAX_PENDING, "max_events": recorder.max_events,
+            "INTERNAL": callsite.INTERNAL,
+            "MODULE_CALL": callsite.MODULE_CALL,
+            "FSDP_GROUP": callsite.FSDP_GROUP,
+            "CKPT_SAVE": callsite.CKPT_SAVE,
+            "CKPT_LOAD": callsite.CKPT_LOAD,
+            "MAX_SHAPES": core.MAX_SHAPES,
+            "MAX_STACK": callsite.MAX_STACK,
+            "MAX_WALK": callsite.MAX_WALK,
+            "MAX_PENDING": progress.MAX_PENDING,
+            "max_events": recorder.max_events,
         }
         module.configure(_Helper(recorder), constants, _dtype_names(module), reduce_names)
         self.sync_phase()
@@ -240,9 +264,24 @@ class NativeKernels:
         def index(value):
             return -1 if value is None else value
 
-        entries = [(s.namespace, s.raw_name, s.op, index(s.inputs), index(s.outputs), s.group,
-                    index(s.reduce_op), index(s.async_op), index(s.peer), len(s.arg_names), index(s.root),
-                    index(s.in_splits), index(s.out_splits)) for s in specs]
+        entries = [
+            (
+                s.namespace,
+                s.raw_name,
+                s.op,
+                index(s.inputs),
+                index(s.outputs),
+                s.group,
+                index(s.reduce_op),
+                index(s.async_op),
+                index(s.peer),
+                len(s.arg_names),
+                index(s.root),
+                index(s.in_splits),
+                index(s.out_splits),
+            )
+            for s in specs
+        ]
         self._import_state()
         self.set_fd(self._recorder._fd)
         self._m.register_kernels(entries)
@@ -309,10 +348,10 @@ class NativeKernels:
             groups = []
             for name, gid in r._group_ids.items():
                 pseq = {peer: n for (g, peer), n in r._p2p_seq.items() if g == name}
-                groups.append((name, gid, list(r._ranks_of(name)), r._seq.get(name, 0),
-                               r._p2p_seq.get(("#p2p", name), 0), pseq))
-            self._m.import_state(r._next_event, r._written, r._dropped, groups, len(r._sites),
-                                 list(r._sites.items()))
+                groups.append(
+                    (name, gid, list(r._ranks_of(name)), r._seq.get(name, 0), r._p2p_seq.get(("#p2p", name), 0), pseq)
+                )
+            self._m.import_state(r._next_event, r._written, r._dropped, groups, len(r._sites), list(r._sites.items()))
 
     def _export_state(self) -> None:
         r = self._recorder
