@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from moedoctor.cli._command import Command
 from moedoctor.analysis import analyze as analyze_run
 from moedoctor.analysis import load_run
 from moedoctor.analysis.load import verdict_problem
@@ -27,7 +28,7 @@ EPILOG = (
 )
 
 
-@app.command(epilog=EPILOG)
+@app.command(cls=Command, epilog=EPILOG)
 def analyze(
     path: Annotated[
         Path,
@@ -35,6 +36,7 @@ def analyze(
             help="A run directory (moedoctor run), a folder of moedoctor traces (rank-*.jsonl), or a folder of "
             "PyTorch Flight Recorder dumps.",
             show_default=False,
+            metavar="PATH",
         ),
     ],
     json_out: Annotated[

@@ -10,12 +10,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from moedoctor.cli._command import Command
 from moedoctor.fixes import FIXES
 
 app = typer.Typer()
 
 
-@app.command()
+@app.command(cls=Command)
 def fixes(
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", metavar="", help="Also the mechanism, cost, risk and check.")

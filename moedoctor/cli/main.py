@@ -13,9 +13,11 @@ from rich.markup import escape
 
 import moedoctor
 from moedoctor.cli import analyze, fixes, run, triage, verify
+from moedoctor.cli._command import Group
 from moedoctor.errors import EXIT_INTERNAL, MoedoctorError, internal_error_line
 
 app = typer.Typer(
+    cls=Group,
     name="moedoctor",
     help="A doctor for distributed PyTorch jobs that hang: record every collective, detect the hang, "
     "collect stacks and GPU state, explain it.",

@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
 from rich.console import Console
 
+from moedoctor.cli._command import Command
 from moedoctor.cli.common import (
     DEFAULT_STARTUP_TIMEOUT,
     RECORDER_HELP,
@@ -38,6 +40,7 @@ EPILOG = (
 
 
 @app.command(
+    cls=Command,
     context_settings={"allow_interspersed_args": False},  # torchrun's options are not ours
     epilog=EPILOG,
 )

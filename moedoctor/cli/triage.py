@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from moedoctor.cli._command import Command
 from moedoctor.errors import EXIT_FINDING, EXIT_OK
 from moedoctor.render.json_report import report_to_dict
 from moedoctor.render.terminal import render_report
@@ -28,7 +29,7 @@ EPILOG = (
 )
 
 
-@app.command(epilog=EPILOG)
+@app.command(cls=Command, epilog=EPILOG)
 def triage(
     pid: Annotated[
         int,

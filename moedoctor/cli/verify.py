@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from moedoctor.cli._command import Command
 from moedoctor.cli.common import (
     DEFAULT_STARTUP_TIMEOUT,
     FixConfigFile,
@@ -39,7 +40,7 @@ EPILOG = (
 )
 
 
-@app.command(context_settings={"allow_interspersed_args": False}, epilog=EPILOG)
+@app.command(cls=Command, context_settings={"allow_interspersed_args": False}, epilog=EPILOG)
 def verify(
     command: Annotated[
         Optional[list[str]],

@@ -91,5 +91,10 @@ def test_flags_show_no_type_placeholder(command):
     result = runner.invoke(app, [command, "--help"], terminal_width=200)
     assert result.exit_code == 0
     flag_lines = [line for line in result.output.splitlines()
-                  if any(f in line for f in ("--force", "--keep-alive", "--json", "--native", "--verbose"))]
+                  if any(f in line for f in ("--force", "--keep-alive", "--json", "--native", "--verbose", "--help"))]
     assert flag_lines and not any("<bool>" in line for line in flag_lines), flag_lines
+
+
+def test_usage_names_the_required_argument_plainly():
+    result = runner.invoke(app, ["analyze", "--help"], terminal_width=200)
+    assert "Usage: moedoctor analyze [OPTIONS] PATH" in result.output, result.output
