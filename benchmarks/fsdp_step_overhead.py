@@ -115,7 +115,7 @@ def main() -> None:
                 parts = (f" (taking the GIL {gil / per:.2f}, stack walk {walk / per:.2f}, "
                          f"write {write / per:.2f})")
                 print(f"native kernel: {calls} collectives recorded, {ns / max(calls, 1) / 1e3:.2f} us each inside "
-                      "the kernel" + parts)
+                      f"the kernel{parts}, fast walk {'on' if native.fast_walk else 'off'}")
             print(f"toggled in-process every {args.toggle} steps ({args.toggle_part}): "
                   f"recorder off {off * 1e3:.3f} ms, "
                   f"on {on * 1e3:.3f} ms, added {(on - off) / off * 100:+.2f}% "

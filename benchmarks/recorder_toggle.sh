@@ -28,7 +28,11 @@ for size in $sizes; do
   grep -E "^(native|toggled|recorded|plain)" "$log" | tail -3
 done
 IFS=: read -r dim layers tokens <<< "${sizes##* }"
-for part in kernels hooks; do  # where the time goes: the dispatcher kernels alone, the evidence hooks alone
+echo "== ${sizes##* } frame-object walk (MOEDOCTOR_FAST_WALK=0)" | tee -a "$log"
+MOEDOCTOR_FAST_WALK=0 $md $launch benchmarks/fsdp_step_overhead.py --backend "$backend" --dim "$dim" --layers "$layers" \
+  --tokens "$tokens" --steps "$steps" --warmup 5 --toggle "$block" >> "$log" 2>&1
+grep -E "^(toggled|native)" "$log" | tail -2
+for part in ${PARTS-kernels hooks}; do  # where the time goes: the dispatcher kernels alone, the evidence hooks alone
   echo "== ${sizes##* } $part only" | tee -a "$log"
   $md $launch benchmarks/fsdp_step_overhead.py --backend "$backend" --dim "$dim" --layers "$layers" \
     --tokens "$tokens" --steps "$steps" --warmup 5 --toggle "$block" --toggle-part $part >> "$log" 2>&1

@@ -104,6 +104,7 @@ def main() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     recorder = install(args.run_dir, args.max_events)
     print(f"native={recorder._native is not None and recorder._native.registered}", flush=True)
+    print(f"fast_walk={getattr(recorder._native, 'fast_walk', None)}", flush=True)
     subgroup = dist.new_group([1, 0])
     big = [torch.empty(1) for _ in range(70)]
     phase_one(recorder, big)

@@ -106,6 +106,8 @@ struct State {
 
   // Read and written with the GIL held.
   std::unordered_map<PyObject*, int> code_flags;  // code object (kept alive) -> flags
+  // FSDP param group -> (a weak reference to it, its unit as JSON): never keeps a model alive.
+  std::unordered_map<PyObject*, std::pair<PyObject*, std::string>> fsdp_fqns;
   std::unordered_map<std::string, std::string> json_strings;  // str -> json.dumps(str)
   std::unordered_map<std::pair<PyObject*, int>, int, CodeOffsetHash> lines;  // (code, offset) -> line
   std::vector<std::string> dtype_names;  // ScalarType -> "float32"
@@ -544,8 +546,162 @@ static int line_of(PyFrameObject* frame, PyObject* code) {
 #endif
 }
 
+// -- walking the stack without frame objects (CPython 3.11 and 3.12) ----------------------------
+// PyFrame_GetBack makes a frame object for every frame it passes (an allocation, and GC tracking),
+// which in FSDP2's deep module stacks was most of the kernel's cost. On 3.11 and 3.12 the walk reads
+// the interpreter's own frames instead: the two structs below mirror CPython's
+// Include/internal/pycore_frame.h of those versions, read only, with the GIL held, for this thread.
+// A check at load time (fast_walk_agrees) compares it with the PyFrame_* walk, frame by frame; on
+// any difference, or on another Python version, the PyFrame_* walk is used.
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000
+#define MOEDOCTOR_FAST_WALK 1
+struct MirrorFrame {
+#if PY_VERSION_HEX < 0x030C0000  // 3.11
+  PyObject* f_func;
+  PyObject* f_globals;
+  PyObject* f_builtins;
+  PyObject* f_locals;
+  PyCodeObject* f_code;
+  PyFrameObject* frame_obj;
+  MirrorFrame* previous;
+  _Py_CODEUNIT* prev_instr;
+  int stacktop;
+  bool is_entry;
+  char owner;
+#else  // 3.12
+  PyCodeObject* f_code;
+  MirrorFrame* previous;
+  PyObject* f_funcobj;
+  PyObject* f_globals;
+  PyObject* f_builtins;
+  PyObject* f_locals;
+  PyFrameObject* frame_obj;
+  _Py_CODEUNIT* prev_instr;
+  int stacktop;
+  uint16_t return_offset;
+  char owner;
+#endif
+  PyObject* localsplus[1];
+};
+static constexpr char OWNED_BY_GENERATOR = 1;
+#if PY_VERSION_HEX >= 0x030C0000
+static constexpr char OWNED_BY_CSTACK = 3;
+#endif
+static bool fast_walk = false;  // set by fast_walk_agrees at load
+
+static MirrorFrame* current_frame(PyThreadState* tstate) {
+  return reinterpret_cast<MirrorFrame*>(tstate->cframe->current_frame);
+}
+
+static _Py_CODEUNIT* first_instr(PyCodeObject* code) {
+  return reinterpret_cast<_Py_CODEUNIT*>(code->co_code_adaptive);
+}
+
+// _PyFrame_IsIncomplete: a frame still running its prologue, or a C-stack shim (3.12).
+static bool incomplete(const MirrorFrame* f) {
+#if PY_VERSION_HEX >= 0x030C0000
+  if (f->owner == OWNED_BY_CSTACK) return true;
+#endif
+  return f->owner != OWNED_BY_GENERATOR && f->prev_instr < first_instr(f->f_code) + f->f_code->_co_firsttraceable;
+}
+
+static MirrorFrame* complete(MirrorFrame* f) {
+  while (f != nullptr && incomplete(f)) f = f->previous;
+  return f;
+}
+
+// PyFrame_GetLasti's value: the last instruction's offset in bytes, -1 before the first.
+static int lasti_of(const MirrorFrame* f) {
+  const auto units = static_cast<int>(f->prev_instr - first_instr(f->f_code));
+  return units < 0 ? -1 : units * static_cast<int>(sizeof(_Py_CODEUNIT));
+}
+
+static int fast_line_of(const MirrorFrame* f) {
+  PyObject* code = reinterpret_cast<PyObject*>(f->f_code);
+  const int lasti = lasti_of(f);
+  const std::pair<PyObject*, int> key(code, lasti);
+  auto it = S.lines.find(key);
+  if (it != S.lines.end()) return it->second;
+  const int line = PyCode_Addr2Line(f->f_code, lasti);
+  S.lines.emplace(key, line);
+  return line;
+}
+
+// The FSDP param group a frame runs a method of: its first local, ``self`` (a cell's content where
+// an inner function captured it).
+static void fast_fsdp_module(const MirrorFrame* f, Attribution& attribution) {
+  PyCodeObject* code = f->f_code;
+  if (code->co_argcount < 1 || PyTuple_GET_SIZE(code->co_localsplusnames) < 1) return;
+  if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(code->co_localsplusnames, 0), "self") != 0) return;
+  PyObject* self = f->localsplus[0];
+  if (self != nullptr && PyCell_Check(self)) self = PyCell_GET(self);
+  if (self == nullptr) return;
+  auto known = S.fsdp_fqns.find(self);  // a param group's unit is set once, when FSDP2 builds it
+  if (known != S.fsdp_fqns.end()) {
+    if (PyWeakref_GET_OBJECT(known->second.first) == self) {  // the same object, still alive
+      attribution.module_json = known->second.second;
+      attribution.has_module = true;
+      return;
+    }
+    Py_DECREF(known->second.first);
+    S.fsdp_fqns.erase(known);
+  }
+  PyObject* fqn = PyObject_GetAttrString(self, "_module_fqn");
+  if (fqn == nullptr) {
+    PyErr_Clear();
+    return;
+  }
+  try {
+    if (PyUnicode_Check(fqn)) {
+      attribution.module_json = json_str(fqn);
+      attribution.has_module = true;
+      if (S.fsdp_fqns.size() < 65536) {
+        PyObject* ref = PyWeakref_NewRef(self, nullptr);
+        if (ref == nullptr) {
+          PyErr_Clear();
+        } else {
+          S.fsdp_fqns.emplace(self, std::make_pair(ref, attribution.module_json));
+        }
+      }
+    }
+  } catch (...) {
+    Py_DECREF(fqn);
+    throw;
+  }
+  Py_DECREF(fqn);
+}
+
+static void attribute_fast(Attribution& attribution) {
+  MirrorFrame* f = complete(current_frame(PyThreadState_Get()));
+  for (size_t walked = 0; f != nullptr && walked < MAX_WALK; ++walked) {
+    PyObject* code = reinterpret_cast<PyObject*>(f->f_code);
+    const int flags = flags_of(code);
+    if (!(flags & F_INTERNAL)) {
+      if (attribution.site.size() < MAX_STACK) attribution.site.emplace_back(code, fast_line_of(f));
+    } else if ((flags & F_FSDP_GROUP) && !attribution.has_module) {
+      fast_fsdp_module(f, attribution);
+    }
+    attribution.flags |= flags;
+    f = complete(f->previous);
+  }
+}
+#endif
+
+static void attribute_slow(Attribution& attribution);
+
 // callsite.attribute: one walk up this thread's Python stack.
 static void attribute(Attribution& attribution) {
+#ifdef MOEDOCTOR_FAST_WALK
+  if (fast_walk) {
+    attribute_fast(attribution);
+    return;
+  }
+#endif
+  attribute_slow(attribution);
+}
+
+// The same walk through PyFrame_GetBack (frame objects): every Python version.
+static void attribute_slow(Attribution& attribution) {
   PyFrameObject* frame = PyThreadState_GetFrame(PyThreadState_Get());  // new reference, or null
   size_t walked = 0;
   while (frame != nullptr && walked < MAX_WALK) {
@@ -573,6 +729,32 @@ static void attribute(Attribution& attribution) {
     ++walked;
   }
   Py_XDECREF(frame);
+}
+
+// Whether the fast walk sees, from the caller's frame, the same frames (code objects and lines) as
+// the PyFrame_* walk; switches it on when it does. Called from Python at load, GIL held.
+static bool fast_walk_agrees() {
+#ifdef MOEDOCTOR_FAST_WALK
+  std::vector<std::pair<PyObject*, int>> slow, fast;
+  PyFrameObject* frame = PyThreadState_GetFrame(PyThreadState_Get());
+  while (frame != nullptr && slow.size() < 256) {
+    PyCodeObject* code = PyFrame_GetCode(frame);
+    slow.emplace_back(reinterpret_cast<PyObject*>(code), PyFrame_GetLineNumber(frame));
+    Py_DECREF(code);
+    PyFrameObject* back = PyFrame_GetBack(frame);
+    Py_DECREF(frame);
+    frame = back;
+  }
+  Py_XDECREF(frame);
+  for (MirrorFrame* f = complete(current_frame(PyThreadState_Get())); f != nullptr && fast.size() < 256;
+       f = complete(f->previous)) {
+    fast.emplace_back(reinterpret_cast<PyObject*>(f->f_code), PyCode_Addr2Line(f->f_code, lasti_of(f)));
+  }
+  fast_walk = !slow.empty() && slow == fast;
+  return fast_walk;
+#else
+  return false;
+#endif
 }
 
 static const char* phase_of(int flags) {
@@ -909,7 +1091,8 @@ struct RecordingKernel final : public c10::OperatorKernel {
     if (event >= 0 && spec.c10d) {
       c10::intrusive_ptr<c10d::Work> work;
       try {
-        if (!stack->empty() && stack->back().isCustomClass()) work = stack->back().toCustomClass<c10d::Work>();
+        // isObject, not isCustomClass (a registry lookup by type name); toCustomClass checks the type.
+        if (!stack->empty() && stack->back().isObject()) work = stack->back().toCustomClass<c10d::Work>();
       } catch (...) {
       }
       std::lock_guard<std::mutex> guard(S.pending_mu);
@@ -1175,6 +1358,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("poll", &poll_completed);
   m.def("counts", &counts);
   m.def("kernel_time", &kernel_time);
+  m.def("fast_walk_agrees", &fast_walk_agrees);
   m.def("import_state", &import_state);
   m.def("export_state", &export_state);
   m.def("scalar_type_of", &scalar_type_of);
