@@ -496,6 +496,44 @@ static int flags_of(PyObject* code) {
   return flags;
 }
 
+// The unit of an FSDP param group (``self._module_fqn``), cached per group through a weak reference
+// (a param group's unit is set once, when FSDP2 builds it; the cache never keeps a model alive).
+static void param_group_unit(PyObject* self, Attribution& attribution) {
+  auto known = S.fsdp_fqns.find(self);
+  if (known != S.fsdp_fqns.end()) {
+    if (PyWeakref_GET_OBJECT(known->second.first) == self) {  // the same object, still alive
+      attribution.module_json = known->second.second;
+      attribution.has_module = true;
+      return;
+    }
+    Py_DECREF(known->second.first);
+    S.fsdp_fqns.erase(known);
+  }
+  PyObject* fqn = PyObject_GetAttrString(self, "_module_fqn");
+  if (fqn == nullptr) {
+    PyErr_Clear();
+    return;
+  }
+  try {
+    if (PyUnicode_Check(fqn)) {
+      attribution.module_json = json_str(fqn);
+      attribution.has_module = true;
+      if (S.fsdp_fqns.size() < 65536) {
+        PyObject* ref = PyWeakref_NewRef(self, nullptr);
+        if (ref == nullptr) {
+          PyErr_Clear();
+        } else {
+          S.fsdp_fqns.emplace(self, std::make_pair(ref, attribution.module_json));
+        }
+      }
+    }
+  } catch (...) {
+    Py_DECREF(fqn);
+    throw;
+  }
+  Py_DECREF(fqn);
+}
+
 // getattr(frame.f_locals.get("self"), "_module_fqn", None) of an FSDP param-group frame.
 static void fsdp_module(PyFrameObject* frame, Attribution& attribution) {
   PyObject* self = nullptr;
@@ -512,22 +550,13 @@ static void fsdp_module(PyFrameObject* frame, Attribution& attribution) {
     PyErr_Clear();
     return;
   }
-  PyObject* fqn = PyObject_GetAttrString(self, "_module_fqn");
-  Py_DECREF(self);
-  if (fqn == nullptr) {
-    PyErr_Clear();
-    return;
-  }
   try {
-    if (PyUnicode_Check(fqn)) {
-      attribution.module_json = json_str(fqn);
-      attribution.has_module = true;
-    }
+    param_group_unit(self, attribution);
   } catch (...) {
-    Py_DECREF(fqn);
+    Py_DECREF(self);
     throw;
   }
-  Py_DECREF(fqn);
+  Py_DECREF(self);
 }
 
 // frame.f_lineno. PyCode_Addr2Line scans the code's line table, so from Python 3.11 (which has
@@ -636,39 +665,7 @@ static void fast_fsdp_module(const MirrorFrame* f, Attribution& attribution) {
   PyObject* self = f->localsplus[0];
   if (self != nullptr && PyCell_Check(self)) self = PyCell_GET(self);
   if (self == nullptr) return;
-  auto known = S.fsdp_fqns.find(self);  // a param group's unit is set once, when FSDP2 builds it
-  if (known != S.fsdp_fqns.end()) {
-    if (PyWeakref_GET_OBJECT(known->second.first) == self) {  // the same object, still alive
-      attribution.module_json = known->second.second;
-      attribution.has_module = true;
-      return;
-    }
-    Py_DECREF(known->second.first);
-    S.fsdp_fqns.erase(known);
-  }
-  PyObject* fqn = PyObject_GetAttrString(self, "_module_fqn");
-  if (fqn == nullptr) {
-    PyErr_Clear();
-    return;
-  }
-  try {
-    if (PyUnicode_Check(fqn)) {
-      attribution.module_json = json_str(fqn);
-      attribution.has_module = true;
-      if (S.fsdp_fqns.size() < 65536) {
-        PyObject* ref = PyWeakref_NewRef(self, nullptr);
-        if (ref == nullptr) {
-          PyErr_Clear();
-        } else {
-          S.fsdp_fqns.emplace(self, std::make_pair(ref, attribution.module_json));
-        }
-      }
-    }
-  } catch (...) {
-    Py_DECREF(fqn);
-    throw;
-  }
-  Py_DECREF(fqn);
+  param_group_unit(self, attribution);
 }
 
 static void attribute_fast(Attribution& attribution) {
