@@ -61,9 +61,10 @@ def main() -> None:
         native = getattr(recorder, "_native", None)
         kind = "native" if native is not None else "python"
         if native is not None:
-            calls, ns, gil, walk, write = native.kernel_time()
+            calls, ns, gil, walk, write, pre, post = native.kernel_time()
             per = max(calls, 1) * 1e3
-            parts = (f" (taking the GIL {gil / per:.2f}, stack walk {walk / per:.2f}, "
+            parts = (f" (arguments {pre / per:.2f}, taking the GIL {gil / per:.2f}, stack walk {walk / per:.2f}, "
+                     f"record {post / per:.2f}, leaving {(ns - pre - gil - walk - post - write) / per:.2f}, "
                      f"write {write / per:.2f})")
             print(f"native kernel: {ns / per:.2f} us per collective inside the kernel" + parts, flush=True)
         print(f"collective cost ({args.backend}, {kind} kernels, 1-float all_reduce, {args.iters} per round, "

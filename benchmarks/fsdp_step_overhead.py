@@ -110,9 +110,10 @@ def main() -> None:
             on, off = statistics.median(toggled[True]), statistics.median(toggled[False])
             native = getattr(recorder, "_native", None)
             if native is not None:
-                calls, ns, gil, walk, write = native.kernel_time()
+                calls, ns, gil, walk, write, pre, post = native.kernel_time()
                 per = max(calls, 1) * 1e3
-                parts = (f" (taking the GIL {gil / per:.2f}, stack walk {walk / per:.2f}, "
+                parts = (f" (arguments {pre / per:.2f}, taking the GIL {gil / per:.2f}, stack walk {walk / per:.2f}, "
+                     f"record {post / per:.2f}, leaving {(ns - pre - gil - walk - post - write) / per:.2f}, "
                          f"write {write / per:.2f})")
                 print(f"native kernel: {calls} collectives recorded, {ns / max(calls, 1) / 1e3:.2f} us each inside "
                       f"the kernel{parts}, fast walk {'on' if native.fast_walk else 'off'}")

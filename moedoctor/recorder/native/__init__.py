@@ -343,7 +343,8 @@ class NativeKernels:
 
     def kernel_time(self) -> tuple[int, ...]:
         """(collectives recorded, nanoseconds spent recording them, of which taking the GIL, walking
-        the stack, writing the record) since the module loaded."""
+        the stack, writing the record, reading the op's arguments before taking the GIL, building the
+        record after the walk) since the module loaded; the rest is leaving (the GIL's release)."""
         return tuple(int(x) for x in self._m.kernel_time())
 
     def poll(self) -> list[int]:

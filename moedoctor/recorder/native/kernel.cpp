@@ -140,7 +140,7 @@ static thread_local std::string thread_json;  // this thread's name, JSON-encode
 
 // The GIL, taken the way any C++ thread may take it (creating a thread state where there is none).
 // Time spent recording, by part, for the benchmarks (benchmarks/fsdp_step_overhead.py --toggle).
-static std::atomic<int64_t> kernel_ns{0}, kernel_calls{0}, gil_ns{0}, walk_ns{0}, write_ns{0};
+static std::atomic<int64_t> kernel_ns{0}, kernel_calls{0}, gil_ns{0}, walk_ns{0}, write_ns{0}, pre_ns{0}, post_ns{0};
 
 static inline int64_t since_ns(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
@@ -894,6 +894,7 @@ static bool traced_tensor(const c10::IValue& value) {
 
 // Writes the record; returns its event id (-1 when capped or not recorded) and sets group_id.
 static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id) {
+  const auto entered = std::chrono::steady_clock::now();
   if (stack->size() < spec.nargs) throw std::runtime_error("short stack");
   const size_t base = stack->size() - spec.nargs;
   auto arg = [&](int index) -> const c10::IValue& { return (*stack)[base + static_cast<size_t>(index)]; };
@@ -940,6 +941,7 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
   const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
       std::chrono::system_clock::now().time_since_epoch()).count();
 
+  pre_ns.fetch_add(since_ns(entered), std::memory_order_relaxed);
   auto mark = std::chrono::steady_clock::now();
   Gil gil;
   gil_ns.fetch_add(since_ns(mark), std::memory_order_relaxed);
@@ -948,6 +950,7 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
   mark = std::chrono::steady_clock::now();
   attribute(attribution);
   walk_ns.fetch_add(since_ns(mark), std::memory_order_relaxed);
+  const auto walked = std::chrono::steady_clock::now();
   const std::string& thread = thread_name();
   const char* phase = phase_of(attribution.flags);
   const int64_t step = S.step;
@@ -1039,6 +1042,7 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
   append_int(line, step);
   line += extra;
   line += "}\n";
+  post_ns.fetch_add(since_ns(walked), std::memory_order_relaxed);
   mark = std::chrono::steady_clock::now();
   append_record(line.data(), line.size());
   write_ns.fetch_add(since_ns(mark), std::memory_order_relaxed);
@@ -1046,7 +1050,8 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
 }
 
 static py::tuple kernel_time() {
-  return py::make_tuple(kernel_calls.load(), kernel_ns.load(), gil_ns.load(), walk_ns.load(), write_ns.load());
+  return py::make_tuple(kernel_calls.load(), kernel_ns.load(), gil_ns.load(), walk_ns.load(), write_ns.load(),
+                        pre_ns.load(), post_ns.load());
 }
 
 struct RecordingKernel final : public c10::OperatorKernel {
