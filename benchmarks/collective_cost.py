@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _timing import kernel_split, paired_text
 
 
 def main() -> None:
@@ -30,6 +31,9 @@ def main() -> None:
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=10, help="rounds per mode, interleaved")
+    parser.add_argument("--kernel-clock", action="store_true",
+                        help="the native kernel times itself by part and the split is printed (the clock's "
+                        "own reads add to the cost measured)")
     args = parser.parse_args()
     if args.backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -40,6 +44,9 @@ def main() -> None:
     from moedoctor.recorder.install import install, installed_recorder
 
     recorder = installed_recorder() or install(Path(tempfile.mkdtemp(prefix="moedoctor-cost-")))
+    native = getattr(recorder, "_native", None)
+    if native is not None and args.kernel_clock:
+        native.set_clock(True)
     x = torch.ones(1, device=device)
     for _ in range(50):  # warm-up: communicators, caches
         dist.all_reduce(x)
@@ -58,19 +65,15 @@ def main() -> None:
     recorder.resume()
     if dist.get_rank() == 0:
         on, off = statistics.median(per_op[True]), statistics.median(per_op[False])
-        native = getattr(recorder, "_native", None)
         kind = "native" if native is not None else "python"
-        if native is not None:
-            calls, ns, gil, walk, write, pre, post = native.kernel_time()
-            per = max(calls, 1) * 1e3
-            parts = (f" (arguments {pre / per:.2f}, taking the GIL {gil / per:.2f}, stack walk {walk / per:.2f}, "
-                     f"record {post / per:.2f}, leaving {(ns - pre - gil - walk - post - write) / per:.2f}, "
-                     f"write {write / per:.2f})")
-            print(f"native kernel: {ns / per:.2f} us per collective inside the kernel" + parts, flush=True)
+        split = kernel_split(native) if native is not None else None
+        if split:
+            print(split, flush=True)
         print(f"collective cost ({args.backend}, {kind} kernels, 1-float all_reduce, {args.iters} per round, "
               f"{args.rounds}+{args.rounds} rounds): recorder paused {off:.2f} us, on {on:.2f} us, "
               f"added {on - off:+.2f} us per collective (spread on {min(per_op[True]):.2f}-{max(per_op[True]):.2f},"
-              f" paused {min(per_op[False]):.2f}-{max(per_op[False]):.2f})", flush=True)
+              f" paused {min(per_op[False]):.2f}-{max(per_op[False]):.2f}); "
+              f"{paired_text(per_op[True], per_op[False], ' us', relative=False)}", flush=True)
     dist.destroy_process_group()
 
 

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from _timing import kernel_split, paired_text
+
 
 class Block(torch.nn.Module):
     def __init__(self, dim: int):
@@ -46,6 +48,9 @@ def main() -> None:
     parser.add_argument("--toggle-part", default="all", choices=["all", "kernels", "hooks"],
                         help="what --toggle switches: the whole recorder, only its dispatcher kernels, or only "
                         "its evidence hooks (to find where the time goes)")
+    parser.add_argument("--kernel-clock", action="store_true",
+                        help="with --toggle: the native kernel times itself by part and the split is printed "
+                        "(the clock's own reads add to the cost measured)")
     parser.add_argument("--sync-debug", action="store_true",
                         help="CUDA: torch.cuda.set_sync_debug_mode('error') around each measured step's "
                         "work (not the timing's own synchronize): any host-device sync in it raises")
@@ -75,7 +80,10 @@ def main() -> None:
         # Under `moedoctor run` the recorder was installed at start-up, as users run it (native
         # kernels, hooks in place before the model was built); else one is installed here.
         recorder = installed_recorder() or install(Path(tempfile.mkdtemp(prefix="moedoctor-step-")))
+        if args.kernel_clock and getattr(recorder, "_native", None) is not None:
+            recorder._native.set_clock(True)
     times, toggled = [], {True: [], False: []}
+    blocks: dict[bool, list[float]] = {True: [], False: []}  # each block's median step, in order
     for step in range(args.warmup + args.steps):
         recording = bool(args.toggle) and (step // args.toggle) % 2 == 0
         if recorder is not None and step % args.toggle == 0:
@@ -101,6 +109,8 @@ def main() -> None:
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
             toggled[recording].append(times[-1])
+            if args.toggle and (step + 1) % args.toggle == 0 and step + 1 - args.toggle >= args.warmup:
+                blocks[recording].append(statistics.median(times[-args.toggle:]))
     if dist.get_rank() == 0:
         if args.sync_debug and args.backend == "nccl":
             print(f"sync debug: {args.steps} steps ran under set_sync_debug_mode('error'), no host-device sync")
@@ -109,18 +119,17 @@ def main() -> None:
         if args.toggle:
             on, off = statistics.median(toggled[True]), statistics.median(toggled[False])
             native = getattr(recorder, "_native", None)
-            if native is not None:
-                calls, ns, gil, walk, write, pre, post = native.kernel_time()
-                per = max(calls, 1) * 1e3
-                parts = (f" (arguments {pre / per:.2f}, taking the GIL {gil / per:.2f}, stack walk {walk / per:.2f}, "
-                     f"record {post / per:.2f}, leaving {(ns - pre - gil - walk - post - write) / per:.2f}, "
-                         f"write {write / per:.2f})")
-                print(f"native kernel: {calls} collectives recorded, {ns / max(calls, 1) / 1e3:.2f} us each inside "
-                      f"the kernel{parts}, fast walk {'on' if native.fast_walk else 'off'}")
+            split = kernel_split(native) if native is not None else None
+            if split:
+                print(split)
+            progress = recorder._progress
+            print(f"progress thread: {progress.wakes} wake-ups, {progress.busy_s * 1e3:.1f} ms busy in all "
+                  f"({progress.busy_s / max(sum(times), 1e-9) * 100:.2f}% of the timed steps' time)")
             print(f"toggled in-process every {args.toggle} steps ({args.toggle_part}): "
                   f"recorder off {off * 1e3:.3f} ms, "
                   f"on {on * 1e3:.3f} ms, added {(on - off) / off * 100:+.2f}% "
-                  f"({len(toggled[True])} + {len(toggled[False])} steps)")
+                  f"({len(toggled[True])} + {len(toggled[False])} steps); blocks of {args.toggle} "
+                  f"{paired_text(blocks[True], blocks[False])}")
         print(f"{recorded}: backend={args.backend} world={dist.get_world_size()} dim={args.dim} "
               f"layers={args.layers} tokens={args.tokens} median step {statistics.median(times) * 1e3:.3f} ms "
               f"(min {min(times) * 1e3:.3f}) collectives/step {seq / (args.warmup + args.steps):.1f}")

@@ -127,7 +127,7 @@ MAX_SHAPES = 64  # tensors described per side of one collective; the rest are co
 class Recorder:
     """Writes this rank's trace. Created by ``install``; opened when the default group exists."""
 
-    def __init__(self, run_dir: Path, max_events: int = DEFAULT_MAX_EVENTS, poll_interval: float = 0.05):
+    def __init__(self, run_dir: Path, max_events: int = DEFAULT_MAX_EVENTS, poll_interval: float = 0.2):
         self.run_dir = Path(run_dir)
         self.max_events = max_events
         self.poll_interval = poll_interval

@@ -41,6 +41,9 @@ class Progress:
         self._poll_lock = threading.Lock()  # the thread and the recorder's close() both poll
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
+        #: Wake-ups of the thread and the seconds they took (holding the GIL, mostly): benchmarks.
+        self.wakes = 0
+        self.busy_s = 0.0
 
     @property
     def stopping(self) -> bool:
@@ -78,6 +81,7 @@ class Progress:
         next_control = 0.0
         failures = 0
         while not self._stop.wait(self.poll_interval) and recorder.is_open:
+            woke = time.perf_counter()
             try:
                 self.check_native_writes()
                 self.poll_pending()
@@ -91,6 +95,8 @@ class Progress:
                 failures += 1
                 if failures <= 3:
                     recorder.write_evidence("recorder_error", {"op": "progress thread", "error": repr(e)[:500]})
+            self.wakes += 1
+            self.busy_s += time.perf_counter() - woke
 
     def _run_deferred(self, wait: bool = False) -> None:
         for _ in range(len(self._deferred)):

@@ -344,8 +344,14 @@ class NativeKernels:
     def kernel_time(self) -> tuple[int, ...]:
         """(collectives recorded, nanoseconds spent recording them, of which taking the GIL, walking
         the stack, writing the record, reading the op's arguments before taking the GIL, building the
-        record after the walk) since the module loaded; the rest is leaving (the GIL's release)."""
+        record after the walk) while the clock was on (``set_clock``); the rest is leaving (the GIL's
+        release). All zero when the clock was never on."""
         return tuple(int(x) for x in self._m.kernel_time())
+
+    def set_clock(self, on: bool = True) -> None:
+        """Benchmarks only: the kernel times itself by part (eight clock reads and seven shared
+        counters per collective, a cost of their own: off in production)."""
+        self._m.set_clock(on)
 
     def poll(self) -> list[int]:
         """Event ids seen complete since the last poll, sorted."""

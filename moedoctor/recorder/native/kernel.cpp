@@ -140,10 +140,21 @@ static thread_local std::string thread_json;  // this thread's name, JSON-encode
 
 // The GIL, taken the way any C++ thread may take it (creating a thread state where there is none).
 // Time spent recording, by part, for the benchmarks (benchmarks/fsdp_step_overhead.py --toggle).
+// Off unless a benchmark asks (set_clock): eight clock reads and seven shared counters per collective
+// are themselves a measurable part of the cost.
 static std::atomic<int64_t> kernel_ns{0}, kernel_calls{0}, gil_ns{0}, walk_ns{0}, write_ns{0}, pre_ns{0}, post_ns{0};
+static bool clock_on = false;
 
-static inline int64_t since_ns(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+// A point in time when the clock is on (the epoch otherwise: nothing is read).
+static inline std::chrono::steady_clock::time_point clock_now() {
+  return clock_on ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+}
+
+static inline void clock_add(std::atomic<int64_t>& counter, std::chrono::steady_clock::time_point start) {
+  if (clock_on) {
+    counter.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+                          .count(), std::memory_order_relaxed);
+  }
 }
 
 struct Gil {
@@ -373,8 +384,18 @@ struct TensorSide {
   size_t count = 0;
   std::string shapes = "[]";
   std::string dtypes = "[]";
-  std::string device;  // the first tensor's, as torch prints it ("cpu", "cuda:0"); empty without one
+  const std::string* device = nullptr;  // the first tensor's, as torch prints it ("cpu", "cuda:0")
 };
+
+// Device::str() formats (and allocates) every time; a thread's devices are few.
+static const std::string& device_text(c10::Device device) {
+  static thread_local std::deque<std::pair<c10::Device, std::string>> known;
+  for (const auto& entry : known) {
+    if (entry.first == device) return entry.second;
+  }
+  known.emplace_back(device, device.str());
+  return known.back().second;
+}
 
 static void describe_tensors(const c10::IValue& value, TensorSide& side) {
   const size_t limit = MAX_SHAPES;
@@ -398,7 +419,7 @@ static void describe_tensors(const c10::IValue& value, TensorSide& side) {
     }
   }
   if (kept == 0) return;
-  side.device = tensors[0]->device().str();
+  side.device = &device_text(tensors[0]->device());
   std::string& shapes = side.shapes;
   shapes.clear();
   shapes += '[';
@@ -472,9 +493,21 @@ static void append_int_list(std::string& out, const c10::IValue& value) {
   out += ']';
 }
 
-static std::string group_name_of(const c10::IValue& value) {
+// The object a custom-class argument holds (a ProcessGroup, a ReduceOp, a Work), borrowed: the op's
+// schema fixes the argument's class, so toCustomClass's type lookups and its four reference-count
+// changes (on objects other threads touch too) are not needed. Valid while the stack holds the value.
+template <typename T>
+static T* borrow_custom_class(const c10::IValue& value) {
+  const auto& slots = value.toObjectRef().slots();
+  if (slots.size() != 1 || !slots[0].isCapsule()) throw std::runtime_error("not a custom class object");
+  auto* target = static_cast<c10::intrusive_ptr_target*>(const_cast<void*>(slots[0].internalToPointer()));
+  if (target == nullptr) throw std::runtime_error("empty custom class object");
+  return static_cast<T*>(static_cast<torch::CustomClassHolder*>(target));
+}
+
+static const std::string& group_name_of(const c10::IValue& value) {
   if (value.isString()) return value.toStringRef();
-  return value.toCustomClass<c10d::ProcessGroup>()->getGroupName();
+  return borrow_custom_class<c10d::ProcessGroup>(value)->getGroupName();
 }
 
 // -- the Python stack (GIL held) -----------------------------------------------------------------
@@ -894,14 +927,14 @@ static bool traced_tensor(const c10::IValue& value) {
 
 // Writes the record; returns its event id (-1 when capped or not recorded) and sets group_id.
 static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id) {
-  const auto entered = std::chrono::steady_clock::now();
+  const auto entered = clock_now();
   if (stack->size() < spec.nargs) throw std::runtime_error("short stack");
   const size_t base = stack->size() - spec.nargs;
   auto arg = [&](int index) -> const c10::IValue& { return (*stack)[base + static_cast<size_t>(index)]; };
   if (spec.inputs >= 0 && traced_tensor(arg(spec.inputs))) return -1;
 
   // What the IValues say, without the GIL.
-  std::string group_name = group_name_of(arg(spec.group));
+  const std::string& group_name = group_name_of(arg(spec.group));
   TensorSide inputs, outputs;
   if (spec.inputs >= 0) describe_tensors(arg(spec.inputs), inputs);
   if (spec.outputs >= 0) describe_tensors(arg(spec.outputs), outputs);
@@ -912,7 +945,7 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
     if (value.isString()) {
       for (char c : value.toStringRef()) extra += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
     } else {
-      auto op = static_cast<size_t>(value.toCustomClass<c10d::ReduceOp>()->op_);
+      auto op = static_cast<size_t>(borrow_custom_class<c10d::ReduceOp>(value)->op_);
       extra += op < S.reduce_names.size() ? S.reduce_names[op] : std::to_string(op);
     }
     extra += '"';
@@ -941,16 +974,16 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
   const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
       std::chrono::system_clock::now().time_since_epoch()).count();
 
-  pre_ns.fetch_add(since_ns(entered), std::memory_order_relaxed);
-  auto mark = std::chrono::steady_clock::now();
+  clock_add(pre_ns, entered);
+  auto mark = clock_now();
   Gil gil;
-  gil_ns.fetch_add(since_ns(mark), std::memory_order_relaxed);
+  clock_add(gil_ns, mark);
   if (!python_usable()) return -1;
   Attribution attribution;
-  mark = std::chrono::steady_clock::now();
+  mark = clock_now();
   attribute(attribution);
-  walk_ns.fetch_add(since_ns(mark), std::memory_order_relaxed);
-  const auto walked = std::chrono::steady_clock::now();
+  clock_add(walk_ns, mark);
+  const auto walked = clock_now();
   const std::string& thread = thread_name();
   const char* phase = phase_of(attribution.flags);
   const int64_t step = S.step;
@@ -999,9 +1032,9 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
       extra += attribution.module_json;
     }
   }
-  if (!inputs.device.empty()) {
+  if (inputs.device != nullptr) {
     extra += ",\"dev\":\"";
-    extra += inputs.device;
+    extra += *inputs.device;
     extra += '"';
   }
   if (S.written >= S.max_events) {
@@ -1042,17 +1075,23 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
   append_int(line, step);
   line += extra;
   line += "}\n";
-  post_ns.fetch_add(since_ns(walked), std::memory_order_relaxed);
-  mark = std::chrono::steady_clock::now();
+  clock_add(post_ns, walked);
+  mark = clock_now();
   append_record(line.data(), line.size());
-  write_ns.fetch_add(since_ns(mark), std::memory_order_relaxed);
+  clock_add(write_ns, mark);
   return event;
 }
+
+static void set_clock(bool value) { clock_on = value; }
 
 static py::tuple kernel_time() {
   return py::make_tuple(kernel_calls.load(), kernel_ns.load(), gil_ns.load(), walk_ns.load(), write_ns.load(),
                         pre_ns.load(), post_ns.load());
 }
+
+// Per op (index into S.specs): its returned object was seen to be a Work once, type-checked.
+static constexpr size_t MAX_CHECKED = 256;
+static std::atomic<bool> work_checked[MAX_CHECKED];
 
 struct RecordingKernel final : public c10::OperatorKernel {
   explicit RecordingKernel(size_t index) : index(index) {}
@@ -1068,11 +1107,11 @@ struct RecordingKernel final : public c10::OperatorKernel {
     int group_id = -1;
     inside = true;
     if (S.fd.load(std::memory_order_relaxed) >= 0 && python_usable()) {
-      const auto started = std::chrono::steady_clock::now();
+      const auto started = clock_now();
       try {
         event = record(spec, stack, group_id);
-        kernel_ns.fetch_add(since_ns(started), std::memory_order_relaxed);
-        kernel_calls.fetch_add(1, std::memory_order_relaxed);
+        clock_add(kernel_ns, started);
+        if (clock_on) kernel_calls.fetch_add(1, std::memory_order_relaxed);
       } catch (const std::exception& e) {  // the job must never fail because of the recorder
         event = -1;
         if (python_usable()) {
@@ -1093,8 +1132,15 @@ struct RecordingKernel final : public c10::OperatorKernel {
     if (event >= 0 && spec.c10d) {
       c10::intrusive_ptr<c10d::Work> work;
       try {
-        // isObject, not isCustomClass (a registry lookup by type name); toCustomClass checks the type.
-        if (!stack->empty() && stack->back().isObject()) work = stack->back().toCustomClass<c10d::Work>();
+        // isObject, not isCustomClass (a registry lookup by type name).
+        if (!stack->empty() && stack->back().isObject()) {
+          if (index < MAX_CHECKED && work_checked[index].load(std::memory_order_relaxed)) {
+            work = c10::intrusive_ptr<c10d::Work>::reclaim_copy(borrow_custom_class<c10d::Work>(stack->back()));
+          } else {  // the first time per op: toCustomClass checks the object really is a Work
+            work = stack->back().toCustomClass<c10d::Work>();
+            if (index < MAX_CHECKED) work_checked[index].store(true, std::memory_order_relaxed);
+          }
+        }
       } catch (...) {
       }
       std::lock_guard<std::mutex> guard(S.pending_mu);
@@ -1360,6 +1406,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("poll", &poll_completed);
   m.def("counts", &counts);
   m.def("kernel_time", &kernel_time);
+  m.def("set_clock", &set_clock);
   m.def("fast_walk_agrees", &fast_walk_agrees);
   m.def("import_state", &import_state);
   m.def("export_state", &export_state);

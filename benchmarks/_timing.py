@@ -1,0 +1,46 @@
+"""What the benchmarks that toggle the recorder in one process print: paired differences and the
+native kernel's own clock.
+
+Toggled measurements alternate blocks (recorder on, then paused, then on...). Comparing the median
+of all "on" blocks with the median of all "paused" ones lets slow drift (clocks, other jobs on the
+host) land on either side; pairing each "on" block with the "paused" block right after it cancels
+drift slower than a block, and the spread of the pairs' differences says how far the result can be
+trusted: ``paired`` gives their median and a bootstrap 95% interval of that median.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+
+def paired(on: list[float], off: list[float], relative: bool = True, draws: int = 2000) -> tuple[float, float, float, int]:
+    """(median difference, 2.5th and 97.5th percentile of its bootstrap, pairs) of on[i] against
+    off[i] (relative: in percent of off[i])."""
+    pairs = min(len(on), len(off))
+    if pairs == 0:
+        return float("nan"), float("nan"), float("nan"), 0
+    diffs = [(a - b) / b * 100 if relative else a - b for a, b in zip(on[:pairs], off[:pairs])]
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(diffs, k=pairs)) for _ in range(draws))
+    return statistics.median(diffs), medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1], pairs
+
+
+def paired_text(on: list[float], off: list[float], unit: str = "%", relative: bool = True) -> str:
+    mid, low, high, pairs = paired(on, off, relative)
+    return f"paired {mid:+.2f}{unit} (95% interval {low:+.2f} to {high:+.2f}{unit}, {pairs} pairs)"
+
+
+def kernel_split(native) -> str | None:
+    """``native kernel: ... us per collective (arguments ..., ...)`` from the kernel's own clock,
+    or None when the clock was off (``--kernel-clock``)."""
+    calls, ns, gil, walk, write, pre, post = native.kernel_time()
+    if not calls:
+        return None
+    per = calls * 1e3
+    return (
+        f"native kernel: {calls} collectives recorded, {ns / per:.2f} us each inside the kernel (arguments "
+        f"{pre / per:.2f}, taking the GIL {gil / per:.2f}, stack walk {walk / per:.2f}, record {post / per:.2f}, "
+        f"leaving {(ns - pre - gil - walk - post - write) / per:.2f}, write {write / per:.2f}), "
+        f"fast walk {'on' if native.fast_walk else 'off'} (clock on: its reads add to these figures)"
+    )
