@@ -179,6 +179,76 @@ class Evidence:
 
 
 @dataclass(frozen=True, slots=True)
+class TracebackFrame:
+    """One frame of a recorded traceback."""
+
+    file: str
+    line: int
+    function: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    @property
+    def short(self) -> str:
+        """``train.py:109`` (the file's name only)."""
+        return f"{self.file.rsplit('/', 1)[-1]}:{self.line}"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointedFunction:
+    """What ``torch.utils.checkpoint`` was running when an exception passed through it: the
+    checkpointed function (``Class.method`` or a function's qualified name), where it is defined,
+    and the class of the module it belongs to (empty when it is no module's)."""
+
+    function: str
+    file: str
+    line: int
+    module: str = ""
+
+    @property
+    def short(self) -> str:
+        return f"{self.file.rsplit('/', 1)[-1]}:{self.line}"
+
+
+@dataclass(frozen=True, slots=True)
+class RankException:
+    """An exception that nothing caught in one rank (``sys.excepthook`` / ``threading.excepthook``):
+    its class with its module (``torch.utils.checkpoint.CheckpointError``), its message (bounded), the
+    traceback's frames outermost first (bounded: ``frames_left_out`` middle frames were left out),
+    the thread, and the phase and step the rank was in."""
+
+    rank: int
+    time: float
+    type: str
+    message: str
+    frames: tuple[TracebackFrame, ...]
+    thread: str
+    phase: Phase
+    step: int
+    frames_left_out: int = 0
+    checkpointed: CheckpointedFunction | None = None
+
+    @property
+    def name(self) -> str:
+        """The class's own name (``CheckpointError``)."""
+        return self.type.rpartition(".")[2]
+
+    def user_frame(self, library_markers: tuple[str, ...]) -> TracebackFrame | None:
+        """The innermost frame whose file has none of ``library_markers`` in its path (None: none)."""
+        return next((f for f in reversed(self.frames) if not any(m in f.file for m in library_markers)), None)
+
+    def passes_through(self, path_suffix: str, functions: frozenset[str] | None = None) -> list[TracebackFrame]:
+        """The frames in a file ending with ``path_suffix`` (and, given ``functions``, of those names)."""
+        return [
+            f
+            for f in self.frames
+            if f.file.replace("\\", "/").endswith(path_suffix) and (functions is None or f.function in functions)
+        ]
+
+
+@dataclass(frozen=True, slots=True)
 class GroupCoverage:
     """Recorded collectives of one group against the backend's own sequence counter."""
 

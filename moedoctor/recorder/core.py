@@ -544,6 +544,18 @@ class Recorder:
         with self._lock:
             self._write(fmt.encode(record))
 
+    def write_record(self, record: dict) -> None:
+        """Write one record other than a collective (an exception) at once: the native kernel's
+        buffered records first, then this one with one ``os.write``. Gives up after a second if a
+        thread holds the lock (the process may be going down with it)."""
+        if self._fd is None:
+            return
+        if self._lock.acquire(timeout=1.0):
+            try:
+                self._write(fmt.encode(record))
+            finally:
+                self._lock.release()
+
     def defer(self, ready: Callable[[], bool], emit: Callable[[], None]) -> None:
         """Have the progress thread call ``emit`` once ``ready()`` is true (a GPU value has landed)."""
         self._progress.defer(ready, emit)

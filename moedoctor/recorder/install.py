@@ -1,5 +1,5 @@
-"""Install the recorder in this process: kernels, evidence hooks, and the trace opened when the
-default process group is created (or at once if it already exists)."""
+"""Install the recorder in this process: kernels, evidence hooks, the exception hooks, and the trace
+opened when the default process group is created (or at once if it already exists)."""
 
 from __future__ import annotations
 
@@ -48,12 +48,13 @@ def install(run_dir: Path, max_events: int | None = None):
     import torch.distributed as dist
 
     from moedoctor import _process_group_hooks as process_group_hooks
-    from moedoctor.recorder import evidence
+    from moedoctor.recorder import evidence, exceptions
     from moedoctor.recorder.core import DEFAULT_MAX_EVENTS, Recorder
 
     recorder = Recorder(run_dir, max_events or DEFAULT_MAX_EVENTS)
     recorder.register_kernels()
     evidence.install(recorder)
+    exceptions.install(recorder)
 
     # Closed before the default group is destroyed, while the groups still answer their sequence counters.
     process_group_hooks.before_destroy(lambda: recorder.close("destroy"))

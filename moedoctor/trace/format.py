@@ -29,6 +29,7 @@ ANNOTATE = schema.ANNOTATE.kind
 EVIDENCE = schema.EVIDENCE.kind
 COVERAGE = schema.COVERAGE.kind
 CAP = schema.CAP.kind
+EXCEPTION = schema.EXCEPTION.kind
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=str).encode
 

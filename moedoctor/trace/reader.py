@@ -12,7 +12,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moedoctor.events import CallSite, CollectiveEvent, Coverage, Evidence, Group, GroupCoverage, TraceHeader
+from moedoctor.events import (
+    CallSite,
+    CheckpointedFunction,
+    CollectiveEvent,
+    Coverage,
+    Evidence,
+    Group,
+    GroupCoverage,
+    RankException,
+    TraceHeader,
+    TracebackFrame,
+)
 from moedoctor.trace import format as fmt
 from moedoctor.trace import schema
 from moedoctor.trace.schema import MAX_WORLD_SIZE
@@ -74,6 +85,8 @@ class RankTrace:
     events: list[CollectiveEvent] = field(default_factory=list)
     evidence: list[Evidence] = field(default_factory=list)
     coverage: list[Coverage] = field(default_factory=list)
+    #: Exceptions nothing caught in the rank (``EXCEPTION`` records), in file order.
+    exceptions: list[RankException] = field(default_factory=list)
     groups: dict[str, Group] = field(default_factory=dict)
     capped: bool = False
     problems: list[str] = field(default_factory=list)
@@ -137,8 +150,9 @@ def read_header(path: Path) -> TraceHeader:
 
 
 class TraceFile:
-    """One rank's trace, streamed: iterate to get ``CollectiveEvent``, ``Completion``,
-    ``Annotation``, ``Evidence`` and ``Coverage`` records in file order. ``problems`` fills as lines fail to parse."""
+    """One rank's trace, streamed: iterate to get ``CollectiveEvent``, ``Completion``, ``Annotation``,
+    ``Evidence``, ``Coverage`` and ``RankException`` records in file order. ``problems`` fills as lines
+    fail to parse."""
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
@@ -151,7 +165,7 @@ class TraceFile:
         self.groups: dict[int, Group] = {}
         self._sites: dict[int, CallSite] = {}
 
-    def __iter__(self) -> Iterator[CollectiveEvent | Completion | Annotation | Evidence | Coverage]:
+    def __iter__(self) -> Iterator[CollectiveEvent | Completion | Annotation | Evidence | Coverage | RankException]:
         with open(self.path, "rb") as f:
             f.readline()
             for lineno, line in enumerate(f, start=2):
@@ -198,6 +212,8 @@ class TraceFile:
             v = schema.decode(schema.COVERAGE, rec)
             groups = tuple(GroupCoverage(name, recorded, backend) for name, recorded, backend in v["groups"])
             return Coverage(rank, v["time"], v["reason"], groups, v.get("dropped", 0))
+        elif kind == fmt.EXCEPTION:
+            return decode_exception(rec, rank)
         elif kind == fmt.CAP:
             self.capped = True
         return None
@@ -228,6 +244,26 @@ def fold(trace: RankTrace, index: dict[int, int], item: object) -> None:
         trace.evidence.append(item)
     elif isinstance(item, Coverage):
         trace.coverage.append(item)
+    elif isinstance(item, RankException):
+        trace.exceptions.append(item)
+
+
+def decode_exception(rec: dict, rank: int) -> RankException:
+    """An ``x`` record as a ``RankException``, every value type-checked."""
+    v = schema.decode(schema.EXCEPTION, rec)
+    ckpt = v.get("checkpointed")
+    return RankException(
+        rank=rank,
+        time=v["time"],
+        type=v["type"],
+        message=v["message"],
+        frames=tuple(TracebackFrame(*f) for f in v["frames"]),
+        thread=v["thread"],
+        phase=v["phase"],
+        step=v["step"],
+        frames_left_out=v.get("frames_left_out", 0),
+        checkpointed=None if ckpt is None else CheckpointedFunction(*ckpt),
+    )
 
 
 def read_trace(path: Path | str) -> RankTrace:

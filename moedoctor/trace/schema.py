@@ -171,6 +171,43 @@ def _coverage_groups(value) -> tuple[tuple[str, int, int | None], ...]:
     return tuple(out)
 
 
+#: Exception records: longest message kept, and most traceback frames kept (the outermost
+#: ``MAX_FRAMES_OUTER`` and the innermost rest; ``cut`` counts those left out between).
+MAX_MESSAGE = 2000
+MAX_FRAMES = 64
+MAX_FRAMES_OUTER = 8
+
+
+def _frames(value) -> tuple[tuple[str, int, str], ...]:
+    if not (isinstance(value, list) and len(value) <= MAX_FRAMES):
+        raise TypeError("frames of the wrong type")
+    out = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 3 and _str(item[0]) and _int(item[1]) and _str(item[2])):
+            raise TypeError("frame of the wrong type")
+        out.append((item[0], item[1], item[2]))
+    return tuple(out)
+
+
+def _checkpointed(value) -> tuple[str, str, int, str]:
+    if not (
+        isinstance(value, list)
+        and len(value) == 4
+        and _str(value[0])
+        and _str(value[1])
+        and _int(value[2])
+        and _str(value[3])
+    ):
+        raise TypeError("checkpointed function of the wrong type")
+    return value[0], value[1], value[2], value[3]
+
+
+FRAMES = Type(f"list of [file, line, function] (at most {MAX_FRAMES})", _frames)
+CHECKPOINTED = Type("[function, file, line, module class]", _checkpointed)
+MESSAGE = Type(
+    f"str (at most {MAX_MESSAGE} characters)", _checked(lambda x: isinstance(x, str) and len(x) <= MAX_MESSAGE)
+)
+
 IDS = Type("list of event ids (or one)", _ids)
 COVERAGE_GROUPS = Type("list of [name, recorded, backend or null]", _coverage_groups)
 OPT_STR = Type("str or null", _optional(_checked(_str)))
@@ -361,6 +398,46 @@ COVERAGE = Record(
 )
 
 CAP = Record("cap", "event cap reached", (Key("t", "time", NUMBER), Key("limit", "limit", INT)))
+EXCEPTION = Record(
+    "x",
+    "an exception nothing caught (written by `sys.excepthook` / `threading.excepthook`, then flushed)",
+    (
+        Key("t", "time", NUMBER, doc="Unix time the hook ran"),
+        Key(
+            "type",
+            "type",
+            STR,
+            doc="the exception's class with its module, e.g. `torch.utils.checkpoint.CheckpointError`",
+        ),
+        Key("msg", "message", MESSAGE, doc=f"`str()` of the exception, cut to {MAX_MESSAGE} characters"),
+        Key(
+            "tb",
+            "frames",
+            FRAMES,
+            doc=f"the traceback's frames, outermost first; over {MAX_FRAMES}, the outermost {MAX_FRAMES_OUTER} "
+            "and the innermost rest are kept",
+        ),
+        Key("cut", "frames_left_out", COUNT, required=False, doc="frames left out between those kept"),
+        Key("th", "thread", STR, doc="thread name"),
+        Key(
+            "ph",
+            "phase",
+            PHASE,
+            doc="phase, read from the traceback (autograd's engine: `backward`; an optimizer's `step`: "
+            "`optimizer`; a module call: `forward`), else the recorder's",
+        ),
+        Key("step", "step", INT, doc="optimizer steps completed so far"),
+        Key(
+            "ckpt",
+            "checkpointed",
+            CHECKPOINTED,
+            required=False,
+            doc="when the traceback passes through `torch.utils.checkpoint` with its frame object at hand: the "
+            'function it checkpointed, `[qualified name, file, first line, class of its module or ""]`',
+        ),
+    ),
+)
+
 
 HEADER = Record(
     "",
@@ -379,7 +456,7 @@ HEADER = Record(
     ),
 )
 
-RECORDS = {r.kind: r for r in (GROUP, SITE, COLLECTIVE, DONE, ANNOTATE, EVIDENCE, COVERAGE, CAP)}
+RECORDS = {r.kind: r for r in (GROUP, SITE, COLLECTIVE, DONE, ANNOTATE, EVIDENCE, COVERAGE, CAP, EXCEPTION)}
 
 
 # ---- reading ----------------------------------------------------------------------------------------
