@@ -200,12 +200,16 @@ class TracebackFrame:
 class CheckpointedFunction:
     """What ``torch.utils.checkpoint`` was running when an exception passed through it: the
     checkpointed function (``Class.method`` or a function's qualified name), where it is defined,
-    and the class of the module it belongs to (empty when it is no module's)."""
+    the class of the module it belongs to (empty when it is no module's) and that module's lists of
+    same-class members."""
 
     function: str
     file: str
     line: int
     module: str = ""
+    #: ``name:count`` of each ``nn.ModuleList`` in the module whose members (2 or more) share one
+    #: class: experts run per routed member.
+    module_lists: tuple[str, ...] = ()
 
     @property
     def short(self) -> str:

@@ -44,6 +44,8 @@ from moedoctor.process_state import FROZEN_STATES
 ROWS_BEFORE, ROWS_AFTER = 4, 2
 #: Rank columns shown at most.
 MAX_COLUMNS = 6
+#: Exceptions of two ranks closer than this (seconds) count as raised together.
+_SAME_MOMENT = 0.05
 
 
 def analyze(run: RunData) -> Report:
@@ -96,7 +98,7 @@ def analyze(run: RunData) -> Report:
         evidence.extend(f"candidate {c.pattern} ({c.score:.2f}): {'; '.join(c.evidence)}" for c in candidates[1:])
     if verdict != Verdict.HEALTHY and (pattern is None or pattern.id != "rank-stopped"):
         evidence.extend(stopped_line(view, r, state) for r, state in list(view.frozen_ranks.items())[:8])
-    evidence.extend(_death_evidence(view, died))
+    evidence.extend(e for e in _death_evidence(view, died) if e not in evidence)
     if verdict != Verdict.HEALTHY:
         evidence.extend(_shared_gpus(view))
     if pattern is not None and pattern.id == "unknown-desync" and len(candidates) > 1:
@@ -251,7 +253,15 @@ def _first_deaths(view: RunView, died: list[int]) -> list[int]:
     SIGTERM/SIGKILL a launcher sends when tearing the job down, else every rank that died."""
     teardown = (signal.SIGTERM, signal.SIGKILL)
     own = [r for r in died if (view.exit_code(r) or 0) < 0 and -view.exit_code(r) not in teardown]
-    return own or died
+    if own:
+        return own
+    # No signal of its own: the rank whose recorded exception came first raised it first (the others'
+    # exceptions, "connection closed by peer", follow from it).
+    raised = {r: exc.time for r in died if (exc := view.exception(r)) is not None}
+    if raised:
+        first = min(raised.values())
+        return [r for r, t in raised.items() if t - first < _SAME_MOMENT]
+    return died
 
 
 def _death_evidence(view: RunView, died: list[int]) -> list[str]:
@@ -270,6 +280,9 @@ def _death_evidence(view: RunView, died: list[int]) -> list[str]:
             out.append(f"rank {r} died of {sig} (exit {code})")
         else:
             out.append(f"rank {r} exited with status {code}")
+        raised = view.exception_line(r)
+        if raised is not None:
+            out.append(raised)
     return out
 
 

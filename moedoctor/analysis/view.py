@@ -11,12 +11,27 @@ from functools import cached_property
 
 from moedoctor.analysis.load import RunData
 from moedoctor.analysis.model import GroupRef
-from moedoctor.events import CollectiveEvent, Evidence, Phase
+from moedoctor.events import CollectiveEvent, Evidence, Phase, RankException, TracebackFrame
 from moedoctor.process_state import ProcessState
 from moedoctor.run_records import Frame, StackDump
 
 #: Frames of these files are where a rank waits in a collective (or initializes the process group).
 _DISTRIBUTED_MARKERS = ("/torch/distributed/", "/torch/_C/", "c10d")
+
+
+#: Frames of libraries, for the job's own frame of a traceback.
+_LIBRARY_MARKERS = ("/torch/", "/moedoctor/", "<frozen", "<string>")
+
+
+def user_frame(exc: RankException) -> TracebackFrame | None:
+    """The job's innermost frame of an exception's traceback: outside torch, moedoctor and the
+    standard library (installed packages count as the job's, as for call sites); None: only those."""
+    for f in reversed(exc.frames):
+        path = f.file.replace("\\", "/")
+        stdlib = "/lib/python3" in path and "site-packages" not in path
+        if not stdlib and not any(m in path for m in _LIBRARY_MARKERS):
+            return f
+    return None
 
 
 class RunView:
@@ -191,6 +206,26 @@ class RunView:
             for r, d in sorted(self.run.stacks.items())
             if d.process is not None and d.process.frozen and not self.died(r)
         }
+
+    def exception(self, rank: int) -> RankException | None:
+        """The first exception nothing caught in the rank (its ``x`` record; None: none recorded)."""
+        trace = self.traces.get(rank)
+        return trace.exceptions[0] if trace is not None and trace.exceptions else None
+
+    def exception_line(self, rank: int) -> str | None:
+        """``rank 1 raised torch.utils.checkpoint.CheckpointError at train.py:109 (main) in backward of
+        step 2 (raised in checkpoint.py:879 check_recomputed_tensors_match): <its first line>``, from
+        its ``x`` record; None when none was recorded."""
+        exc = self.exception(rank)
+        if exc is None:
+            return None
+        site = user_frame(exc)
+        inner = exc.frames[-1] if exc.frames else None
+        at = f" at {site.short} ({site.function})" if site is not None else ""
+        raised_in = f" (raised in {inner.short} {inner.function})" if inner is not None and inner != site else ""
+        lines = exc.message.strip().splitlines()
+        first = lines[0][:200] if lines else ""
+        return f"rank {rank} raised {exc.type}{at} in {exc.phase.value} of step {exc.step}{raised_in}: {first}"
 
     def exit_code(self, rank: int) -> int | None:
         m = self.run.manifest

@@ -9,7 +9,10 @@ routing weight, zero where the token was not routed. The output is the sparse ou
 terms add exact zeros; a matmul over all tokens may round differently from one over a subset, ~1e-7
 in fp32), routed experts get the same gradients, unrouted ones get zero gradients, and the graph,
 hence every collective FSDP2 issues for it, is the same on every rank. With experts as FSDP2 units
-of their own, every expert is all-gathered, in the same order, on every rank.
+of their own, every expert is all-gathered, in the same order, on every rank. Under non-reentrant
+activation checkpointing (pattern ``checkpoint-recompute-mismatch``) the block saves the same tensors,
+of the same shapes, in forward and recompute whatever the routing, so a recompute that routes
+differently (routing state changed by the forward) no longer makes ``torch.utils.checkpoint`` raise.
 
 Targets (the ``forward`` of each; more with ``--config``, ``blocks:``):
 
@@ -299,7 +302,7 @@ class _DenseChecks:
 
 FIX = Fix(
     name=NAME,
-    patterns=("inactive-experts",),
+    patterns=("inactive-experts", "checkpoint-recompute-mismatch"),
     summary="run every expert on every token (zero weight where not routed), so every rank has the same graph",
     mechanism="Replaces the MoE block's (or transformers 5 fused experts') forward: routing as before, then "
     "every expert runs on all tokens, weighted by its routing weight, zero where a token was not "

@@ -135,7 +135,7 @@ def _phase(tb_frames) -> Phase:
 
 
 def _checkpointed(tb_frames) -> list | None:
-    """``[function, file, line, module class]`` of the function ``torch.utils.checkpoint`` was running,
+    """``[function, file, line, module class, module lists]`` of the function ``torch.utils.checkpoint`` was running,
     read from a ``_CheckpointFrame`` among the locals of a frame of ``torch/utils/checkpoint.py``."""
     module = sys.modules.get("torch.utils.checkpoint")
     frame_class = getattr(module, "_CheckpointFrame", None)
@@ -164,7 +164,7 @@ def _closure_value(function, name: str):
 
 
 def _describe(fn) -> list | None:
-    """``[qualified name, file, first line, module class]`` of a checkpointed callable: a module
+    """``[qualified name, file, first line, module class, module lists]`` of a checkpointed callable: a module
     (its ``forward``), a bound method of a module, a ``functools.partial``, a plain function."""
     for _ in range(8):
         if isinstance(fn, functools.partial):
@@ -184,4 +184,29 @@ def _describe(fn) -> list | None:
         return None
     owner_class = "" if owner is None or isinstance(owner, type) else type(owner).__name__
     name = getattr(function, "__qualname__", code.co_name)
-    return [_bounded(name), _bounded(code.co_filename), code.co_firstlineno, _bounded(owner_class)]
+    return [
+        _bounded(name),
+        _bounded(code.co_filename),
+        code.co_firstlineno,
+        _bounded(owner_class),
+        _module_lists(owner),
+    ]
+
+
+def _module_lists(owner) -> list[str]:
+    """``name:count`` of each ``nn.ModuleList`` inside ``owner`` whose members (2 or more) share one
+    class (at most ``MAX_FRAMES``)."""
+    try:
+        from torch import nn
+
+        if not isinstance(owner, nn.Module):
+            return []
+        found = []
+        for name, module in owner.named_modules():
+            if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(m) for m in module}) == 1:
+                found.append(_bounded(f"{name}:{len(module)}"))
+                if len(found) == MAX_FRAMES:
+                    break
+        return found
+    except Exception:  # noqa: BLE001 - a module whose traversal fails: no lists named
+        return []

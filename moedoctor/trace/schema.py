@@ -189,21 +189,24 @@ def _frames(value) -> tuple[tuple[str, int, str], ...]:
     return tuple(out)
 
 
-def _checkpointed(value) -> tuple[str, str, int, str]:
+def _checkpointed(value) -> tuple[str, str, int, str, tuple[str, ...]]:
     if not (
         isinstance(value, list)
-        and len(value) == 4
+        and len(value) == 5
         and _str(value[0])
         and _str(value[1])
         and _int(value[2])
         and _str(value[3])
+        and isinstance(value[4], list)
+        and len(value[4]) <= MAX_FRAMES
+        and all(_str(v) for v in value[4])
     ):
         raise TypeError("checkpointed function of the wrong type")
-    return value[0], value[1], value[2], value[3]
+    return value[0], value[1], value[2], value[3], tuple(value[4])
 
 
 FRAMES = Type(f"list of [file, line, function] (at most {MAX_FRAMES})", _frames)
-CHECKPOINTED = Type("[function, file, line, module class]", _checkpointed)
+CHECKPOINTED = Type("[function, file, line, module class, list of str]", _checkpointed)
 MESSAGE = Type(
     f"str (at most {MAX_MESSAGE} characters)", _checked(lambda x: isinstance(x, str) and len(x) <= MAX_MESSAGE)
 )
@@ -433,7 +436,9 @@ EXCEPTION = Record(
             CHECKPOINTED,
             required=False,
             doc="when the traceback passes through `torch.utils.checkpoint` with its frame object at hand: the "
-            'function it checkpointed, `[qualified name, file, first line, class of its module or ""]`',
+            'function it checkpointed, `[qualified name, file, first line, class of its module or "", module lists]`; '
+            "module lists: `name:count` of each `nn.ModuleList` in that module whose members (at least 2) are of one "
+            "class (experts), at most 64",
         ),
     ),
 )

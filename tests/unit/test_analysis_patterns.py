@@ -113,7 +113,8 @@ def test_registry_one_module_per_pattern_with_docstrings():
     assert {p.id: p.fixes for p in patterns if p.fixes} == {
         "skipped-optimizer-step": ("skip-step-collectively",),
         "inflight-metric-allreduce": ("metrics-after-microbatches", "fsdp-gather-upfront"),
-        "uneven-dtensor-allgather": ("key-manifest-checkpoint",), "inactive-experts": ("expert-dense", "expert-zero-term")}
+        "uneven-dtensor-allgather": ("key-manifest-checkpoint",), "inactive-experts": ("expert-dense", "expert-zero-term"),
+        "checkpoint-recompute-mismatch": ("expert-dense",)}
 
 
 def test_a_cycle_closed_by_a_collective_only_one_rank_issues_is_not_named_an_inversion():

@@ -36,6 +36,7 @@ MODULES = (
     "inflight_metric_allreduce",
     "uneven_dtensor_allgather",
     "inactive_experts",
+    "checkpoint_recompute_mismatch",
     "rank_conditional_collective",
     "microbatch_count_mismatch",
     "collective_order_inversion",

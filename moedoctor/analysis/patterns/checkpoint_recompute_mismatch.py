@@ -1,0 +1,189 @@
+"""``checkpoint-recompute-mismatch``: a checkpointed region recomputed differently, on one rank.
+
+Mechanism: under non-reentrant activation checkpointing (``torch.utils.checkpoint.checkpoint(...,
+use_reentrant=False)``, ``checkpoint_wrapper``, transformers' gradient checkpointing) backward runs
+the region's forward again and pairs the tensors it saves, one by one, with those the original
+forward saved. An MoE block whose loop runs only the experts that received tokens saves a number of
+tensors that depends on the routing; when the routing of the recompute differs from the forward's
+(a load-balancing bias or load counter updated in the forward, router noise from a generator of its
+own: state that checkpoint's RNG replay does not restore), fewer or more tensors, or tensors of
+other shapes, are saved. ``torch.utils.checkpoint`` raises ``CheckpointError`` ("A different number
+of tensors was saved during the original forward and recomputation", "trying to save more tensors
+during recomputation", "Recomputed values ... have different metadata") in that rank's backward,
+and the rank dies while the others wait in a backward collective of their FSDP2 units (seed 000:
+"Patch MoE expert modules for FSDP2 + non-reentrant gradient checkpointing", "Make unpack_hook
+tolerant of missing handles").
+
+Evidence: the ranks the others wait for died, and one of them recorded an uncaught exception (the
+``x`` record) raised by ``torch.utils.checkpoint`` itself: its class is that module's, or its
+traceback ends in that module's pack/unpack hooks or its recompute check (never the job's own names);
+it was raised in backward (autograd's engine in the traceback). The others wait in a collective of
+the group at the divergence, in backward. The message gives the counts of tensors saved in forward
+and recompute, or the shapes that differ (the rows of a token batch routed to an expert). The
+record names the function checkpoint recomputed (read from checkpoint's own frame object), and the
+module lists of same-class members (experts) in its module.
+
+Scores: 0.8 with all of it; lower, each said in the evidence, when the exception was not raised in
+backward, the others are not waiting in backward, the message does not say what differed, the
+checkpointed function was not recorded, or its module holds no list of same-class members (the
+``expert-dense`` fix then has nothing to densify: another source of non-determinism in the region).
+No finding without the exception record: a rank killed by a signal (SIGKILL, Gloo's SIGABRT)
+writes none, and the crash stays a crash. ``CheckpointError`` for a tensor unpacked twice (a double
+backward) is not a recompute mismatch: no finding.
+
+Risk: any state that changes between forward and recompute reads alike (a dropout mask from a
+generator of its own in a dense layer); the module-list evidence is what points at experts, and its
+absence lowers the score below the expert-specific call.
+
+Fix ``expert-dense``: every expert runs on every token (unrouted tokens weighted by zero), so the
+region saves the same tensors whatever the routing. The lasting fix is to keep routing state out of
+the forward (update load-balancing biases after the optimizer step; draw router noise from the
+global generator that checkpoint replays).
+"""
+
+from __future__ import annotations
+
+import re
+
+from moedoctor.analysis.model import Suggestion
+from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+from moedoctor.analysis.view import user_frame
+from moedoctor.events import Phase, RankException
+
+#: torch.utils.checkpoint's own functions that compare or recompute saved tensors.
+_HOOK_FUNCTIONS = frozenset(
+    {
+        "unpack_hook",
+        "pack_hook",
+        "unpack_hook_with_error_cb",
+        "unpack_error_cb",
+        "check_recomputed_tensors_match",
+        "recompute_fn",
+    }
+)
+_CHECKPOINT_FILE = "torch/utils/checkpoint.py"
+_MODULE = "torch.utils.checkpoint."
+
+_COUNTS = re.compile(
+    r"saved during forward: (\d+)\s*\n\s*Number of tensors saved during recomputation: (\d+)", re.IGNORECASE
+)
+_MORE = "trying to save more tensors during recomputation"
+_METADATA = re.compile(r"saved metadata: (\{[^\n]*\})\s*\n\s*recomputed metadata: (\{[^\n]*\})")
+_SHAPE = re.compile(r"torch\.Size\(\[([^\]]*)\]\)")
+_TWICE = "already unpacked once"
+
+_ADVICE = (
+    "make the checkpointed MoE block save the same tensors in forward and recompute: run every expert "
+    "on every token (expert-dense), and keep routing state (load-balancing bias, load counters, router "
+    "noise from a generator of its own) from changing inside the forward"
+)
+
+
+def checkpoint_exception(exc: RankException) -> bool:
+    """Raised by ``torch.utils.checkpoint`` itself: its class is that module's, or its traceback ends
+    in that module's pack/unpack hooks or recompute check."""
+    if exc.type.startswith(_MODULE):
+        return True
+    inner = exc.frames[-1] if exc.frames else None
+    return (inner is not None and inner.file.replace("\\", "/").endswith(_CHECKPOINT_FILE)) or bool(
+        exc.passes_through(_CHECKPOINT_FILE, _HOOK_FUNCTIONS)
+    )
+
+
+def what_differed(message: str) -> str | None:
+    """What the message says differed between forward and recompute (None: it does not say)."""
+    counts = _COUNTS.search(message)
+    if counts:
+        fwd, rec = int(counts.group(1)), int(counts.group(2))
+        return f"{fwd} tensors saved in forward, {rec} in recompute ({'fewer' if rec < fwd else 'more'} in recompute)"
+    if _MORE in message:
+        return "more tensors saved in recompute than in forward"
+    meta = _METADATA.findall(message)
+    if meta:
+        pairs = []
+        for saved, recomputed in meta[:3]:
+            a, b = _SHAPE.search(saved), _SHAPE.search(recomputed)
+            if a and b and a.group(1) != b.group(1):
+                pairs.append(f"[{a.group(1)}] in forward, [{b.group(1)}] in recompute")
+        more = f" and {len(meta) - 3} more" if len(meta) > 3 else ""
+        shapes = f": {'; '.join(pairs)}" if pairs else ""
+        return f"{len(meta)} saved tensor(s) of other metadata in recompute{shapes}{more}"
+    return None
+
+
+def classify(ctx: Context) -> Finding | None:
+    div, view = ctx.div, ctx.view
+    if div is None or not div.missing:
+        return None
+    raised = {r: exc for r in div.missing if view.died(r) and (exc := view.exception(r)) is not None}
+    raised = {r: exc for r, exc in raised.items() if checkpoint_exception(exc)}
+    if not raised:
+        return None
+    rank, exc = min(raised.items(), key=lambda item: item[1].time)
+    if _TWICE in exc.message:
+        return None  # a tensor unpacked twice: a double backward, not a recompute that differed
+    score = 0.8
+    evidence = []
+    site = user_frame(exc)
+    evidence.append(view.exception_line(rank) or f"rank {rank} raised {exc.type}")
+    if exc.phase != Phase.BACKWARD:
+        score -= 0.2
+        evidence.append(f"the exception was raised in {exc.phase.value}, not in backward's recompute (-0.2)")
+    differed = what_differed(exc.message)
+    if differed is not None:
+        evidence.append(f"forward and recompute differed: {differed}")
+    else:
+        score -= 0.1
+        evidence.append("the message does not say what differed between forward and recompute (-0.1)")
+    ckpt = exc.checkpointed
+    if ckpt is None:
+        score -= 0.1
+        evidence.append("the checkpointed function was not recorded (no checkpoint frame in the traceback) (-0.1)")
+    else:
+        owner = f" of {ckpt.module}" if ckpt.module else ""
+        evidence.append(f"checkpointed region: {ckpt.function}{owner} ({ckpt.short})")
+        if ckpt.module_lists:
+            lists = ", ".join(
+                f"{n.rpartition(':')[0] or '(the module)'} ({n.rpartition(':')[2]} members)"
+                for n in ckpt.module_lists[:4]
+            )
+            evidence.append(f"it holds module list(s) of same-class members, run per routed member: {lists}")
+        else:
+            score -= 0.25
+            evidence.append(
+                "its module holds no list of same-class members (experts): the recompute differs for another "
+                "reason, and expert-dense may not apply (-0.25)"
+            )
+    present = ctx.present()
+    waiting = {r: v for r, v in present.items() if not v.completed}
+    if waiting:
+        v = next(iter(waiting.values()))
+        evidence.append(
+            f"{names(sorted(waiting))} wait{'s' if len(waiting) == 1 else ''} in {v.op} #{div.seq} of group "
+            f"{div.group.label()} ({v.short_site}, {v.phase}) that {names(div.missing)} never issued"
+        )
+        if any(v.phase != Phase.BACKWARD.value for v in waiting.values()):
+            score -= 0.1
+            evidence.append("the others do not wait in backward (-0.1)")
+    else:
+        score -= 0.1
+        evidence.append(f"no rank is recorded waiting in #{div.seq} of group {div.group.label()} (-0.1)")
+    call_site = site.where if site is not None else None
+    suggestion = Suggestion(
+        ckpt.file + f":{ckpt.line}" if ckpt is not None else call_site,
+        ckpt.function if ckpt is not None else (site.function if site is not None else None),
+        _ADVICE,
+    )
+    return Finding(
+        round(score, 2), tuple(evidence), culprits=tuple(sorted(raised)), suggestion=suggestion, explains_crash=True
+    )
+
+
+PATTERN = Pattern(
+    id="checkpoint-recompute-mismatch",
+    title="Activation checkpoint recompute differs from forward",
+    fixes=("expert-dense",),
+    desync=True,
+    classify=classify,
+    advice=_ADVICE,
+)
