@@ -15,7 +15,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from moedoctor.analysis.load import GpuSnapshot, ManifestInfo, RunData, last_sequences
-from moedoctor.events import CallSite, CollectiveEvent, Coverage, Evidence, Group, Phase, TraceHeader
+from moedoctor.events import (
+    CallSite, CheckpointedFunction, CollectiveEvent, Coverage, Evidence, Group, Phase, RankException, TraceHeader,
+    TracebackFrame,
+)
 from moedoctor.runner.manifest import HangRecord, RankExit
 from moedoctor.runner.procs import ProcessState
 from moedoctor.runner.stacks import Frame, StackDump
@@ -42,6 +45,7 @@ class TraceBuilder:
         self.events: list[CollectiveEvent] = []
         self.evidence: list[Evidence] = []
         self.coverage: list[Coverage] = []
+        self.exceptions: list[RankException] = []
         self.time = start
         self._seq: dict[str, int] = defaultdict(int)
         self._pseq: dict[tuple[str, int], int] = defaultdict(int)
@@ -87,12 +91,22 @@ class TraceBuilder:
         self.evidence.append(Evidence(self.rank, self._tick(), kind, step, data))
         return self
 
+    def exc(self, type_: str, message: str, frames: tuple[tuple[str, int, str], ...], *,
+            phase: Phase = Phase.BACKWARD, step: int = 0,
+            checkpointed: CheckpointedFunction | None = None) -> TraceBuilder:
+        """An uncaught exception (``x`` record); ``frames`` outermost first, as (file, line, function)."""
+        self.exceptions.append(RankException(
+            self.rank, self._tick(), type_, message, tuple(TracebackFrame(*f) for f in frames), "MainThread", phase,
+            step, checkpointed=checkpointed))
+        return self
+
     def trace(self) -> RankTrace:
         header = TraceHeader("moedoctor-trace", 1, self.rank, self.rank, self.world_size, "host", 100 + self.rank,
                              "2.13", "0.1.0", 1000.0)
         groups = {e.group.name: e.group for e in self.events}
         return RankTrace(path=Path(f"rank-{self.rank:05d}.jsonl"), header=header, events=list(self.events),
-                         evidence=list(self.evidence), coverage=list(self.coverage), groups=groups)
+                         evidence=list(self.evidence), coverage=list(self.coverage), groups=groups,
+                         exceptions=list(self.exceptions))
 
 
 def ranks(n: int, **kw) -> list[TraceBuilder]:
