@@ -119,14 +119,17 @@ def _in_torch(frame, *parts: str) -> bool:
 
 
 def _phase(tb_frames) -> Phase:
-    """The innermost phase the traceback shows: autograd's engine (backward), an optimizer's step,
-    a module's call (forward); else ``other``."""
-    for frame, _ in reversed(tb_frames):
+    """Backward when autograd's engine is anywhere in the traceback (a checkpointed region's
+    recompute, module calls and all, is part of backward); else the innermost of an optimizer's
+    step or a module's call (forward); else ``other``."""
+    for frame, _ in tb_frames:
         name = frame.f_code.co_name
         if _in_torch(frame, "autograd/graph.py") and name == "_engine_run_backward":
             return Phase.BACKWARD
         if _in_torch(frame, "autograd/__init__.py") and name in ("backward", "grad"):
             return Phase.BACKWARD
+    for frame, _ in reversed(tb_frames):
+        name = frame.f_code.co_name
         if _in_torch(frame, "optim/optimizer.py") and name in ("wrapper", "_use_grad"):
             return Phase.OPTIMIZER
         if _in_torch(frame, "nn/modules/module.py") and name in ("_call_impl", "_wrapped_call_impl"):
