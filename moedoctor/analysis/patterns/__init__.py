@@ -37,6 +37,7 @@ MODULES = (
     "uneven_dtensor_allgather",
     "inactive_experts",
     "checkpoint_recompute_mismatch",
+    "collective_in_checkpointed_region",
     "rank_conditional_collective",
     "microbatch_count_mismatch",
     "collective_order_inversion",
