@@ -70,15 +70,21 @@ def _same_site(a: CollectiveEvent, b: CollectiveEvent) -> bool:
     )
 
 
-def _recompute_in_dump(ctx: Context, rank: int, where: str) -> bool | None:
-    """Whether the rank's stack dump shows the checkpoint's recompute under the call site (a thread
-    with a ``torch/utils/checkpoint.py`` frame outside a frame at ``where``); None: no dump."""
+def _recompute_in_dump(ctx: Context, rank: int, e: CollectiveEvent) -> bool | None:
+    """Whether the rank's stack dump shows the checkpoint's recompute under the call site: a thread
+    with a ``torch/utils/checkpoint.py`` frame outside a frame of the call site's function (its line
+    may be further on: a functional collective is waited for where its result is first used); None:
+    no dump."""
     dump = ctx.view.stack(rank)
-    if dump is None or (not dump.threads and not dump.main_thread):
+    site = e.call_site
+    if site is None or dump is None or (not dump.threads and not dump.main_thread):
         return None
-    file, _, line = where.rpartition(":")
+
+    def in_site(f) -> bool:
+        return f.file == site.file and (f.function == site.function or f.function.endswith("." + site.function))
+
     for frames in list(dump.threads.values()) or [dump.main_thread]:
-        at = next((i for i, f in enumerate(frames) if f.file.endswith(file) and str(f.line) == line), None)
+        at = next((i for i, f in enumerate(frames) if in_site(f)), None)
         if at is not None and any(f.file.replace("\\", "/").endswith(_CHECKPOINT_FILE) for f in frames[at:]):
             return True
     return False
@@ -104,10 +110,22 @@ def _steps_with(ctx: Context, rank: int, e: CollectiveEvent, phase: Phase) -> li
     return sorted({x.step for x in events if x.phase == phase and _same_site(x, e)})
 
 
+def _label(view, name: str) -> str:
+    ref = view.groups.get(name)
+    return ref.label() if ref is not None else name
+
+
+def _waiting_in(ctx: Context, rank: int, step: int) -> CollectiveEvent | None:
+    """The rank's last collective, when it is of ``step`` and was not seen completing (where it waits)."""
+    events = ctx.view.rank_events(rank)
+    last = events[-1] if events else None
+    return last if last is not None and last.step == step and last.completed is None else None
+
+
 def classify(ctx: Context) -> Finding | None:
     if not ctx.desync_kind() or ctx.div is None or ctx.div.kind == DivergenceKind.P2P:
         return None
-    div = ctx.div
+    div, view = ctx.div, ctx.view
     found = {r: x for r in sorted(ctx.present()) if (x := _reissued(ctx, r)) is not None}
     if not found:
         return None
@@ -135,7 +153,7 @@ def classify(ctx: Context) -> Finding | None:
     # The same code path run again: the re-issued stack repeats the forward's inner frames.
     fwd_stack = forward[-1].call_site.stack if forward[-1].call_site else ()
     prefix = _shared_prefix(e.call_site.stack if e.call_site else (), fwd_stack)
-    in_dump = _recompute_in_dump(ctx, rank, where)
+    in_dump = _recompute_in_dump(ctx, rank, e)
     proven = False
     if in_dump:
         score += 0.15
@@ -155,20 +173,25 @@ def classify(ctx: Context) -> Finding | None:
             f"{_frame(fwd_stack[prefix - 1])} (the same path run again); forward reached it from "
             + (_frame(fwd_stack[prefix]) if len(fwd_stack) > prefix else "outside the job's code")
         )
-    else:
+    elif not in_dump:
         evidence.append(
             "not established: the backward issue's caller differs from the forward's (a helper shared by forward "
             "and backward code looks alike)"
         )
 
-    theirs = {q: ctx.event(q) for q in others}
+    # What the others do instead: their collective at this sequence number, or, where they never
+    # issued it, the collective they wait in on another group (a wait-for cycle across groups).
+    theirs = {q: ctx.event(q) or _waiting_in(ctx, q, e.step) for q in others}
     fsdp = [q for q, t in theirs.items() if t is not None and t.module is not None and t.phase == Phase.BACKWARD]
     desc = "; ".join(
         f"rank {q}: "
         + (
             "nothing (it never issued this sequence number)"
             if t is None
-            else f"{t.op} {[list(s) for s in t.in_shapes]} in {t.phase.value}"
+            else ("" if t.group.name == e.group.name else "nothing here; it waits in ")
+            + f"{t.op} {[list(s) for s in t.in_shapes]}"
+            + ("" if t.group.name == e.group.name else f" #{t.seq} of group {_label(view, t.group.name)}")
+            + f" in {t.phase.value}"
             + (f" of FSDP unit {t.module or '(root)'}" if t.module is not None else "")
             + (f" from {t.call_site.short}" if t.call_site else "")
         )
@@ -199,15 +222,38 @@ def classify(ctx: Context) -> Finding | None:
         )
     else:
         evidence.append(f"not established: no earlier step in which every rank re-issued {short} in backward")
+    # Skipped, not reordered: a rank already reducing the gradients of an FSDP unit that the re-issuing
+    # rank has not reduced yet in this step is past that unit's backward, recompute included: it will
+    # not issue the collective later in this step (what tells this from an order inversion).
+    reduced = {x.module for x in view.rank_events(rank) if x.step == e.step and x.op == "reduce_scatter"}
+    passed = [
+        q
+        for q, t in theirs.items()
+        if t is not None
+        and t.op == "reduce_scatter"
+        and t.module is not None
+        and t.step == e.step
+        and t.module not in reduced
+    ]
+    cap = 0.9
+    if passed and len(passed) == len(others):
+        cap = 0.97
+        units = sorted({m for q in passed if (t := theirs[q]) is not None and (m := t.module) is not None})
+        evidence.append(
+            f"{names(passed)} already {verb(passed, 'reduces', 'reduce')} the gradients of FSDP unit "
+            f"{', '.join(u or '(root)' for u in units)}, which rank {rank} has not reduced yet in step {e.step}: "
+            f"{verb(passed, 'it is', 'they are')} past that unit's backward and will not issue the collective "
+            "later in this step (skipped, not reordered)"
+        )
     if not proven:
         score = min(score, 0.35)
         evidence.append(
-            f"score {score} instead of 0.90: neither the stack dump nor the call stacks show that the backward "
+            f"score {score} instead of {cap}: neither the stack dump nor the call stacks show that the backward "
             "issue is the checkpoint's recompute"
         )
     culprits = tuple(others) if earlier and all(q in ctx.present() for q in others) else None
     suggestion = Suggestion(where, e.call_site.function if e.call_site else None, _ADVICE)
-    return Finding(round(min(score, 0.95), 3), tuple(evidence), culprits=culprits, suggestion=suggestion)
+    return Finding(round(min(score, cap), 3), tuple(evidence), culprits=culprits, suggestion=suggestion)
 
 
 def _frame(frame: str) -> str:
