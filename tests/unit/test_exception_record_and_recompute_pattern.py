@@ -208,3 +208,17 @@ def test_metadata_and_more_tensors_messages():
             "forward pass.")
     assert crm.what_differed(more) == "more tensors saved in recompute than in forward"
     assert crm.what_differed("anything else") is None
+
+
+def test_every_rank_raised_and_none_waits():
+    a, b = ranks(2)
+    for step in range(3):
+        for r in (a, b):
+            r.coll("all_gather", (3248,), phase=Phase.BACKWARD, step=step, line=109, module="layers.1")
+    for r in (a, b):
+        r.exc("torch.utils.checkpoint.CheckpointError", COUNT_MESSAGE, FRAMES, step=2, checkpointed=MOE_LAYER)
+    report = analyze(run_of(a, b, manifest_info=manifest({0: 1, 1: 1}, hang=False)))
+    assert report.verdict == Verdict.CRASHED and report.pattern == "checkpoint-recompute-mismatch"
+    assert report.candidates[0].score == pytest.approx(0.6) and report.culprit_ranks == [0, 1]
+    assert any("no rank is left waiting" in e for e in report.evidence)
+    assert "rank 0 raised torch.utils.checkpoint.CheckpointError" in report.summary

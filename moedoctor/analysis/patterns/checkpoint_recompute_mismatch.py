@@ -27,9 +27,11 @@ Scores: 0.8 with all of it; lower, each said in the evidence, when the exception
 backward, the others are not waiting in backward, the message does not say what differed, the
 checkpointed function was not recorded, or its module holds no list of same-class members (the
 ``expert-dense`` fix then has nothing to densify: another source of non-determinism in the region).
-No finding without the exception record: a rank killed by a signal (SIGKILL, Gloo's SIGABRT)
-writes none, and the crash stays a crash. ``CheckpointError`` for a tensor unpacked twice (a double
-backward) is not a recompute mismatch: no finding.
+When no rank is left waiting (every rank raised it at the same collective: no divergence) the
+finding stands on the exceptions alone (-0.2). No finding without the exception record: a rank
+killed by a signal (SIGKILL, Gloo's SIGABRT) writes none, and the crash stays a crash.
+``CheckpointError`` for a tensor unpacked twice (a double backward) is not a recompute mismatch:
+no finding.
 
 Risk: any state that changes between forward and recompute reads alike (a dropout mask from a
 generator of its own in a dense layer); the module-list evidence is what points at experts, and its
@@ -113,9 +115,12 @@ def what_differed(message: str) -> str | None:
 
 def classify(ctx: Context) -> Finding | None:
     div, view = ctx.div, ctx.view
-    if div is None or not div.missing:
-        return None
-    raised = {r: exc for r in div.missing if view.died(r) and (exc := view.exception(r)) is not None}
+    if div is not None and not div.missing:
+        return None  # a mismatch between issued collectives: another pattern's
+    # The ranks the others wait for; with no divergence (every rank raised, none is left waiting),
+    # every rank that died.
+    awaited = div.missing if div is not None else [r for r in view.ranks if view.died(r)]
+    raised = {r: exc for r in awaited if view.died(r) and (exc := view.exception(r)) is not None}
     raised = {r: exc for r, exc in raised.items() if checkpoint_exception(exc)}
     if not raised:
         return None
@@ -156,7 +161,13 @@ def classify(ctx: Context) -> Finding | None:
             )
     present = ctx.present()
     waiting = {r: v for r, v in present.items() if not v.completed}
-    if waiting:
+    if div is None:
+        score -= 0.2
+        evidence.append(
+            f"no collective divergence was recorded: {names(sorted(raised))} raised it and no rank is left "
+            "waiting for another (-0.2)"
+        )
+    elif waiting:
         v = next(iter(waiting.values()))
         evidence.append(
             f"{names(sorted(waiting))} wait{'s' if len(waiting) == 1 else ''} in {v.op} #{div.seq} of group "
