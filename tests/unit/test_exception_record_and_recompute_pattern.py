@@ -185,6 +185,10 @@ def test_structure_not_names_decides():
     # A RuntimeError from checkpoint's unpack hook (an internal assert) still counts: the frames say so.
     hook = crashed_run({"type_": "RuntimeError", "message": "Internal error"})
     assert hook.pattern == "checkpoint-recompute-mismatch"
+    # A collective failing inside a recompute passes through checkpoint's hooks but is not raised there.
+    collective = FRAMES[:4] + (("/site-packages/torch/distributed/distributed_c10d.py", 4943, "all_gather"),)
+    inside = crashed_run({"type_": "RuntimeError", "message": "Connection closed by peer", "frames": collective})
+    assert inside.pattern is None
     # A tensor unpacked twice is a double backward, not a recompute that differed.
     twice = crashed_run({"message": "torch.utils.checkpoint: Unpack is being triggered for a tensor that was "
                                     "already unpacked once."})

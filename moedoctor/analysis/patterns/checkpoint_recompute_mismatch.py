@@ -16,7 +16,9 @@ tolerant of missing handles").
 
 Evidence: the ranks the others wait for died, and one of them recorded an uncaught exception (the
 ``x`` record) raised by ``torch.utils.checkpoint`` itself: its class is that module's, or its
-traceback ends in that module's pack/unpack hooks or its recompute check (never the job's own names);
+traceback ends in that module (an assert in its pack/unpack hooks or its recompute check; an error
+that only passes through them, a collective failing inside a recompute, does not count; never the
+job's own names);
 it was raised in backward (autograd's engine in the traceback). The others wait in a collective of
 the group at the divergence, in backward. The message gives the counts of tensors saved in forward
 and recompute, or the shapes that differ (the rows of a token batch routed to an expert). The
@@ -52,17 +54,6 @@ from moedoctor.analysis.patterns import Context, Finding, Pattern, names
 from moedoctor.analysis.view import user_frame
 from moedoctor.events import Phase, RankException
 
-#: torch.utils.checkpoint's own functions that compare or recompute saved tensors.
-_HOOK_FUNCTIONS = frozenset(
-    {
-        "unpack_hook",
-        "pack_hook",
-        "unpack_hook_with_error_cb",
-        "unpack_error_cb",
-        "check_recomputed_tensors_match",
-        "recompute_fn",
-    }
-)
 _CHECKPOINT_FILE = "torch/utils/checkpoint.py"
 _MODULE = "torch.utils.checkpoint."
 
@@ -82,14 +73,13 @@ _ADVICE = (
 
 
 def checkpoint_exception(exc: RankException) -> bool:
-    """Raised by ``torch.utils.checkpoint`` itself: its class is that module's, or its traceback ends
-    in that module's pack/unpack hooks or recompute check."""
+    """Raised by ``torch.utils.checkpoint`` itself: its class is that module's, or the traceback's
+    innermost frame is that module's (an assert in its pack/unpack hooks or its recompute check). An
+    exception that only passes through its hooks (a collective failing inside a recompute) is not."""
     if exc.type.startswith(_MODULE):
         return True
     inner = exc.frames[-1] if exc.frames else None
-    return (inner is not None and inner.file.replace("\\", "/").endswith(_CHECKPOINT_FILE)) or bool(
-        exc.passes_through(_CHECKPOINT_FILE, _HOOK_FUNCTIONS)
-    )
+    return inner is not None and inner.file.replace("\\", "/").endswith(_CHECKPOINT_FILE)
 
 
 def what_differed(message: str) -> str | None:
