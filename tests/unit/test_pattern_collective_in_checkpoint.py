@@ -11,7 +11,7 @@ from event_factory import TraceBuilder, ranks, run_of, stack
 
 from moedoctor.analysis import analyze
 from moedoctor.analysis.model import Verdict
-from moedoctor.events import CallSite, Phase
+from moedoctor.events import CallSite, Group, Phase
 
 F, B, O = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER
 JOB = "/job/ulysses.py"
@@ -22,9 +22,10 @@ HELPER_BWD = (GATHER, f"{JOB}:210 backward")  # a helper shared by an autograd F
 NAME = "collective-in-checkpointed-region"
 
 
-def _gather(r: TraceBuilder, phase: Phase, step: int, frames: tuple[str, ...], done: bool = True) -> None:
+def _gather(r: TraceBuilder, phase: Phase, step: int, frames: tuple[str, ...], done: bool = True,
+            group: Group | None = None) -> None:
     r.coll("all_gather", (1, 8), dtype="int64", phase=phase, step=step, line=43, file=JOB,
-           function="gather_position_ids", done=done)
+           function="gather_position_ids", done=done, group=group)
     r.events[-1] = replace(r.events[-1], call_site=CallSite(JOB, 43, "gather_position_ids", frames))
 
 
@@ -130,3 +131,34 @@ def test_a_backward_only_call_site_is_not_a_recompute():
     b.coll("reduce_scatter", (2212,), phase=B, step=0, module="layers.0", line=153, file=JOB, done=False)
     report = analyze(run_of(a, b, hang=True, stacks=[_recompute_stack(0)]))
     assert _candidate(report) is None, report.summary
+
+
+def test_a_cycle_across_the_sp_and_fsdp_groups_is_a_skipped_reissue_not_an_order_inversion():
+    # The gather runs on a separate sequence-parallel group: rank 0 waits in it, rank 1 (whose
+    # recompute skipped it) waits in FSDP2's reduce-scatter of layers.1 on the default group. A
+    # wait-for cycle, but rank 1 already reduces a unit rank 0 has not reduced yet: it will never
+    # issue the gather in this step.
+    sp = Group("1", "sp", (0, 1))
+    a, b = ranks(2)
+    for r in (a, b):
+        for s in range(3):
+            for unit in ("layers.0", "layers.1"):
+                r.coll("all_gather", (1106,), phase=F, step=s, module=unit, line=112, file=JOB)
+                _gather(r, F, s, FWD_STACK, group=sp)
+            r.coll("all_gather", (1106,), phase=B, step=s, module="layers.1", line=153, file=JOB)
+            if s == 2:
+                break
+            for unit in ("layers.1", "layers.0"):
+                _gather(r, B, s, BWD_STACK, group=sp)
+                r.coll("reduce_scatter", (2212,), phase=B, step=s, module=unit, line=153, file=JOB, reduce_op="avg")
+            r.coll("all_reduce", (1,), phase=O, step=s, line=160, file=JOB)
+    _gather(a, B, 2, BWD_STACK, done=False, group=sp)
+    b.coll("reduce_scatter", (2212,), phase=B, step=2, module="layers.1", line=153, file=JOB, reduce_op="avg",
+           done=False)
+    report = analyze(run_of(a, b, hang=True, stacks=[_recompute_stack(0)]))
+    scores = {c.pattern: c.score for c in report.candidates}
+    assert report.pattern == NAME, (report.summary, scores)
+    assert scores[NAME] > scores.get("collective-order-inversion", 0) + 0.01
+    evidence = "\n".join(report.evidence)
+    assert "it waits in reduce_scatter [[2212]] #" in evidence and "of group 0 (default_pg)" in evidence
+    assert "rank 1 already reduces the gradients of FSDP unit layers.1, which rank 0 has not reduced" in evidence
