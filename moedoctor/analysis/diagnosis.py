@@ -37,6 +37,7 @@ from moedoctor.analysis.patterns import THRESHOLD, TIE, Context, Finding, Patter
 from moedoctor.analysis.patterns.not_a_desync import not_established
 from moedoctor.analysis.patterns.rank_stopped import stopped_line
 from moedoctor.analysis.view import RunView
+from moedoctor.analysis.timing import slow_report, storm_fix_config
 from moedoctor.analysis.waitfor import chain_roots, find_cycle, roots, wait_edges
 from moedoctor.process_state import FROZEN_STATES
 
@@ -108,6 +109,10 @@ def analyze(run: RunData) -> Report:
             if c.pattern != "unknown-desync"
         )
     fixes = list(pattern.fixes) if pattern else []
+    slow = slow_report(run.traces)
+    storm_fix = storm_fix_config(slow, run.manifest.command if run.manifest else None) if not fixes else None
+    if storm_fix is not None:  # nothing else to fix: offer to coalesce the storm's broadcasts
+        fixes = list(storm_fix)
     verify = f"moedoctor verify --fix {fixes[0]} --run {run.path}" if fixes else None
     suggestion = _suggestion(pattern, finding, primary, culprit_ranks) if pattern else None
     return Report(
@@ -127,7 +132,7 @@ def analyze(run: RunData) -> Report:
         fixes=fixes,
         verify_command=verify,
         suggestion=suggestion,
-        fix_config=finding.fix_config if finding is not None and fixes else None,
+        fix_config=finding.fix_config if finding is not None and fixes else storm_fix,
         groups=divs,
         ranks=_rank_summaries(view),
         alignment=_alignment(view, primary, culprit_ranks)[0],
@@ -137,6 +142,7 @@ def analyze(run: RunData) -> Report:
         traced_ranks=view.ranks,
         collectives=_collective_count(run),
         completion=completion_stats(run.traces).to_dict(windowed=run.windowed),
+        slow=slow,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from moedoctor.analysis.timing import SlowReport
 from moedoctor.events import CollectiveEvent
 
 #: Bumped when a field of the JSON report changes meaning or type, or is removed.
@@ -226,6 +227,8 @@ class Report:
     #: The fix's settings derived from this job's code (``{fix name: section}``); ``moedoctor verify
     #: --run`` uses them when no --config is given.
     fix_config: dict | None = None
+    #: Storms of small collectives (slow, not stuck: ``moedoctor.analysis.timing``); None when none.
+    slow: SlowReport | None = None
 
     @property
     def problem_found(self) -> bool:

@@ -11,6 +11,7 @@ from pathlib import Path
 import moedoctor
 from moedoctor._files import write_atomically
 from moedoctor.analysis.model import Divergence, OpView, Report, WaitEdge
+from moedoctor.analysis.timing import SlowReport
 
 #: Tensors per op shown in the report (a record may hold 4096): the rest are counted in ``shapes_total``.
 MAX_SHAPES = 32
@@ -73,6 +74,52 @@ def report_to_dict(report: Report) -> dict:
         },
         "incomplete": report.incomplete,
         "completion": report.completion,
+        "slow": slow_to_dict(report.slow),
+    }
+
+
+def slow_to_dict(slow: SlowReport | None) -> dict | None:
+    """The "Slow, not stuck" section (``moedoctor.analysis.timing``); None when no storm was found."""
+    if slow is None:
+        return None
+    return {
+        "pattern": "broadcast-storm",
+        "summary": slow.summary(),
+        "storms": [
+            {
+                "op": s.op,
+                "group": s.group,
+                "call_site": s.call_site,
+                "function": s.function,
+                "phase": s.phase,
+                "steps": list(s.steps),
+                "ranks": list(s.ranks),
+                "first_seq": s.first_seq,
+                "count": s.count,
+                "seconds": round(s.seconds, 6),
+                "bytes": s.bytes,
+                "per_collective_s": round(s.per_collective_s, 9),
+                "latency_bound": s.latency_bound,
+                "coalesced_s": round(s.gain.coalesced_s, 6),
+                "gain_s": round(s.gain.gain_s, 6),
+                "estimate": s.gain.method,
+                "estimate_weak": s.gain.weak,
+            }
+            for s in slow.storms
+        ],
+        "phases": [
+            {
+                "rank": p.rank,
+                "phase": p.phase,
+                "call_site": p.call_site,
+                "op": p.op,
+                "count": p.count,
+                "seconds": round(p.seconds, 6),
+                "bytes": p.bytes,
+                "mean_interval_s": round(p.mean_interval_s, 9),
+            }
+            for p in slow.phases
+        ],
     }
 
 

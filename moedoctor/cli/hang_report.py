@@ -19,7 +19,7 @@ from moedoctor.analysis.load import verdict_problem
 from moedoctor.errors import MoedoctorError, cannot_write
 from moedoctor.fixes.reach import with_fix_reach
 from moedoctor.render.json_report import write_json
-from moedoctor.render.terminal import render_report
+from moedoctor.render.terminal import render_report, render_slow
 from moedoctor.runner import RunResult
 from moedoctor.runner.manifest import hang_of, load_manifest
 from moedoctor.runner.rundir import RunDir
@@ -107,6 +107,7 @@ def analysis_report(layout: RunDir, console: Console, quiet_if_healthy: bool = F
         return None
     if quiet_if_healthy and report.verdict == Verdict.HEALTHY:
         console.print(f"[green]Analysis[/]: {escape(report.summary)}", highlight=False, soft_wrap=True)
+        render_slow(report, console)  # a healthy job can still be slow: say where its time went
     else:
         render_report(report, console)
     return path

@@ -23,8 +23,10 @@ LOG_EVERY = 10.0
 
 
 def status_table(status: RunStatus) -> Table:
+    slow = slow_line(status).removesuffix(" | ")
     table = Table(
-        title=f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.1f}s of {status.limit:.0f}s",
+        title=f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.1f}s of {status.limit:.0f}s"
+        + (f"; {escape(slow)}" if slow else ""),
         title_justify="left",
         expand=False,
     )
@@ -80,7 +82,14 @@ def status_line(status: RunStatus) -> str:
     ranks = "; ".join(parts) or "no rank started yet"
     if all(r.last is None for r in status.ranks):  # before the first collective: the start-up limit applies
         return f"moedoctor: {status.elapsed:.0f}s, no collective yet (start-up limit {status.limit:.0f}s) | {ranks}"
-    return f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.0f}s of {status.limit:.0f}s | {ranks}"
+    slow = slow_line(status)
+    return f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.0f}s of {status.limit:.0f}s | {slow}{ranks}"
+
+
+def slow_line(status: RunStatus) -> str:
+    """``slow, not stuck: 4,212 broadcasts from loader.py:88 in 38 s (...) | `` while a storm goes on."""
+    line = next((r.slow for r in status.ranks if r.slow and not r.unrecorded), None)
+    return f"{line} | " if line else ""
 
 
 def _idle(r: RankStatus) -> str:
@@ -99,6 +108,7 @@ class ConsoleObserver(RunObserver):
         self.last_line = 0.0
         self.muted = False  # once the job is being stopped, its dying words go to job.log only
         self.desync: Desync | None = None
+        self.storm: str | None = None  # the call site of the storm of small collectives said last
         self.decoders = {
             1: codecs.getincrementaldecoder("utf-8")("replace"),
             2: codecs.getincrementaldecoder("utf-8")("replace"),
@@ -137,6 +147,11 @@ class ConsoleObserver(RunObserver):
             out.flush()
 
     def status(self, status: RunStatus) -> None:
+        slow = slow_line(status).removesuffix(" | ")
+        storm = slow.split(" in ")[0].split(" from ", 1)[-1] if slow else None  # "train.py:38"
+        if storm is not None and storm != self.storm:  # once per storm, between the job's lines
+            self._say(f"[yellow]moedoctor: {escape(slow)}[/] (collectives complete: no hang is declared)")
+        self.storm = storm
         if self.live is not None:
             self.live.update(status_table(status), refresh=True)
         elif time.monotonic() - self.last_line >= LOG_EVERY:

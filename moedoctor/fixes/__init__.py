@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from moedoctor.errors import MoedoctorError
 from moedoctor.fixes import (
+    coalesce_broadcasts,
     expert_dense,
     expert_zero_term,
     fsdp_gather_upfront,
@@ -26,6 +27,7 @@ FIXES: dict[str, Fix] = {
         metrics_after_microbatches,
         fsdp_gather_upfront,
         key_manifest_checkpoint,
+        coalesce_broadcasts,
     )
 }
 

@@ -106,6 +106,8 @@ def with_fix_reach(report: Report, run: RunData, command: list[str] | None = Non
     if fix is None:
         return report
     paths = [t.path for t in fix.targets]
+    if not paths and (report.fix_config or {}).get(fix.name):
+        return report  # a fix with no built-in target, pointed at the job's code by the analysis
     seen = run_frames(run)
     hit = reached(paths, seen, script_of(command)) if paths else []
     if hit and all(_replaced_by_job(path, seen) for path in hit):

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from moedoctor.analysis.model import AlignedRow, DivergenceKind, OpView, Report, Verdict
+from moedoctor.analysis.timing import megabytes
 from moedoctor.wording import rank_names
 
 _VERDICT_STYLE = {Verdict.HEALTHY: "green", Verdict.DESYNC: "red", Verdict.STUCK: "yellow", Verdict.CRASHED: "red"}
@@ -39,6 +40,7 @@ def render_report(report: Report, console: Console) -> None:
         )
     )
     if report.verdict == Verdict.HEALTHY:
+        render_slow(report, console)
         _incomplete(report, console)
         return
     head = Text()
@@ -80,7 +82,61 @@ def render_report(report: Report, console: Console) -> None:
         console.print(Text("Other groups", style="bold"))
         for d in others[:8]:
             console.print(Text(f"  {d.describe()} (classes {', '.join(_ranks(c) for c in d.classes)})"), soft_wrap=True)
+    render_slow(report, console)
     _incomplete(report, console)
+
+
+def render_slow(report: Report, console: Console) -> None:
+    """The "Slow, not stuck" section: storms of small collectives, their expected gain, time by phase."""
+    slow = report.slow
+    if slow is None:
+        return
+    console.print(Text("Slow, not stuck (broadcast-storm)", style="bold yellow"))
+    for s in slow.storms[:8]:
+        console.print(Text(f"  • {s.line()} ({_ranks(s.ranks)})"), soft_wrap=True)
+        console.print(
+            Text(
+                f"    coalescing: about {s.gain.coalesced_s:.2f} s instead of {s.seconds:.1f} s "
+                f"(saves {s.gain.gain_s:.1f} s); {s.gain.method}",
+                style="dim",
+            ),
+            soft_wrap=True,
+        )
+        if s.gain.weak:
+            console.print(Text(f"    weak estimate: {s.gain.weak}", style="yellow"), soft_wrap=True)
+    if len(slow.storms) > 8:
+        console.print(Text(f"  ... {len(slow.storms) - 8} more (see --json)", style="dim"))
+    if any(s.latency_bound and s.op == "broadcast" for s in slow.storms):
+        targets = ((report.fix_config or {}).get("coalesce-broadcasts") or {}).get("targets") or []
+        line = Text("  Fix: ", style="bold").append("coalesce-broadcasts", style="bold green")
+        line.append(f" (bucketed broadcasts inside {', '.join(targets)})" if targets else " (bucketed broadcasts)")
+        console.print(line, soft_wrap=True)
+        if report.verify_command and "coalesce-broadcasts" in report.verify_command:
+            console.print(
+                Text("  prove it: ", style="bold").append(report.verify_command, style="bold"), soft_wrap=True
+            )
+        elif not targets:
+            console.print(
+                Text(
+                    "  name the loading function with --config (docs/fixes.md): coalesce-broadcasts: {targets: "
+                    "['module:function']}",
+                    style="yellow",
+                ),
+                soft_wrap=True,
+            )
+    if slow.phases:
+        console.print(
+            Text(f"Time by phase and call site (rank {slow.phases[0].rank}, first to last issue)", style="bold")
+        )
+    for p in slow.phases:
+        site = "?" if p.call_site is None else p.call_site.rsplit("/", 1)[-1]
+        console.print(
+            Text(
+                f"  {p.phase} {p.op} {site}: {p.count:,} in {p.seconds:.2f} s, {megabytes(p.bytes)}, "
+                f"{p.mean_interval_s * 1e3:.2f} ms apart"
+            ),
+            soft_wrap=True,
+        )
 
 
 def alignment_table(report: Report) -> Table:

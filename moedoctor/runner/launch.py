@@ -96,6 +96,7 @@ class RankStatus:
     last_completed: bool
     idle_seconds: float | None  # None: no trace yet
     unrecorded: bool = False  # its recorder stopped (a failed write): what the trace says is old
+    slow: str | None = None  # "slow, not stuck: ..." while a storm of small collectives goes on
 
 
 @dataclass
@@ -401,7 +402,11 @@ class _Run:
             if t is None:
                 ranks.append(RankStatus(rank, self.seen[rank].pid, None, False, None, rank in stopped))
             else:
-                ranks.append(RankStatus(rank, t.pid, t.last, t.last_completed, now - t.last_progress, rank in stopped))
+                ranks.append(
+                    RankStatus(
+                        rank, t.pid, t.last, t.last_completed, now - t.last_progress, rank in stopped, t.storm.line()
+                    )
+                )
         return RunStatus(now - self.started, idle, limit, ranks)
 
     # -- a hang ----------------------------------------------------------------------------------

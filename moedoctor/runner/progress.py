@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moedoctor.analysis.timing import StormWatch
 from moedoctor.events import CollectiveEvent, Coverage
 from moedoctor.trace.format import STOPPED, read_status, stopped_line
 from moedoctor.trace.reader import RECORD_ERRORS, Completion, TraceError, TraceFile, trace_paths
@@ -34,6 +35,8 @@ class RankProgress:
     coverage: Coverage | None = None
     capped: bool = False
     problems: list[str] = field(default_factory=list)
+    #: The run of one op and call site going on now ("slow, not stuck" in the status line).
+    storm: StormWatch = field(default_factory=StormWatch)
 
 
 class _Follower:
@@ -159,6 +162,7 @@ class ProgressTracker:
             if isinstance(item, CollectiveEvent):
                 state.issued += 1
                 state.last, state.last_completed, state.last_progress = item, False, now
+                state.storm.feed(item)
             elif isinstance(item, Completion):
                 state.last_progress = now
                 if state.last is not None and state.last.event_id in item.event_ids:

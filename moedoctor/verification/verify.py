@@ -158,9 +158,12 @@ def verify(config: VerifyConfig, observer: RunObserver | None = None) -> Verific
     report = _analyze(run_dir)
     after = read_numbers(run_dir)
     checks = [_completion_check(result, elapsed, original), _sequence_check(report, result, original)]
+    statuses = {fix.name: read_fix_status(run_dir, fix.name) for fix in fixes}
     for fix in fixes:
-        status = read_fix_status(run_dir, fix.name)
-        checks += _fix_checks(fix.name, status, report, result)
+        checks += _fix_checks(fix.name, statuses[fix.name], report, result)
+    slow = _slow_check(original, report, list(statuses.values()))
+    if slow is not None:
+        checks.insert(2, slow)
     losses = step_times = None
     if original is not None:
         losses = compare_losses(
@@ -312,6 +315,40 @@ def _fix_checks(name: str, status: FixStatus, report: Report | None, result: Run
                 Check(f"{name}: {check_name}", True, "-", f"holds on all {len(per_rank)} ranks: {detail}{worst_text}")
             )
     return checks
+
+
+def _slow_check(original: OriginalRun | None, report: Report | None, statuses: list[FixStatus]) -> Check | None:
+    """A job that was slow, not stuck: its storms of small collectives (the original report's
+    ``slow`` section) must be gone from the rerun's records, and the time is shown before and after
+    (the storm's time from the records; after, the fix's own timing of its target where it gives one)."""
+    storms = (((original.report or {}).get("slow") or {}).get("storms") or []) if original else []
+    if not storms:
+        return None
+    before = "; ".join(
+        f"{s.get('count', 0):,} {s.get('op')}s from {str(s.get('call_site') or '?').rsplit('/', 1)[-1]} "
+        f"in {float(s.get('seconds') or 0):.2f} s"
+        for s in storms[:3]
+    )
+    if report is None:
+        return Check("storm of small collectives", None, before, "could not be analyzed (no traces)")
+    timing = sorted(
+        {
+            c.detail.rsplit("; ", 1)[-1]
+            for status in statuses
+            for per_rank in status.checks().values()
+            for _, c in per_rank
+            if c.detail and " in the target" in c.detail
+        }
+    )
+    after_time = f"; fix's timing: {', '.join(timing[:2])}" if timing else ""
+    sites = {(s.get("op"), s.get("call_site")) for s in storms}
+    left = [s for s in (report.slow.storms if report.slow else []) if (s.op, s.call_site) in sites]
+    if left:
+        s = left[0]
+        return Check(
+            "storm of small collectives", False, before, f"still there: {s.count:,} {s.op}s in {s.seconds:.2f} s"
+        )
+    return Check("storm of small collectives", True, before, f"gone from the records{after_time}")
 
 
 def _divergence_step(report: dict | None) -> int | None:
