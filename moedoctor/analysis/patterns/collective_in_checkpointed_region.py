@@ -33,11 +33,10 @@ every rank at the same point is no divergence, so never this pattern.
 
 Fix: hoist the collective out of the checkpointed region: issue it once before
 ``checkpoint(...)`` and pass its result in (or cache it for the step), as seed 001 does for Ulysses'
-position_ids; or keep the collective's output out of recompute. No fix module: one that caches the
-forward result and returns it in recompute must intercept the collective inside torch's checkpoint
-recompute, key it by region, step and order, and write the cached result into the job's own output
-tensors (in-place list all_gather); that is not built yet, so ``moedoctor verify`` has nothing to
-inject here and the suggestion points at the call site.
+position_ids; or keep the collective's output out of recompute. No fix module yet
+(``docs/fixes.md`` says what one that caches the forward's result and hands it back in the
+recompute needs, and why it was not built): ``moedoctor verify`` has nothing to inject here and the
+suggestion points at the call site.
 """
 
 from __future__ import annotations
