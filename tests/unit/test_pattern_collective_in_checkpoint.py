@@ -29,12 +29,13 @@ def _gather(r: TraceBuilder, phase: Phase, step: int, frames: tuple[str, ...], d
     r.events[-1] = replace(r.events[-1], call_site=CallSite(JOB, 43, "gather_position_ids", frames))
 
 
-def _step(r: TraceBuilder, step: int, bwd: tuple[str, ...] = BWD_STACK, last: bool = False) -> None:
+def _step(r: TraceBuilder, step: int, bwd: tuple[str, ...] = BWD_STACK, last: bool = False,
+          fwd: tuple[str, ...] = FWD_STACK) -> None:
     """One step of two checkpointed FSDP2 layers, each all-gathering position_ids in forward and in
     its recompute. ``last``: stop where rank 0 re-issues the gather of layer 1 (not completed)."""
     for unit in ("layers.0", "layers.1"):
         r.coll("all_gather", (1106,), phase=F, step=step, module=unit, line=112, file=JOB)
-        _gather(r, F, step, FWD_STACK)
+        _gather(r, F, step, fwd)
     r.coll("all_gather", (1106,), phase=B, step=step, module="layers.1", line=153, file=JOB)
     r.coll("all_gather", (1106,), phase=B, step=step, module="layers.0", line=153, file=JOB)
     for unit in ("layers.1", "layers.0"):
@@ -58,12 +59,12 @@ def _recompute_stack(rank: int):
                  ("main", JOB, 153))
 
 
-def _hang(bwd: tuple[str, ...] = BWD_STACK, steps: int = 2, dump: bool = True):
+def _hang(bwd: tuple[str, ...] = BWD_STACK, steps: int = 2, dump: bool = True, fwd: tuple[str, ...] = FWD_STACK):
     a, b = ranks(2)
     for r in (a, b):
         for s in range(steps):
-            _step(r, s, bwd)
-        _step(r, steps, bwd, last=True)
+            _step(r, s, bwd, fwd=fwd)
+        _step(r, steps, bwd, last=True, fwd=fwd)
     stacks = [_recompute_stack(0), stack(1, ("reduce_scatter_single", "/usr/lib/python3/site-packages/torch/"
                                             "distributed/distributed_c10d.py", 4943), ("main", JOB, 153))]
     return run_of(a, b, hang=True, stacks=stacks if dump else [])
@@ -108,6 +109,17 @@ def test_without_stack_dump_the_repeated_code_path_still_names_it_with_a_note():
     assert report.pattern == NAME, (report.summary, [(c.pattern, c.score) for c in report.candidates])
     assert any("not established: rank 0 has no stack dump" in e for e in report.evidence)
     assert _candidate(report).score < analyze(_hang()).candidates[0].score
+
+
+def test_a_checkpointed_function_issuing_the_collective_itself_is_named_without_stack_dump():
+    # The collective sits in the checkpointed function itself: forward reached it from the model's
+    # forward, the recompute from autograd (on CPU the training loop's frame is beyond it, on a CUDA
+    # autograd device thread nothing is).
+    direct_fwd = (GATHER, f"{JOB}:112 forward", f"{JOB}:149 main")
+    for bwd in ((GATHER, f"{JOB}:153 main"), (GATHER,)):
+        report = analyze(_hang(bwd=bwd, fwd=direct_fwd, dump=False))
+        assert report.pattern == NAME, (bwd, report.summary, [(c.pattern, c.score) for c in report.candidates])
+        assert any("the function was entered from autograd" in e for e in report.evidence)
 
 
 def test_a_helper_shared_by_forward_and_backward_code_is_not_claimed_without_a_recompute():

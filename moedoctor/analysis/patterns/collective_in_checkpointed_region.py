@@ -59,6 +59,13 @@ def _shared_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
     return n
 
 
+def _outer_frames_from_forward(backward: tuple[str, ...], forward: tuple[str, ...]) -> bool:
+    """Every frame of the backward stack beyond its first is of a function (file and name) that the
+    forward stack has beyond its first frame."""
+    seen = {(f.partition(" ")[0].rpartition(":")[0], f.partition(" ")[2]) for f in forward[1:]}
+    return all((f.partition(" ")[0].rpartition(":")[0], f.partition(" ")[2]) in seen for f in backward[1:])
+
+
 def _same_site(a: CollectiveEvent, b: CollectiveEvent) -> bool:
     return (
         a.op == b.op
@@ -171,6 +178,17 @@ def classify(ctx: Context) -> Finding | None:
             f"its stack repeats the forward's {prefix} innermost frames of the job's code, out to "
             f"{_frame(fwd_stack[prefix - 1])} (the same path run again); forward reached it from "
             + (_frame(fwd_stack[prefix]) if len(fwd_stack) > prefix else "outside the job's code")
+        )
+    elif prefix == 1 and _outer_frames_from_forward(e.call_site.stack if e.call_site else (), fwd_stack):
+        # The call site's function itself was checkpointed: in the recompute it was entered from torch
+        # (autograd), so beyond it the stack holds only the training loop's frames that forward had too
+        # (none on an autograd device thread), never a function of its own (an autograd Function's
+        # backward calling a helper shared with forward code).
+        score += 0.1
+        proven = True
+        evidence.append(
+            f"beyond {short} its stack holds only frames of functions forward's stack had too (the training loop): "
+            "the function was entered from autograd, not called by backward code"
         )
     elif not in_dump:
         evidence.append(
