@@ -133,6 +133,8 @@ def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
             return case
     case.alarm = any(a in line for line in out.splitlines() for a in ALARMS)
     case.reported, case.verdict = report.get("pattern"), report.get("verdict")
+    if case.expected.get("failure") == "slow":  # slow, not stuck: named by the report's "slow" section
+        case.reported = slow_pattern(report, case.expected, case.alarm, case.exit_code)
     case.culprits = report.get("culprit_ranks") or []
     case.verify = report.get("verify_command")
     if case.verify and args.verify and not case.healthy and case.expected.get("fix"):
@@ -140,6 +142,20 @@ def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
                          args.timeout, env, keep / f"{slug}.verify.log")
         case.verified = code == 0
     return case
+
+
+def slow_pattern(report: dict, expected: dict, alarm: bool, exit_code: int | None) -> str | None:
+    """A ``failure: slow`` variant's pattern counts when the report's ``slow`` section names it with a
+    storm at the expected call site and the job was not stopped (no alarm, exit 0; None: reanalyzed);
+    otherwise what the report said instead."""
+    slow = report.get("slow") or {}
+    site = expected.get("call_site") or ""
+    named = any(str(s.get("call_site") or "").endswith(site) for s in slow.get("storms") or [])
+    if slow.get("pattern") == expected["pattern"] and named and not alarm and exit_code in (0, None):
+        return slow["pattern"]
+    if alarm or exit_code not in (0, None):
+        return report.get("pattern") or "stopped"
+    return report.get("pattern") or (f"{slow['pattern']} at another call site" if slow else None)
 
 
 def reanalyze(run_dir: Path, write: bool = False) -> dict | None:

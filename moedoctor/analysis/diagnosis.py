@@ -113,6 +113,9 @@ def analyze(run: RunData) -> Report:
     storm_fix = storm_fix_config(slow, run.manifest.command if run.manifest else None) if not fixes else None
     if storm_fix is not None:  # nothing else to fix: offer to coalesce the storm's broadcasts
         fixes = list(storm_fix)
+    fix_config = finding.fix_config if finding is not None and fixes else None
+    if storm_fix is not None:
+        fix_config = storm_fix
     verify = f"moedoctor verify --fix {fixes[0]} --run {run.path}" if fixes else None
     suggestion = _suggestion(pattern, finding, primary, culprit_ranks) if pattern else None
     return Report(
@@ -132,7 +135,7 @@ def analyze(run: RunData) -> Report:
         fixes=fixes,
         verify_command=verify,
         suggestion=suggestion,
-        fix_config=finding.fix_config if finding is not None and fixes else storm_fix,
+        fix_config=fix_config,
         groups=divs,
         ranks=_rank_summaries(view),
         alignment=_alignment(view, primary, culprit_ranks)[0],

@@ -33,6 +33,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from moedoctor.analysis.source import calls_in, line_text
 from moedoctor.events import CollectiveEvent
 
 #: A storm: at least this many consecutive collectives of one op, group and call site on a rank...
@@ -324,6 +325,8 @@ def storm_fix_config(slow: SlowReport | None, command: list[str] | None) -> dict
             continue
         if not s.function.isidentifier():  # <module>, <lambda>: nothing to wrap
             continue
+        if direct_call(s) is False:  # a library call issues them (and may read each result at once)
+            continue
         file = os.path.normpath(s.call_site.rsplit(":", 1)[0])
         module = None
         if script is not None and (file == script or file.endswith(os.sep + script.lstrip("." + os.sep))):
@@ -333,6 +336,19 @@ def storm_fix_config(slow: SlowReport | None, command: list[str] | None) -> dict
         if module is not None and f"{module}:{s.function}" not in targets:
             targets.append(f"{module}:{s.function}")
     return {"coalesce-broadcasts": {"targets": targets}} if targets else None
+
+
+def direct_call(s: Storm) -> bool | None:
+    """Does the job's line at the storm's call site call ``broadcast(...)`` itself (True), or a
+    library function that broadcasts inside (False: ``set_model_state_dict(...)``, which slices each
+    tensor right after its broadcast, so deferring its broadcasts would read stale data)? None: the
+    source cannot be read here."""
+    if s.call_site is None:
+        return None
+    file, _, line = s.call_site.rpartition(":")
+    if not line.isdigit() or line_text(file, int(line)) is None:
+        return None
+    return bool(calls_in(file, int(line), s.op))
 
 
 def _fields(s: Storm) -> dict:

@@ -8,7 +8,9 @@ flattens per dtype into ``buffer`` sized chunks; without it, the tensors are fla
 ``torch._utils._flatten_dense_tensors``, sent with one ``dist.broadcast`` and copied back) when it
 reaches ``bucket_mb`` (500 MB by default, as in seed 000), before any other collective the process
 issues through ``torch.distributed`` while the target runs, and when the target returns (or
-raises). Asynchronous broadcasts (``async_op=True``) and broadcasts outside a target are untouched.
+raises). Asynchronous broadcasts (``async_op=True``), broadcasts outside a target, and broadcasts
+torch's own code issues inside it (``set_model_state_dict`` slices each one's result at once) are
+untouched.
 
 Check (``moedoctor verify``): when the outermost target returns, a per-tensor fingerprint (the sum
 of each tensor's bytes as int64) of every tensor that was deferred is all-gathered once over each
@@ -28,6 +30,8 @@ be a target: name a smaller function (``--config``).
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -120,6 +124,7 @@ def _install(runtime) -> None:
     checks = runtime.checks_enabled
     local = threading.local()
     original_broadcast = c10d.broadcast
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
 
     def state():
         if not hasattr(local, "depth"):
@@ -162,7 +167,10 @@ def _install(runtime) -> None:
 
     def deferring_broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
         s = state()
-        if s.depth == 0 or async_op or group_src is not None or src is None:
+        # torch's own broadcasts (set_model_state_dict's per-key loop slices each result at once) are
+        # never deferred: only the target's own calls, whose code the user named.
+        library = s.depth and sys._getframe(1).f_code.co_filename.startswith(torch_dir)
+        if s.depth == 0 or async_op or group_src is not None or src is None or library:
             if s.depth and s.buckets:
                 flush_all()
             return original_broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from moedoctor.analysis.model import AlignedRow, DivergenceKind, OpView, Report, Verdict
-from moedoctor.analysis.timing import megabytes
+from moedoctor.analysis.timing import direct_call, megabytes
 from moedoctor.wording import rank_names
 
 _VERDICT_STYLE = {Verdict.HEALTHY: "green", Verdict.DESYNC: "red", Verdict.STUCK: "yellow", Verdict.CRASHED: "red"}
@@ -108,14 +108,25 @@ def render_slow(report: Report, console: Console) -> None:
         console.print(Text(f"  ... {len(slow.storms) - 8} more (see --json)", style="dim"))
     if any(s.latency_bound and s.op == "broadcast" for s in slow.storms):
         targets = ((report.fix_config or {}).get("coalesce-broadcasts") or {}).get("targets") or []
-        line = Text("  Fix: ", style="bold").append("coalesce-broadcasts", style="bold green")
-        line.append(f" (bucketed broadcasts inside {', '.join(targets)})" if targets else " (bucketed broadcasts)")
-        console.print(line, soft_wrap=True)
-        if report.verify_command and "coalesce-broadcasts" in report.verify_command:
+        if not targets and any(direct_call(s) is False for s in slow.storms):
+            console.print(
+                Text(
+                    "  The broadcasts are issued inside a library call at that line (which may read each result at "
+                    "once), so coalesce-broadcasts cannot defer them: send the state dict yourself with "
+                    "dist._broadcast_coalesced (500 MB buckets), then load it locally.",
+                    style="yellow",
+                ),
+                soft_wrap=True,
+            )
+        else:
+            line = Text("  Fix: ", style="bold").append("coalesce-broadcasts", style="bold green")
+            line.append(f" (bucketed broadcasts inside {', '.join(targets)})" if targets else " (bucketed broadcasts)")
+            console.print(line, soft_wrap=True)
+        if targets and report.verify_command and "coalesce-broadcasts" in report.verify_command:
             console.print(
                 Text("  prove it: ", style="bold").append(report.verify_command, style="bold"), soft_wrap=True
             )
-        elif not targets:
+        elif not targets and not any(direct_call(s) is False for s in slow.storms):
             console.print(
                 Text(
                     "  name the loading function with --config (docs/fixes.md): coalesce-broadcasts: {targets: "

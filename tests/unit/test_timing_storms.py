@@ -173,3 +173,22 @@ def test_fix_config_is_validated():
     with pytest.raises(FixConfigError):
         _parse_config({"target": "x:y"})
     assert timing.BUCKET_BYTES == 500 << 20
+
+
+def test_a_library_call_at_the_call_site_gets_no_fix_target(tmp_path):
+    # set_model_state_dict(..., broadcast_from_rank0=True) broadcasts per key inside torch and slices
+    # each result at once: deferring those would read stale data, so the fix is not offered there.
+    script = tmp_path / "load.py"
+    script.write_text("def load_checkpoint(model, sd, opts):\n    set_model_state_dict(model, sd, options=opts)\n"
+                      "def sync(model):\n    for t in model.state_dict().values():\n        dist.broadcast(t, src=0)\n")
+    for line, function, offered in ((2, "load_checkpoint", False), (5, "sync", True)):
+        builders = ranks(2)
+        for b in builders:
+            for _ in range(1200):
+                b.coll("broadcast", (8,), root=0, file=str(script), line=line, function=function)
+        info = dataclasses.replace(manifest(exits={0: 0, 1: 0}, hang=False), command=["torchrun", str(script)])
+        report = analyze(run_of(*builders, manifest_info=info))
+        assert report.slow is not None and timing.direct_call(report.slow.storms[0]) is offered
+        assert (report.fixes == ["coalesce-broadcasts"]) is offered
+        if offered:
+            assert report.fix_config == {"coalesce-broadcasts": {"targets": ["__main__:sync"]}}
