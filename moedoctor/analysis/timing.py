@@ -382,9 +382,13 @@ class StormWatch:
         self.last = e.time
         self.bytes += event_bytes(e)
 
+    @property
+    def seconds(self) -> float:
+        return self.last - self.first
+
     def line(self) -> str | None:
         """``slow, not stuck: 4,212 broadcasts from loader.py:88 in 38 s (latency-bound)``, or None."""
-        seconds = self.last - self.first
+        seconds = self.seconds
         if self.count < MIN_STORM_COUNT or seconds < LIVE_STORM_SECONDS or self.bytes / self.count > SMALL_BYTES:
             return None
         return (

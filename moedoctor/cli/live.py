@@ -88,8 +88,8 @@ def status_line(status: RunStatus) -> str:
 
 def slow_line(status: RunStatus) -> str:
     """``slow, not stuck: 4,212 broadcasts from loader.py:88 in 38 s (...) | `` while a storm goes on."""
-    line = next((r.slow for r in status.ranks if r.slow and not r.unrecorded), None)
-    return f"{line} | " if line else ""
+    storms = [r for r in status.ranks if r.slow and not r.unrecorded]
+    return f"{max(storms, key=lambda r: r.slow_seconds).slow} | " if storms else ""
 
 
 def _idle(r: RankStatus) -> str:

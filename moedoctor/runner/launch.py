@@ -97,6 +97,7 @@ class RankStatus:
     idle_seconds: float | None  # None: no trace yet
     unrecorded: bool = False  # its recorder stopped (a failed write): what the trace says is old
     slow: str | None = None  # "slow, not stuck: ..." while a storm of small collectives goes on
+    slow_seconds: float = 0.0  # how long that storm has lasted on this rank
 
 
 @dataclass
@@ -404,7 +405,14 @@ class _Run:
             else:
                 ranks.append(
                     RankStatus(
-                        rank, t.pid, t.last, t.last_completed, now - t.last_progress, rank in stopped, t.storm.line()
+                        rank,
+                        t.pid,
+                        t.last,
+                        t.last_completed,
+                        now - t.last_progress,
+                        rank in stopped,
+                        t.storm.line(),
+                        t.storm.seconds,
                     )
                 )
         return RunStatus(now - self.started, idle, limit, ranks)

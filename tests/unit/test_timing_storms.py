@@ -192,3 +192,18 @@ def test_a_library_call_at_the_call_site_gets_no_fix_target(tmp_path):
         assert (report.fixes == ["coalesce-broadcasts"]) is offered
         if offered:
             assert report.fix_config == {"coalesce-broadcasts": {"targets": ["__main__:sync"]}}
+
+
+def test_status_line_says_slow_not_stuck_with_the_longest_rank_storm():
+    from moedoctor.cli.live import status_line
+    from moedoctor.runner.launch import RankStatus, RunStatus
+
+    b = ranks(2)[0]
+    b.coll("broadcast", (16,), root=0, **LOADER)
+    e = b.events[-1]
+    quiet = RunStatus(12.0, 0.1, 180.0, [RankStatus(0, 10, e, False, 0.1), RankStatus(1, 11, e, False, 0.1)])
+    assert "slow, not stuck" not in status_line(quiet)
+    ranks_ = [RankStatus(0, 10, e, False, 0.1, slow="slow, not stuck: 900 broadcasts", slow_seconds=3.2),
+              RankStatus(1, 11, e, False, 0.1, slow="slow, not stuck: 4,000 broadcasts", slow_seconds=9.0)]
+    line = status_line(RunStatus(12.0, 0.1, 180.0, ranks_))
+    assert "| slow, not stuck: 4,000 broadcasts | rank 0: broadcast #1" in line
