@@ -45,7 +45,7 @@ def test_storm_is_reported_not_stopped_and_the_coalescing_fix_verifies(tmp_path)
     assert verified.returncode == 0 and doc["passed"], context
     assert checks["storm of small collectives"]["passed"], context
     assert "broadcasts from train.py:38 in" in checks["storm of small collectives"]["before"], context
-    assert "s in the target" in checks["storm of small collectives"]["after"], context
+    assert "in the fix's target" in checks["storm of small collectives"]["after"], context
     arrived = checks["coalesce-broadcasts: broadcast tensors bitwise equal to the source"]
     assert arrived["passed"] and "identical to the source rank's" in arrived["after"], context
     assert checks["losses before the hang"]["passed"], context
