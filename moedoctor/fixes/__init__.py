@@ -14,6 +14,7 @@ from moedoctor.fixes import (
     fsdp_gather_upfront,
     key_manifest_checkpoint,
     metrics_after_microbatches,
+    recompute_cache_collective,
     skip_step_collectively,
 )
 from moedoctor.fixes.base import Fix, FixConfigError, Target
@@ -28,6 +29,7 @@ FIXES: dict[str, Fix] = {
         fsdp_gather_upfront,
         key_manifest_checkpoint,
         coalesce_broadcasts,
+        recompute_cache_collective,
     )
 }
 

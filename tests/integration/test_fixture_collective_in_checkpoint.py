@@ -1,8 +1,9 @@
 """``collective_in_checkpointed_region`` for real on 2 Gloo ranks: the fixture hangs in backward by
 itself (rank 0's checkpoint recompute re-issues the all_gather of position_ids, rank 1's early-stopped
 recompute does not) and completes with ``--apply-fix``; under ``moedoctor run`` the report names the
-pattern, the culprit and the call site from the records and the stacks. (``test_diagnose_fixtures``
-also runs it with the rest: the expected.yaml fields.)"""
+pattern, the culprit and the call site from the records and the stacks. (``test_diagnose_fixtures``,
+``test_verify_fixtures`` and ``test_fixtures_fixed_sequences`` also run it with the rest: the
+expected.yaml fields, ``verify --fix recompute-cache-collective`` passing, the fixed run's sequences.)"""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 
 from test_fixtures_moe import PG_TIMEOUT, assert_all_steps, assert_fails_at_fault
 from test_fixtures_moe import test_expected_yaml_line_references as check_line_references
+from test_verify_fixtures import load_verification, moedoctor_verify
 from torchrun_util import FIXTURES, assert_ok, recorded_env, run_command, run_fixture, torchrun_command
 
 from moedoctor.events import Phase
@@ -57,3 +59,15 @@ def test_report_names_the_reissued_call_site(diagnosed_run) -> None:
     rank0 = next(t for t in read_traces(run_dir / "traces") if t.rank == 0)
     phases = [(e.step, e.phase.value) for e in rank0.events if e.call_site and e.call_site.where.endswith(SITE)]
     assert phases[:8] == [(s, p) for s in (0, 1) for p in ("forward",) * 2 + ("backward",) * 2], phases
+
+
+def test_a_wrong_fix_does_not_verify(diagnosed_run) -> None:
+    # expert-dense (the MoE fix) leaves the all_gather in the checkpointed layer: the rerun still desyncs.
+    run_dir, _ = diagnosed_run(NAME)
+    result = moedoctor_verify(run_dir, "expert-dense")
+    verification = load_verification(result, run_dir, "expert-dense")
+    context = f"{json.dumps(verification['checks'], indent=1)}\n--- log tail ---\n{result.tail(40)}"
+    assert result.returncode == 1 and not verification["passed"], context
+    checks = {c["name"]: c for c in verification["checks"]}
+    assert not checks["job completes"]["passed"], context
+    assert "NOT VERIFIED" in result.output, context

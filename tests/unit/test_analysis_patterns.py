@@ -114,7 +114,8 @@ def test_registry_one_module_per_pattern_with_docstrings():
         "skipped-optimizer-step": ("skip-step-collectively",),
         "inflight-metric-allreduce": ("metrics-after-microbatches", "fsdp-gather-upfront"),
         "uneven-dtensor-allgather": ("key-manifest-checkpoint",), "inactive-experts": ("expert-dense", "expert-zero-term"),
-        "checkpoint-recompute-mismatch": ("expert-dense",)}
+        "checkpoint-recompute-mismatch": ("expert-dense",),
+        "collective-in-checkpointed-region": ("recompute-cache-collective",)}
 
 
 def test_a_cycle_closed_by_a_collective_only_one_rank_issues_is_not_named_an_inversion():

@@ -270,7 +270,11 @@ def classify(ctx: Context) -> Finding | None:
         )
     culprits = tuple(others) if earlier and all(q in ctx.present() for q in others) else None
     suggestion = Suggestion(where, e.call_site.function if e.call_site else None, _ADVICE)
-    return Finding(round(min(score, cap), 3), tuple(evidence), culprits=culprits, suggestion=suggestion)
+    # The fix reaches every checkpointed region by structure (no class or function of the job named).
+    fix_config = {"recompute-cache-collective": {"regions": "checkpointed"}} if proven else None
+    return Finding(
+        round(min(score, cap), 3), tuple(evidence), culprits=culprits, suggestion=suggestion, fix_config=fix_config
+    )
 
 
 def _frame(frame: str) -> str:
@@ -295,7 +299,7 @@ _ADVICE = (
 PATTERN = Pattern(
     id="collective-in-checkpointed-region",
     title="Collective re-issued by a checkpoint recompute",
-    fixes=(),
+    fixes=("recompute-cache-collective",),
     desync=True,
     classify=classify,
     advice=_ADVICE,
