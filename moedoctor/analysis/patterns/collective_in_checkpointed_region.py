@@ -33,10 +33,9 @@ every rank at the same point is no divergence, so never this pattern.
 
 Fix: hoist the collective out of the checkpointed region: issue it once before
 ``checkpoint(...)`` and pass its result in (or cache it for the step), as seed 001 does for Ulysses'
-position_ids; or keep the collective's output out of recompute. No fix module yet
-(``docs/fixes.md`` says what one that caches the forward's result and hands it back in the
-recompute needs, and why it was not built): ``moedoctor verify`` has nothing to inject here and the
-suggestion points at the call site.
+position_ids. Fix module ``recompute-cache-collective`` (by structure, ``fix_config`` ``regions:
+checkpointed``, offered only when the recompute is shown): in the recompute it replays the results
+the region's collectives returned in forward (inputs checked bitwise) instead of issuing them again.
 """
 
 from __future__ import annotations
