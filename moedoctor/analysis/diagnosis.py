@@ -69,6 +69,19 @@ def analyze(run: RunData) -> Report:
                 "job finished cleanly (trace cut short)"
             )
             divs.remove(d)
+    in_flight = _in_flight_at_interrupt(view, divs, cycle)
+    if in_flight:
+        # Ctrl-C landed while every rank was still issuing collectives: a rank a few collectives
+        # ahead (a broadcast's root runs ahead of its receivers) is the moment of the stop, not a desync.
+        for d in in_flight:
+            incomplete.append(
+                f"group {d.group.name}: {names(d.missing)}'s trace ends before #{d.seq}: the run was interrupted "
+                "while every rank was still issuing collectives (in flight at the stop, not a desync)"
+            )
+            divs.remove(d)
+        stopped_groups = {d.group.name for d in in_flight}
+        edges = [e for e in edges if e.group not in stopped_groups]
+        hang = bool(edges)
     primary = _primary(view, divs, edges, cycle, hang)
     culprits = find_culprits(view, primary, edges, cycle)
     ctx = Context(view, primary, culprits, edges, cycle, hang)
@@ -150,6 +163,24 @@ def analyze(run: RunData) -> Report:
 
 
 # ---- what happened ------------------------------------------------------------------------------
+
+#: Ranks whose last collectives are this close (seconds) were all progressing when the run was stopped.
+IN_FLIGHT_SECONDS = 1.0
+
+
+def _in_flight_at_interrupt(view: RunView, divs: list[Divergence], cycle: list[WaitEdge] | None) -> list[Divergence]:
+    """The ``missing`` divergences of a run the user interrupted (manifest ``interrupted``, no hang
+    declared) while every rank was still issuing collectives: no mismatch or cycle anywhere, and every
+    rank's last collective within ``IN_FLIGHT_SECONDS`` of the latest one (a stuck rank's is older)."""
+    m = view.run.manifest
+    if m is None or m.status != "interrupted" or m.hang is not None or cycle or not divs:
+        return []
+    if any(d.kind != DivergenceKind.MISSING for d in divs):
+        return []
+    last = [e.time for e in view.last_event.values() if e is not None]
+    if len(last) != len(view.ranks) or max(last) - min(last) > IN_FLIGHT_SECONDS:
+        return []
+    return list(divs)
 
 
 def _hang(view: RunView, edges: list[WaitEdge]) -> bool:

@@ -207,3 +207,28 @@ def test_status_line_says_slow_not_stuck_with_the_longest_rank_storm():
               RankStatus(1, 11, e, False, 0.1, slow="slow, not stuck: 4,000 broadcasts", slow_seconds=9.0)]
     line = status_line(RunStatus(12.0, 0.1, 180.0, ranks_))
     assert "| slow, not stuck: 4,000 broadcasts | rank 0: broadcast #1" in line
+
+
+def _interrupted(gap: float):
+    """Both ranks in a broadcast loop, stopped by Ctrl-C: rank 0 (the root) one broadcast ahead; rank
+    1's last broadcast ``gap`` seconds before rank 0's."""
+    a, b = ranks(2)
+    for _ in range(1200):
+        a.coll("broadcast", (16,), root=0, **LOADER)
+        b.coll("broadcast", (16,), root=0, **LOADER)
+    a.time += gap
+    a.coll("broadcast", (16,), root=0, done=False, **LOADER)
+    info = dataclasses.replace(manifest(exits={0: None, 1: None}, hang=False), status="interrupted")
+    return run_of(a, b, manifest_info=info)
+
+
+def test_an_interrupted_storm_is_in_flight_not_a_desync():
+    report = analyze(_interrupted(0.0))
+    assert report.verdict == Verdict.HEALTHY and report.pattern is None, report.summary
+    assert any("interrupted while every rank was still issuing" in line for line in report.incomplete)
+    assert report.slow is not None and report.slow.storms[0].count >= 1200
+
+
+def test_an_interrupted_run_whose_rank_stopped_long_before_keeps_its_divergence():
+    report = analyze(_interrupted(5.0))  # rank 1 issued nothing for 5 s before the stop: stuck
+    assert report.verdict != Verdict.HEALTHY and report.divergence is not None, report.summary
