@@ -19,7 +19,8 @@ runs=/tmp/moedoctor-gpu-runs; rm -rf "$runs"
 {
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU')"
 for spec in inactive_experts:expert-dense skipped_optimizer_step:skip-step-collectively \
-            inflight_metric_allreduce:metrics-after-microbatches uneven_dtensor_allgather:key-manifest-checkpoint; do
+            inflight_metric_allreduce:metrics-after-microbatches uneven_dtensor_allgather:key-manifest-checkpoint \
+            collective_in_checkpointed_region:recompute-cache-collective; do
   name=${spec%%:*}; fix=${spec##*:}
   t0=$(date +%s.%N)
   $md run --run-dir "$runs/$name" --hang-timeout 20 -- $launch "fixtures/$name/train.py" --backend $backend --pg-timeout 60 \
