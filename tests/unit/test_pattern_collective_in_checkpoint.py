@@ -174,3 +174,22 @@ def test_a_cycle_across_the_sp_and_fsdp_groups_is_a_skipped_reissue_not_an_order
     evidence = "\n".join(report.evidence)
     assert "it waits in reduce_scatter [[2212]] #" in evidence and "of group 0 (default_pg)" in evidence
     assert "rank 1 already reduces the gradients of FSDP unit layers.1, which rank 0 has not reduced" in evidence
+
+
+def test_a_rank_that_waits_in_no_collective_is_not_said_to_have_skipped_it():
+    # Rank 1 completed its last collective and issued nothing since (a straggler in its data loader,
+    # say): rank 0's recompute collective met nothing, so no skip is shown.
+    a, b = ranks(2)
+    for r in (a, b):
+        for s in range(2):
+            _step(r, s)
+    _step(a, 2, last=True)
+    for unit in ("layers.0", "layers.1"):
+        b.coll("all_gather", (1106,), phase=F, step=2, module=unit, line=112, file=JOB)
+        _gather(b, F, 2, FWD_STACK)
+    b.coll("all_gather", (1106,), phase=B, step=2, module="layers.1", line=153, file=JOB)
+    b.coll("all_gather", (1106,), phase=B, step=2, module="layers.0", line=153, file=JOB)
+    report = analyze(run_of(a, b, hang=True, stacks=[_recompute_stack(0)]))
+    assert report.pattern != NAME, report.summary
+    found = _candidate(report)
+    assert found is None or (found.score <= 0.35 and any("waits in no collective" in e for e in found.evidence))

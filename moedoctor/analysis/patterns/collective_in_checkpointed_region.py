@@ -261,6 +261,15 @@ def classify(ctx: Context) -> Finding | None:
             f"{verb(passed, 'it is', 'they are')} past that unit's backward and will not issue the collective "
             "later in this step (skipped, not reordered)"
         )
+    idle = [q for q, t in theirs.items() if t is None]
+    if idle:
+        # Nothing met it: those ranks wait in no collective (a straggler, a crash, a rank still in
+        # forward code) and may yet issue it; that the recompute skipped it is not established.
+        score = min(score, 0.35)
+        evidence.append(
+            f"not established: {names(idle)} {verb(idle, 'waits', 'wait')} in no collective: nothing shows "
+            f"{verb(idle, 'it', 'they')} skipped the re-issued {e.op} rather than not reaching it yet"
+        )
     if not proven:
         score = min(score, 0.35)
         evidence.append(
