@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -333,20 +334,23 @@ def _slow_check(original: OriginalRun | None, report: Report | None, statuses: l
     )
     if report is None:
         return Check("storm of small collectives", None, before, "could not be analyzed (no traces)")
-    timing = sorted(
-        {
-            c.detail.rsplit("; ", 1)[-1]
-            for status in statuses
-            for per_rank in status.checks().values()
-            for _, c in per_rank
-            if c.detail and " in the target" in c.detail
-        }
-    )
+    # The fix's own timing, per rank: "18,027 broadcasts in 1 coalesced broadcast(s), 0.31 s in the target".
+    timing = [
+        found
+        for status in statuses
+        for per_rank in status.checks().values()
+        for _, c in per_rank
+        if (
+            found := re.search(
+                r"([\d,]+ broadcasts in \d+ coalesced broadcast\(s\)), ([\d.]+) s in the target", c.detail or ""
+            )
+        )
+    ]
     after_time = ""
-    if timing:  # "18,027 broadcasts in 1 coalesced broadcast(s), 0.31 s in the target", per rank
-        secs = sorted(float(t.rsplit(", ", 1)[-1].split(" s in")[0]) for t in timing)
+    if timing:
+        secs = sorted(float(t.group(2)) for t in timing)
         spread = f"{secs[0]:.2f} s" if secs[0] == secs[-1] else f"{secs[0]:.2f}-{secs[-1]:.2f} s over the ranks"
-        after_time = f"; {spread} in the fix's target ({timing[0].rsplit(', ', 1)[0]})"
+        after_time = f"; {spread} in the fix's target ({timing[0].group(1)})"
     sites = {(s.get("op"), s.get("call_site")) for s in storms}
     left = [s for s in (report.slow.storms if report.slow else []) if (s.op, s.call_site) in sites]
     if left:
