@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -9,9 +10,11 @@ import typer
 from rich.console import Console
 
 from moedoctor.cli._command import Command
+from moedoctor.cli.params import render_params_check, run_params_check
 from moedoctor.analysis import analyze as analyze_run
 from moedoctor.analysis import load_run
 from moedoctor.analysis.load import verdict_problem
+from moedoctor.analysis.params import has_params
 from moedoctor.errors import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_OK, MoedoctorError, reading
 from moedoctor.fixes.reach import with_fix_reach
 from moedoctor.render.html import write_html
@@ -58,22 +61,47 @@ def analyze(
             "--html", metavar="FILE", help="Write the report as a self-contained HTML page.", show_default=False
         ),
     ] = None,
+    params: Annotated[
+        bool,
+        typer.Option(
+            "--params",
+            metavar="",
+            help="Only the parameter consistency check of a run recorded with moedoctor run --check-params "
+            "(overwritten-shards): exit 1 when a parameter is inconsistent across ranks.",
+        ),
+    ] = False,
 ) -> None:
     """Find where the ranks diverged, name the deadlock pattern, the culprit ranks and the call site,
     and print the fix with the command that verifies it."""
+    if params:
+        if not has_params(path):
+            raise MoedoctorError(f"{path} holds no parameter fingerprints (record with moedoctor run --check-params)")
+        with reading(path):
+            check = run_params_check(path)
+        assert check is not None
+        if json_out:
+            typer.echo(json.dumps(check.to_json(), indent=1))
+        else:
+            render_params_check(check, Console())
+        raise typer.Exit(EXIT_FINDING if check.problem_found else EXIT_OK)
     with reading(path):
         run = load_run(path)
         report = with_fix_reach(analyze_run(run), run)
     problem = verdict_problem(run, report.verdict)
     if problem is not None:  # healthy needs evidence: every rank's trace, readable and whole
         raise MoedoctorError(problem, EXIT_BAD_INPUT)
+    check = run_params_check(path) if has_params(path) else None  # recorded with --check-params
     if json_out:
-        typer.echo(dumps(report))
+        typer.echo(
+            dumps(report) if check is None else json.dumps({**json.loads(dumps(report)), "params": check.to_json()})
+        )
     else:
         render_report(report, Console())
+        if check is not None:
+            render_params_check(check, Console())
     err = Console(stderr=True)
     if perfetto is not None:
         err.print(f"Perfetto trace: {write_perfetto(run, report, perfetto)}", highlight=False, soft_wrap=True)
     if html is not None:
         err.print(f"HTML report: {write_html(report, html)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(EXIT_FINDING if report.problem_found else EXIT_OK)
+    raise typer.Exit(EXIT_FINDING if report.problem_found or (check and check.problem_found) else EXIT_OK)

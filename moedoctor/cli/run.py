@@ -23,6 +23,7 @@ from moedoctor.cli.common import (
 )
 from moedoctor.cli.hang_report import report_after_run
 from moedoctor.cli.live import ConsoleObserver
+from moedoctor.cli.params import print_params_check
 from moedoctor.errors import MoedoctorError
 from moedoctor.fixes import FIXES, get_fix
 from moedoctor.fixes.config import load_fix_config, write_fix_config
@@ -129,6 +130,23 @@ def run(
         ),
     ] = None,
     config: FixConfigFile = None,
+    check_params: Annotated[
+        bool,
+        typer.Option(
+            "--check-params",
+            metavar="",
+            help="Fingerprint every rank's parameters after the model's preparation (its first forward) and "
+            "after optimizer step --check-params-step (with the optimizer state), and compare them across ranks "
+            "by their layout: replicated ones that differ, sharded (or per-rank) ones a broadcast made identical "
+            "(docs/analysis.md, overwritten-shards). Reported at the end; the job is never stopped for it.",
+        ),
+    ] = False,
+    check_params_step: Annotated[
+        int,
+        typer.Option(
+            "--check-params-step", min=1, metavar="N", help="The optimizer step --check-params fingerprints after."
+        ),
+    ] = 1,
 ) -> None:
     """Run a torchrun job, recording every collective of every rank, and diagnose it if it hangs.
 
@@ -161,6 +179,7 @@ def run(
         joined=joined,
         fixes=fixes,
         fix_config=write_fix_config(run_dir, fix_config),
+        check_params=check_params_step if check_params else None,
     )
     observer = ConsoleObserver(console, live=sys.stdout.isatty() and sys.stderr.isatty())
     with supervised(observer):
@@ -171,4 +190,6 @@ def run(
         )
     else:
         report_after_run(result, console)
+    if check_params:
+        print_params_check(run_dir, console)
     raise typer.Exit(result.exit_code)

@@ -29,6 +29,15 @@ def activate_from_env() -> None:
 
         run_dir = Path(os.environ[ENV_RUN_DIR])
         install(run_dir, int(os.environ.get(ENV_MAX_EVENTS, DEFAULT_MAX_EVENTS)))
+        from moedoctor.trace.params_format import ENV_CHECK_PARAMS
+
+        if os.environ.get(ENV_CHECK_PARAMS):  # moedoctor run --check-params; nothing is hooked otherwise
+            try:
+                from moedoctor.recorder import params
+
+                params.install(run_dir, int(os.environ[ENV_CHECK_PARAMS]))
+            except Exception as e:  # the check only: the recorder is installed
+                print(f"moedoctor: --check-params not installed: {e!r}", file=sys.stderr)
         if "RANK" in os.environ:
             from moedoctor.trace.format import write_recorder_marker
 

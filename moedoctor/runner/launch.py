@@ -44,6 +44,7 @@ from moedoctor.runner.progress import ProgressTracker, RankProgress
 from moedoctor.runner.rundir import RunDir
 from moedoctor.runner.stacks import StackDump, StackTarget, dump_stacks
 from moedoctor.trace.format import recorder_markers
+from moedoctor.trace.params_format import ENV_CHECK_PARAMS
 
 #: Marks every process of one launch, so orphans of a dead launcher are still found and stopped.
 ENV_LAUNCH_ID = "MOEDOCTOR_LAUNCH_ID"
@@ -74,6 +75,7 @@ class RunConfig:
     fixes: tuple[str, ...] = ()  # fix modules injected into every worker
     fix_config: Path | None = None  # their normalized --config (JSON), if any
     fix_checks: bool = False  # run the fixes' numerical checks (moedoctor verify)
+    check_params: int | None = None  # --check-params: fingerprint parameters after this optimizer step
     stop_grace: float = 5.0  # SIGTERM -> SIGKILL
     coverage_wait: float = 1.0  # after a snapshot request, before stopping the job
     poll_interval: float = 0.5
@@ -148,6 +150,9 @@ def job_environment(config: RunConfig, run_dir: RunDir, launch_id: str) -> dict[
     if config.max_events is not None:
         env[ENV_MAX_EVENTS] = str(config.max_events)
     env["MOEDOCTOR_NATIVE"] = "1" if config.recorder == "native" else "0"
+    env.pop(ENV_CHECK_PARAMS, None)
+    if config.check_params is not None:
+        env[ENV_CHECK_PARAMS] = str(config.check_params)
     for name in (ENV_FIXES, ENV_FIX_CONFIG, ENV_FIX_CHECKS):
         env.pop(name, None)  # only what this run asks for
     if config.fixes:

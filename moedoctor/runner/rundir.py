@@ -34,6 +34,7 @@ _OWN_ENTRIES = (
     "control",
     "fixes",
     "flight_recorder",
+    "params",
     MANIFEST_NAME,
     MANIFEST_NAME + ".lock",
     "job.log",
