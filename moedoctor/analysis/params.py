@@ -287,25 +287,13 @@ def _compare(name, label, prints, cps, before, overwritten, agreed_before, per_r
         if name not in before:
             per_rank.add(name)  # per-rank from the start, never synchronized
             return None
-        return ParamFinding(
-            REPLICATED_DIFFERS,
-            name,
-            label,
-            tuple(sorted(prints)),
-            _differing(prints),
-            0.7,
-            "broadcast before the first forward, yet different across ranks after it",
+        why = "broadcast before the first forward, yet different across ranks after it"
+    else:
+        why = (
+            "identical across ranks at the first forward, different after it (a plain tensor is taken as "
+            "replicated over the world: lower if this parameter is meant to be per-rank)"
         )
-    return ParamFinding(
-        REPLICATED_DIFFERS,
-        name,
-        label,
-        tuple(sorted(prints)),
-        _differing(prints),
-        0.7,
-        "identical across ranks at the first forward, different after it (a plain tensor is taken as "
-        "replicated over the world: lower if this parameter is meant to be per-rank)",
-    )
+    return ParamFinding(REPLICATED_DIFFERS, name, label, tuple(sorted(prints)), _differing(prints), 0.7, why)
 
 
 def _identical(name: str, label: str, group, score: float, evidence: str, overwrite) -> ParamFinding:

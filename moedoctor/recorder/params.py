@@ -94,6 +94,7 @@ class _ParamCheck:
         self.before: dict[int, tuple[torch.Tensor, list, dict]] = {}  # index -> (print, meta, extra)
         self.root: weakref.ref | None = None
         self.steps: dict[int, int] = {}  # id(optimizer) -> steps taken
+        self.depth = 0  # optimizer steps in progress (nested: an optimizer that steps another)
         self.handles: list = []
         self.originals: dict[str, object] = {}
         self.failed = False
@@ -155,11 +156,21 @@ class _ParamCheck:
         if before:
             self.write(fmt.POINT_BEFORE_BROADCAST, 0, before)
         self.write(fmt.POINT_PREPARED, 0, self._params(module))
-        from torch.optim.optimizer import register_optimizer_step_post_hook  # not while torch is being imported
+        from torch.optim.optimizer import (  # not while torch is being imported
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
 
+        self.handles.append(register_optimizer_step_pre_hook(_guard(self, self.on_step_start)))
         self.handles.append(register_optimizer_step_post_hook(_guard(self, self.on_step)))
 
+    def on_step_start(self, optimizer, args, kwargs) -> None:
+        self.depth += 1
+
     def on_step(self, optimizer, args, kwargs) -> None:
+        self.depth = max(0, self.depth - 1)
+        if self.depth:  # an optimizer stepped by another (ZeroRedundancyOptimizer's local one): wait for the outer
+            return
         n = self.steps[id(optimizer)] = self.steps.get(id(optimizer), 0) + 1
         if n != self.step_point:
             return
