@@ -184,12 +184,13 @@ def megabytes(n: float) -> str:
 
 
 def runs(events: list[CollectiveEvent]) -> list[list[CollectiveEvent]]:
-    """One rank's events (in order) cut into maximal runs of one op, group and call site (p2p aside)."""
+    """One rank's events (in order) cut into maximal runs of one op, group and call site (p2p aside).
+    A gap in the event ids (the streaming path loads windows of a large trace) ends a run too."""
     out: list[list[CollectiveEvent]] = []
     for e in events:
         if e.is_p2p:
             continue
-        if out and _key(out[-1][-1]) == _key(e):
+        if out and _key(out[-1][-1]) == _key(e) and e.event_id == out[-1][-1].event_id + 1:
             out[-1].append(e)
         else:
             out.append([e])

@@ -232,3 +232,13 @@ def test_an_interrupted_storm_is_in_flight_not_a_desync():
 def test_an_interrupted_run_whose_rank_stopped_long_before_keeps_its_divergence():
     report = analyze(_interrupted(5.0))  # rank 1 issued nothing for 5 s before the stop: stuck
     assert report.verdict != Verdict.HEALTHY and report.divergence is not None, report.summary
+
+
+def test_a_gap_in_the_event_ids_ends_a_run():
+    # The streaming path loads windows of a large trace: two windows of the same loop are not one run.
+    b = ranks(2)[0]
+    for _ in range(1600):
+        b.coll("broadcast", (16,), root=0, **LOADER)
+    windows = b.events[:800] + b.events[801:]
+    assert [len(r) for r in timing.runs(windows)] == [800, 799]
+    assert [s.count for s in rank_storms(0, b.events)] == [1600]
