@@ -54,6 +54,10 @@ def main() -> None:
     parser.add_argument("--sync-debug", action="store_true",
                         help="CUDA: torch.cuda.set_sync_debug_mode('error') around each measured step's "
                         "work (not the timing's own synchronize): any host-device sync in it raises")
+    parser.add_argument("--check-params", type=int, default=0, metavar="N",
+                        help="install moedoctor run --check-params's hooks (fingerprints at the first forward "
+                        "and after optimizer step N) before the model is built, and print the time they took "
+                        "and the steps that held them against the median step")
     args = parser.parse_args()
     if args.backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -62,6 +66,16 @@ def main() -> None:
         device, sync = torch.device("cpu"), (lambda: None)
     dist.init_process_group(args.backend)
     torch.manual_seed(0)
+    check = None
+    if args.check_params:
+        import tempfile
+        from pathlib import Path
+
+        from moedoctor.recorder import params as check_params
+
+        check = check_params.installed() or check_params.install(
+            Path(tempfile.mkdtemp(prefix="moedoctor-params-")), args.check_params)
+    all_times: list[float] = []
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     model = torch.nn.Sequential(*[Block(args.dim) for _ in range(args.layers)]).to(device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.backend == "nccl" else MixedPrecisionPolicy()
@@ -106,6 +120,7 @@ def main() -> None:
         if checked:
             torch.cuda.set_sync_debug_mode("default")
         sync()
+        all_times.append(time.perf_counter() - start)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
             toggled[recording].append(times[-1])
@@ -130,6 +145,12 @@ def main() -> None:
                   f"on {on * 1e3:.3f} ms, added {(on - off) / off * 100:+.2f}% "
                   f"({len(toggled[True])} + {len(toggled[False])} steps); blocks of {args.toggle} "
                   f"{paired_text(blocks[True], blocks[False])}")
+        if check is not None:
+            spent = {name: round(seconds * 1e3, 3) for name, seconds in check.spent.items()}
+            held = {0: all_times[0], args.check_params - 1: all_times[args.check_params - 1]}
+            print(f"check-params: ms in its hooks {spent}; steps holding a checkpoint "
+                  + ", ".join(f"{s}: {t * 1e3:.3f} ms" for s, t in held.items())
+                  + f"; median of the timed steps {statistics.median(times) * 1e3:.3f} ms")
         print(f"{recorded}: backend={args.backend} world={dist.get_world_size()} dim={args.dim} "
               f"layers={args.layers} tokens={args.tokens} median step {statistics.median(times) * 1e3:.3f} ms "
               f"(min {min(times) * 1e3:.3f}) collectives/step {seq / (args.warmup + args.steps):.1f}")

@@ -98,6 +98,7 @@ class _ParamCheck:
         self.handles: list = []
         self.originals: dict[str, object] = {}
         self.failed = False
+        self.spent: dict[str, float] = {}  # seconds in each hook (benchmarks/fsdp_step_overhead.py)
 
     # -- hooks -------------------------------------------------------------------------------
     def on_register(self, module: nn.Module, name: str, param) -> None:
@@ -226,9 +227,12 @@ class _ParamCheck:
 
 
 def _guard(check: _ParamCheck, fn):
+    name = fn.__name__
+
     def hook(*args, **kwargs):
         if check.failed:
             return None
+        start = time.perf_counter()
         try:
             with check.lock:
                 return fn(*args, **kwargs)
@@ -236,6 +240,8 @@ def _guard(check: _ParamCheck, fn):
             check.failed = True
             print(f"moedoctor: --check-params stopped on this rank: {e!r}", file=sys.stderr)
             return None
+        finally:
+            check.spent[name] = check.spent.get(name, 0.0) + time.perf_counter() - start
 
     return hook
 
