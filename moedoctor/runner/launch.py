@@ -36,6 +36,7 @@ from moedoctor.runner.manifest import (
     RankExit,
     Status,
     coverage_check,
+    read_nodes,
     relevant_env,
     write_node,
 )
@@ -78,6 +79,7 @@ class RunConfig:
     check_params: int | None = None  # --check-params: fingerprint parameters after this optimizer step
     stop_grace: float = 5.0  # SIGTERM -> SIGKILL
     coverage_wait: float = 1.0  # after a snapshot request, before stopping the job
+    peer_wait: float = 10.0  # a shared run directory: how long to wait for the other nodes' stacks
     poll_interval: float = 0.5
     host: str = field(default_factory=socket.gethostname)
 
@@ -507,8 +509,24 @@ class _Run:
             self.node.status = Status.HANG
         self.node.hang = hang
         self._write_manifest(coverage=self._coverage())
+        if not no_trace:
+            self._await_peers()
         self.observer.diagnosed(hang)
         return hang
+
+    def _await_peers(self) -> None:
+        """A shared run directory: wait (``peer_wait`` at most) until every other node still running
+        there has recorded its own hang (its ranks' stacks), so that the report shows every node."""
+        deadline = time.monotonic() + self.config.peer_wait
+        while True:
+            pending = [
+                name
+                for name, node in read_nodes(self.dir.manifest).items()
+                if name != self.node.node and node.get("status") == Status.RUNNING and not node.get("hang")
+            ]
+            if not pending or time.monotonic() >= deadline:
+                return
+            time.sleep(0.2)
 
     def _gpu_snapshot(self) -> Path | None:
         try:

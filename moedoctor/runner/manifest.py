@@ -175,6 +175,16 @@ def write_node(
         return doc
 
 
+def read_nodes(path: Path) -> dict[str, dict]:
+    """The ``nodes`` of the manifest at ``path`` (empty when it cannot be read: not written yet)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    nodes = doc.get("nodes") if isinstance(doc, dict) else None
+    return {k: v for k, v in nodes.items() if isinstance(v, dict)} if isinstance(nodes, dict) else {}
+
+
 def _overall_status(statuses: list[str]) -> str:
     for status in (Status.RUNNING, Status.HANG, Status.INTERRUPTED):
         if status in statuses:

@@ -176,9 +176,11 @@ def prepare_run_dir(path: Path, command: list[str], force: bool) -> bool:
 
 
 def _prepare_locked(path: Path, command: list[str], force: bool) -> bool:
-    if not any(p for p in path.iterdir() if not p.match(LOCK_GLOB)):
-        return False
     others = held_by_others(path)
+    if not any(p for p in path.iterdir() if not p.match(LOCK_GLOB)):
+        # Only lock files: empty, or another node of the job started at the same moment and has not
+        # written the manifest yet (its lock is held): then this node joins it.
+        return bool(others)
     manifest = _manifest(RunDir(path))
     running = _running_same_job(manifest, command)
     if running and (others or _remote_nodes_running(manifest)):

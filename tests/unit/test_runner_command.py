@@ -134,3 +134,39 @@ Root Cause (first observed failure):
   exitcode  : 3 (pid: 4241)
 """
     assert _torchrun_failures(log) == {3: -6, 2: 3}
+
+
+def test_a_node_starting_at_the_same_moment_joins(tmp_path):
+    """Both nodes started at once: the other one holds its lock but has not written the manifest yet."""
+    import os
+
+    from moedoctor.runner.rundir import lock_path, release
+
+    fd = hold_lock(lock_path(tmp_path, NODE0))
+    try:
+        assert prepare_run_dir(tmp_path, NODE1, force=False) is True
+    finally:
+        os.close(fd)
+        release(lock_path(tmp_path, NODE1))
+    assert prepare_run_dir(tmp_path / "fresh", NODE0, force=False) is False  # nobody else: a new run
+    release(lock_path(tmp_path / "fresh", NODE0))
+
+
+def test_a_diagnosing_node_waits_for_the_other_nodes_stacks(tmp_path):
+    """In a shared run directory a node reports once every other running node recorded its hang
+    (its ranks' stacks), or after peer_wait."""
+    import time
+
+    from moedoctor.runner.launch import RunConfig, RunObserver, _Run
+
+    run = _Run(RunConfig(command=NODE0, run_dir=tmp_path, env={}, peer_wait=0.6), RunObserver())
+    other = {"status": "running", "hang": None}
+    (tmp_path / "manifest.json").write_text(json.dumps({"nodes": {run.node.node: {"status": "hang"}, "b:1": other}}))
+    start = time.monotonic()
+    run._await_peers()
+    assert time.monotonic() - start >= 0.6  # the other node never recorded its hang: waited peer_wait
+    other["hang"] = {"ranks": []}
+    (tmp_path / "manifest.json").write_text(json.dumps({"nodes": {"b:1": other}}))
+    start = time.monotonic()
+    run._await_peers()
+    assert time.monotonic() - start < 0.3

@@ -1,0 +1,118 @@
+"""Multi-node for real: two torchrun agents on this host as two "nodes" (``--nnodes 2``, c10d
+rendezvous, one process each), each under its own ``moedoctor run``, on a fixture that deadlocks
+across the nodes (inflight_metric_allreduce: rank 1 issues its metric all_reduce where rank 0 issues
+an FSDP all_gather). With one shared run directory, and with a run directory per node (the
+supervisors then exchange what detection needs through the job's own rendezvous store)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from torchrun_util import FIXTURES, REPO, _kill_session, job_env, live_processes
+
+FIXTURE = FIXTURES / "inflight_metric_allreduce" / "train.py"
+PATTERN, CULPRIT = "inflight-metric-allreduce", [1]
+TIMEOUT = 150.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_command(run_dir: Path, node: int, port: int, rdzv_id: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", "20", *extra, "--",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+        "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--rdzv-id", rdzv_id, str(FIXTURE), "--pg-timeout", "40",
+    ]
+
+
+def _job_processes(run_dirs: list[Path]) -> list[int]:
+    """Live processes of the job: any process whose environment names one of the run directories."""
+    wanted = {f"MOEDOCTOR_RUN_DIR={Path(d).resolve()}".encode() for d in run_dirs}
+
+    def matches(proc: Path) -> bool:
+        try:
+            return bool(wanted & set((proc / "environ").read_bytes().split(b"\0")))
+        except OSError:
+            return False
+
+    return live_processes(matches)
+
+
+def run_two_nodes(run_dirs: list[Path], *extra: str) -> list[tuple[int, str, float]]:
+    """Both nodes' ``moedoctor run`` started at once; (exit code, output, seconds) per node. Every
+    process is killed in the end, whatever happens."""
+    port, rdzv_id = _free_port(), f"mn{os.getpid()}"
+    procs, logs = [], []
+    start = time.monotonic()
+    try:
+        for node, run_dir in enumerate(run_dirs):
+            log = open(run_dir.parent / f"node{node}.out", "w+")
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    _node_command(run_dir, node, port, rdzv_id, *extra), stdout=log, stderr=subprocess.STDOUT,
+                    env=job_env(), cwd=REPO, start_new_session=True,
+                )
+            )
+        results = []
+        for proc, log in zip(procs, logs):
+            try:
+                code = proc.wait(timeout=max(1.0, TIMEOUT - (time.monotonic() - start)))
+            except subprocess.TimeoutExpired:
+                code = -9
+            log.seek(0)
+            results.append((code, log.read(), time.monotonic() - start))
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_session(proc.pid)
+                proc.wait()
+        for log in logs:
+            log.close()
+
+
+def _tails(results) -> str:
+    return "\n".join(f"--- node {n} (exit {c}, {s:.0f} s)\n" + "\n".join(out.splitlines()[-40:])
+                     for n, (c, out, s) in enumerate(results))
+
+
+def _assert_stopped_everywhere(run_dirs: list[Path], results) -> None:
+    deadline = time.monotonic() + 10
+    while _job_processes(run_dirs) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _job_processes(run_dirs), f"processes left running: {_job_processes(run_dirs)}\n{_tails(results)}"
+
+
+def _report(run_dir: Path) -> dict:
+    return json.loads((run_dir / "report.json").read_text())
+
+
+def test_two_nodes_one_shared_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    results = run_two_nodes([run_dir, run_dir])
+    try:
+        assert [c for c, _, _ in results] == [124, 124], _tails(results)
+        report = _report(run_dir)
+        assert report["pattern"] == PATTERN and report["culprit_ranks"] == CULPRIT, _tails(results)
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        nodes = list(manifest["nodes"].values())
+        assert len(nodes) == 2 and all(n["status"] == "hang" and n["hang"] for n in nodes), manifest["nodes"]
+        # Each node dumped its own rank; the merged hang names both stacks.
+        assert sorted(p.name for p in (run_dir / "stacks").glob("rank-*.json")) == ["rank-0.json", "rank-1.json"]
+        assert all(r["stack_file"] for r in manifest["hang"]["ranks"]), manifest["hang"]
+        # One log per node: the first node's job.log, the other's beside it.
+        assert len({n["log"] for n in nodes}) == 2
+    finally:
+        _assert_stopped_everywhere([run_dir], results)
