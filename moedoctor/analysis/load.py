@@ -15,7 +15,8 @@ and loads only those windows and each file's tail (``RunData.windowed``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from moedoctor.analysis.completion import fuse_flight_recorder
@@ -129,8 +130,70 @@ class RunData:
         return {t.rank: t for t in self.traces}
 
 
-def load_run(path: Path | str, *, stream_above: int = STREAM_THRESHOLD, workers: int | None = None) -> RunData:
-    """Read a run directory, a folder of traces, one trace file or Flight Recorder dumps."""
+def load_runs(
+    paths: Sequence[Path | str], *, stream_above: int = STREAM_THRESHOLD, workers: int | None = None
+) -> RunData:
+    """Read one job recorded in several places, as one run: the run directories of its nodes (each
+    node's ``moedoctor run`` with its own ``--run-dir``, no shared file system), or folders of
+    traces. Traces, stacks, GPU snapshots and the manifests' exits and hang records are merged (a
+    rank read twice is kept once, and said); the world size is checked on the merged whole."""
+    if len(paths) == 1:
+        return load_run(paths[0], stream_above=stream_above, workers=workers)
+    parts = [load_run(p, stream_above=stream_above, workers=workers, note_world=False) for p in paths]
+    run = parts[0]
+    for part in parts[1:]:
+        run.traces += part.traces
+        run.incomplete += part.incomplete
+        run.gpus += part.gpus
+        for rank, dump in part.stacks.items():
+            run.stacks.setdefault(rank, dump)
+        run.windowed = run.windowed or part.windowed
+        run.open_ended |= part.open_ended
+        run.recording_stopped.update(part.recording_stopped)
+        run.last_seq = {**part.last_seq, **run.last_seq}
+        run.last_p2p = {**part.last_p2p, **run.last_p2p}
+        run.manifest = _merge_manifests(run.manifest, part.manifest)
+        if part.kind == SourceKind.RUN_DIR:
+            run.kind = SourceKind.RUN_DIR
+    _dedupe_and_sort(run)
+    _note_world(run, note_other_ranks=True)
+    return run
+
+
+def _merge_manifests(a: ManifestInfo | None, b: ManifestInfo | None) -> ManifestInfo | None:
+    """Two nodes' manifests as one: exits of both, the earlier hang with each rank's entry from the
+    node that dumped its stack, the largest world size; a node still running keeps it running."""
+    if a is None or b is None:
+        return a or b
+    order = ("running", "hang", "interrupted", "finished")
+    statuses = [s for s in (a.status, b.status) if s is not None]
+    status = min(statuses, key=lambda s: order.index(s) if s in order else len(order)) if statuses else None
+    hang = a.hang or b.hang
+    if a.hang is not None and b.hang is not None:
+        first, second = sorted((a.hang, b.hang), key=lambda h: h.detected_at)
+        by_rank = {r.rank: r for r in second.ranks}
+        for r in first.ranks:
+            if r.rank not in by_rank or (r.stack_file and not by_rank[r.rank].stack_file):
+                by_rank[r.rank] = r
+        hang = replace(first, ranks=[by_rank[r] for r in sorted(by_rank)])
+    sizes = [w for w in (a.world_size, b.world_size) if w]
+    return ManifestInfo(
+        status=status,
+        hang=hang,
+        exits={**b.exits, **a.exits},
+        world_size=max(sizes) if sizes else None,
+        coverage_gaps=a.coverage_gaps + b.coverage_gaps,
+        launcher_exits=a.launcher_exits + b.launcher_exits,
+        command=a.command or b.command,
+    )
+
+
+def load_run(
+    path: Path | str, *, stream_above: int = STREAM_THRESHOLD, workers: int | None = None, note_world: bool = True
+) -> RunData:
+    """Read a run directory, a folder of traces, one trace file or Flight Recorder dumps.
+    ``note_world=False``: ranks absent below the world size are not noted (``load_runs`` notes them
+    once every part is read)."""
     path = Path(path)
     if not path.exists():
         raise MoedoctorError(f"{path}: no such file or directory", EXIT_USAGE)
@@ -158,17 +221,24 @@ def load_run(path: Path | str, *, stream_above: int = STREAM_THRESHOLD, workers:
                     "job's Python path?)"
                 )
             )
-        run = _finish(run, paths, stream_above, workers)
+        run = _finish(run, paths, stream_above, workers, note_world=note_world)
         fuse_flight_recorder(run)  # completion the recorder could not observe, from the hang's dumps
         return run
     paths = trace_paths(path)
     if paths:
-        return _finish(RunData(path=path, kind=SourceKind.TRACES, traces=[]), paths, stream_above, workers)
+        return _finish(
+            RunData(path=path, kind=SourceKind.TRACES, traces=[]), paths, stream_above, workers, note_world=note_world
+        )
     return _load_flight_recorder(path)
 
 
 def _finish(
-    run: RunData, paths: list[Path], stream_above: int, workers: int | None, note_other_ranks: bool = False
+    run: RunData,
+    paths: list[Path],
+    stream_above: int,
+    workers: int | None,
+    note_other_ranks: bool = False,
+    note_world: bool = True,
 ) -> RunData:
     total = sum(_size(p) for p in paths)
     if total > stream_above:
@@ -195,7 +265,8 @@ def _finish(
                 run.open_ended.add(rank)
                 run.recording_stopped[rank] = stopped_line(status, "later collectives are not recorded")
                 run.incomplete.append(run.recording_stopped[rank])
-    _note_world(run, note_other_ranks)
+    if note_world:
+        _note_world(run, note_other_ranks)
     return run
 
 

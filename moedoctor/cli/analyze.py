@@ -12,7 +12,7 @@ from rich.console import Console
 from moedoctor.cli._command import Command
 from moedoctor.cli.params import render_params_check, run_params_check
 from moedoctor.analysis import analyze as analyze_run
-from moedoctor.analysis import load_run
+from moedoctor.analysis import load_runs
 from moedoctor.analysis.load import verdict_problem
 from moedoctor.analysis.params import has_params
 from moedoctor.errors import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_OK, MoedoctorError, reading
@@ -27,19 +27,21 @@ app = typer.Typer()
 EPILOG = (
     "Exit status: 0 healthy (a readable trace of every rank); 1 a desync, a stuck job or a crashed rank "
     "was found; 2 the input could not be analyzed or cannot back a verdict; 3 an internal error. "
-    "Example: moedoctor analyze moedoctor-runs/20250101-120000 --html report.html"
+    "Example: moedoctor analyze moedoctor-runs/20250101-120000 --html report.html; a job run with one run "
+    "directory per node: moedoctor analyze node0-run node1-run"
 )
 
 
 @app.command(cls=Command, epilog=EPILOG)
 def analyze(
-    path: Annotated[
-        Path,
+    paths: Annotated[
+        list[Path],
         typer.Argument(
             help="A run directory (moedoctor run), a folder of moedoctor traces (rank-*.jsonl), or a folder of "
-            "PyTorch Flight Recorder dumps.",
+            "PyTorch Flight Recorder dumps. Several run directories (or trace folders) of one job, one per node "
+            "(each node's moedoctor run with its own --run-dir): merged into one analysis.",
             show_default=False,
-            metavar="PATH",
+            metavar="PATH...",
         ),
     ],
     json_out: Annotated[
@@ -73,7 +75,10 @@ def analyze(
 ) -> None:
     """Find where the ranks diverged, name the deadlock pattern, the culprit ranks and the call site,
     and print the fix with the command that verifies it."""
+    path = paths[0]
     if params:
+        if len(paths) > 1:
+            raise MoedoctorError("--params takes one run directory")
         if not has_params(path):
             raise MoedoctorError(f"{path} holds no parameter fingerprints (record with moedoctor run --check-params)")
         with reading(path):
@@ -85,7 +90,7 @@ def analyze(
             render_params_check(check, Console())
         raise typer.Exit(EXIT_FINDING if check.problem_found else EXIT_OK)
     with reading(path):
-        run = load_run(path)
+        run = load_runs(paths)
         report = with_fix_reach(analyze_run(run), run)
     problem = verdict_problem(run, report.verdict)
     if problem is not None:  # healthy needs evidence: every rank's trace, readable and whole
