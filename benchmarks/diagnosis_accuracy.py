@@ -115,7 +115,9 @@ def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
         job_args += [str(a) for a in case.expected.get("args", [])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                **{k: str(v) for k, v in (case.expected.get("env") or {}).items()})
+    silent = case.expected.get("failure") == "silent"  # a job that completes with wrong parameters
     cmd = [python, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--force", *recorder,
+           *(["--check-params"] if silent else []),
            "--hang-timeout", str(args.hang_timeout), "--", python, "-m", "torch.distributed.run",
            "--standalone", f"--nproc_per_node={nproc}", str(case.script), *job_args]
     if args.reanalyze:
@@ -136,6 +138,8 @@ def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
     if case.expected.get("failure") == "slow":  # slow, not stuck: named by the report's "slow" section
         case.reported = slow_pattern(report, case.expected, case.alarm, case.exit_code)
     case.culprits = report.get("culprit_ranks") or []
+    if silent:  # named by the parameter check (params/check.json), the overwrite's source as culprit
+        case.reported, case.culprits = silent_pattern(run_dir, report, case.expected, case.alarm, case.exit_code)
     case.verify = report.get("verify_command")
     if case.verify and args.verify and not case.healthy and case.expected.get("fix"):
         code, _, _ = run(shlex.split(case.verify.replace("moedoctor ", f"{python} -m moedoctor ", 1)),
@@ -156,6 +160,27 @@ def slow_pattern(report: dict, expected: dict, alarm: bool, exit_code: int | Non
     if alarm or exit_code not in (0, None):
         return report.get("pattern") or "stopped"
     return report.get("pattern") or (f"{slow['pattern']} at another call site" if slow else None)
+
+
+def silent_pattern(run_dir: Path, report: dict, expected: dict, alarm: bool,
+                   exit_code: int | None) -> tuple[str | None, list[int]]:
+    """A ``failure: silent`` variant (``overwritten-shards``) counts when ``moedoctor run --check-params``'s
+    parameter check names the pattern with an overwrite at the expected call site and the job was not
+    stopped; its culprits are the overwrites' source ranks."""
+    from moedoctor.analysis import load_run
+    from moedoctor.analysis.params import check_run_dir, has_params
+
+    if not has_params(run_dir):
+        return report.get("pattern") or ("stopped" if alarm or exit_code not in (0, None) else None), []
+    check = check_run_dir(run_dir, {t.rank: t.events for t in load_run(run_dir).traces}).to_json()
+    site = expected.get("call_site") or ""
+    overwrites = [f["overwrite"] for f in check["findings"] if f.get("overwrite")]
+    culprits = sorted({o["src"] for o in overwrites if str(o.get("call_site") or "").endswith(site)})
+    if alarm or exit_code not in (0, None):
+        return report.get("pattern") or "stopped", culprits
+    if check["pattern"] == expected["pattern"] and culprits:
+        return check["pattern"], culprits
+    return check["pattern"] and f"{check['pattern']} at another call site", culprits
 
 
 def reanalyze(run_dir: Path, write: bool = False) -> dict | None:

@@ -194,7 +194,7 @@ def check_params(checkpoints: dict[int, list[Checkpoint]], events: dict[int, lis
             agreed_before += 1
         elif len(live) >= 2 and not _all_same(live):
             overwritten[name] = prints
-    per_rank: set[str] = set()  # plain parameters that differ by construction (never broadcast)
+    ctx = _Context(before, overwritten, agreed_before, _fsdp_sharded(points.get(POINT_PREPARED, {})), events)
     reported: set[str] = set()
     for label in order:
         at = points[label]
@@ -205,24 +205,47 @@ def check_params(checkpoints: dict[int, list[Checkpoint]], events: dict[int, lis
             prints = {r: cp.tensors[name] for r, cp in at.items() if name in cp.tensors}
             if len(prints) < 2:
                 continue
-            finding = _compare(name, label, prints, at, before, overwritten, agreed_before, per_rank, events)
+            finding = _compare(name, label, prints, at, ctx)
             if finding is not None:
                 check.findings.append(finding)
                 reported.add(name)
-    if overwritten and not agreed_before:
+    prepared = points.get(POINT_PREPARED, {})
+    plain = {n for cp in prepared.values() for n, tp in cp.tensors.items() if tp.layout is None}
+    unclaimed = [n for n in overwritten if n not in reported and n in plain]  # FSDP2 shards: compared as such
+    if unclaimed and not agreed_before:
         check.notes.append(
-            f"{len(overwritten)} parameter(s) differed across ranks before a broadcast made them identical, but so "
+            f"{len(unclaimed)} parameter(s) differed across ranks before a broadcast made them identical, but so "
             "did every other broadcast parameter: the usual load-on-one-rank-then-broadcast, not claimed"
         )
-    if per_rank:
+    if ctx.per_rank:
         check.notes.append(
-            f"{len(per_rank)} plain parameter(s) differ across ranks from the first point on and were never "
+            f"{len(ctx.per_rank)} plain parameter(s) differ across ranks from the first point on and were never "
             "broadcast: taken as per-rank by construction (expert parallelism without DTensor), not compared"
         )
     return check
 
 
-def _compare(name, label, prints, cps, before, overwritten, agreed_before, per_rank, events) -> ParamFinding | None:
+@dataclass
+class _Context:
+    before: dict[str, dict[int, TensorPrint]]  # plain parameters' prints before their first broadcast
+    overwritten: dict[str, dict[int, TensorPrint]]  # those that differed there (not only empty ranks)
+    agreed_before: int  # broadcast parameters that already agreed before their broadcast
+    fsdp_sharded: int  # parameters that are FSDP2 / DTensor shards at the first forward
+    events: dict[int, list[CollectiveEvent]]
+    per_rank: set[str] = field(default_factory=set)  # plain parameters that differ by construction
+
+
+def _fsdp_sharded(at: dict[int, Checkpoint]) -> int:
+    names = {n for cp in at.values() for n, tp in cp.tensors.items() if tp.layout is not None}
+    return sum(
+        1
+        for n in names
+        if any(p.startswith("S") for cp in at.values() if n in cp.tensors for p in cp.tensors[n].layout.placements)
+    )
+
+
+def _compare(name: str, label: str, prints: dict[int, TensorPrint], cps: dict[int, Checkpoint], ctx: _Context):
+    before, overwritten, per_rank, events = ctx.before, ctx.overwritten, ctx.per_rank, ctx.events
     base, _, state_key = name.partition("#")
     any_print = next(iter(prints.values()))
     layout = any_print.layout
@@ -255,20 +278,26 @@ def _compare(name, label, prints, cps, before, overwritten, agreed_before, per_r
         return None
     # A plain tensor.
     if name in overwritten:
-        if not _all_same(list(prints.values())) or not agreed_before:
+        if not _all_same(list(prints.values())):
             return None
         extra = next(iter(overwritten[name].values())).extra
-        tp_before = overwritten[name]
-        return _identical(
-            name,
-            label,
-            prints,
-            0.85,
-            f"differed across ranks {_fmt(tp_before)} before its first broadcast (from rank {extra.get('src')}) "
-            f"while {agreed_before} other broadcast parameter(s) already agreed, and is identical after it: "
-            "per-rank data overwritten",
-            _find_broadcast(events, prints, extra),
+        said = (
+            f"differed across ranks {_fmt(overwritten[name])} before its first broadcast (from rank {extra.get('src')})"
         )
+        if ctx.agreed_before:
+            score = 0.85
+            why = f"{said} while {ctx.agreed_before} other broadcast parameter(s) already agreed"
+        elif ctx.fsdp_sharded:
+            score = 0.6  # lower: every broadcast parameter differed before (ranks waiting for rank 0's weights)
+            why = (
+                f"{said}, as every broadcast parameter did (lower: ranks waiting for rank 0's weights look the same), "
+                f"but it is a plain tensor kept out of FSDP2 while {ctx.fsdp_sharded} parameter(s) are its shards: "
+                "kept out of data parallelism, as expert-parallel parameters are"
+            )
+        else:
+            return None
+        why += ", and is identical after it: per-rank data overwritten"
+        return _identical(name, label, prints, score, why, _find_broadcast(events, prints, extra))
     if state_key:
         if _differing(param) or not _differing(prints):
             return None
@@ -315,17 +344,18 @@ def _find_broadcast(events: dict[int, list[CollectiveEvent]], prints: dict[int, 
     for rank in sorted(prints, key=lambda r: r == src):  # a receiving rank's record first
         best = None
         for e in events.get(rank, ()):
-            if e.op != "broadcast" or not e.in_shapes or tuple(e.in_shapes[0]) != some.shape:
+            if e.op != "broadcast" or not e.in_shapes:
                 continue
-            if e.dtypes and e.dtypes[0] != some.dtype:
-                continue
+            bucket = tuple(e.in_shapes[0]) != some.shape or bool(e.dtypes and e.dtypes[0] != some.dtype)
+            if bucket and (target is None or not 0 <= e.time - target <= 1.0):
+                continue  # a flattened bucket (DDP's constructor, _broadcast_coalesced) counts only by time
             if src is not None and e.root is not None and e.root != src:
                 continue
             if group is not None and tuple(sorted(e.group.ranks)) != group:
                 continue
             if not set(prints) <= set(e.group.ranks):
                 continue
-            score = abs(e.time - target) if target is not None else -e.time
+            score = (bucket, e.time < target, abs(e.time - target)) if target is not None else (bucket, False, -e.time)
             if best is None or score < best[0]:
                 best = (score, e)
         if best is not None:

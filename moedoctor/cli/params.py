@@ -11,7 +11,7 @@ from rich.markup import escape
 from moedoctor.analysis.params import SHARD_IDENTICAL, ParamsCheck, check_run_dir, has_params
 
 _KIND_TEXT = {
-    SHARD_IDENTICAL: "identical across its shard group",
+    SHARD_IDENTICAL: "sharded or per-rank, yet identical across ranks",
     "replicated-differs": "replicated, but differs across ranks",
     "optimizer-state-differs": "optimizer state differs where the parameter agrees",
 }

@@ -153,3 +153,13 @@ def test_file_round_trip_and_a_bad_line(tmp_path):
     assert any("unreadable" in n for n in check.notes)
     assert json.loads(json.dumps(check.to_json()))["pattern"] == PATTERN
     assert decode(encode(POINT_STEP, 0, 2, 1.0, 3, [])).step == 3
+
+
+def test_plain_param_outside_fsdp2_is_claimed_with_a_lower_score_when_everything_differed_before():
+    """Every rank initialized on its own; a rank-0 loader broadcast everything. The plain parameter
+    kept out of FSDP2 (``ignored_params``) while the others are its shards was per-rank data."""
+    run = {r: [cp(POINT_BEFORE_BROADCAST, r, [bcast(r, 1.0 + r, "dense.weight"), bcast(r, 5.0 + r, "experts")]),
+               cp(POINT_PREPARED, r, [tp("dense.weight", 1.0 + r, layout=FSDP), tp("experts", 5.0)])] for r in (0, 1)}
+    (f,) = check_params(run, {}).findings
+    assert (f.kind, f.name, f.confidence) == (SHARD_IDENTICAL, "experts", 0.6)
+    assert "kept out of FSDP2" in f.evidence
