@@ -40,6 +40,7 @@ from moedoctor.runner.manifest import (
     relevant_env,
     write_node,
 )
+from moedoctor.runner.exchange import Exchange, store_of
 from moedoctor.runner.online import Desync, DesyncDetector, Lag
 from moedoctor.runner.progress import ProgressTracker, RankProgress
 from moedoctor.runner.rundir import RunDir
@@ -80,6 +81,7 @@ class RunConfig:
     stop_grace: float = 5.0  # SIGTERM -> SIGKILL
     coverage_wait: float = 1.0  # after a snapshot request, before stopping the job
     peer_wait: float = 10.0  # a shared run directory: how long to wait for the other nodes' stacks
+    exchange: bool = True  # multi-node: exchange digests through the job's rendezvous store (exchange.py)
     poll_interval: float = 0.5
     host: str = field(default_factory=socket.gethostname)
 
@@ -213,9 +215,9 @@ class _Run:
             node=f"{config.host}:{os.getpid()}", host=config.host, moedoctor_pid=os.getpid(), start=time.time()
         )
         self.detector = DesyncDetector() if config.online else None
-        self.tracker = ProgressTracker(
-            self.dir.traces, listener=self.detector.feed if self.detector is not None else None
-        )
+        self.tracker = ProgressTracker(self.dir.traces, listener=self._feed if config.online else None)
+        self.exchange: Exchange | None = None  # multi-node, online: started with the job
+        self._local: dict[int, tuple[int, bool]] = {}  # rank -> (pid, whether it is this launch's)
         self.seen: dict[int, procs.JobProcess] = {}  # rank -> worker process, on this node
         self.proc: subprocess.Popen | None = None
         self.log_lock = threading.Lock()
@@ -255,6 +257,9 @@ class _Run:
             for pump in pumps:
                 pump.start()
             self.observer.started(self.dir, self.proc.pid, self.config.joined)
+            store = store_of(self.config.command) if self.config.online and self.config.exchange else None
+            if store is not None:
+                self.exchange = Exchange(*store).start()
             try:
                 result = self._watch()
             except BaseException as e:
@@ -275,7 +280,27 @@ class _Run:
             finally:
                 for pump in pumps:
                     pump.join(timeout=2)
+                if self.exchange is not None:
+                    self.exchange.close()
         return result
+
+    def _feed(self, rank: int, items: list, restarted: bool) -> None:
+        """The tracker's listener: every rank to the detector; this node's own ranks to the exchange."""
+        if self.detector is not None:
+            self.detector.feed(rank, items, restarted)
+        if self.exchange is not None and self._is_local(rank):
+            self.exchange.feed(rank, items, restarted)
+
+    def _is_local(self, rank: int) -> bool:
+        """A rank of this launch (a shared run directory holds the other nodes' traces too)."""
+        t = self.tracker.ranks.get(rank)
+        if t is None:
+            return False
+        known = self._local.get(rank)
+        if known is None or known[0] != t.pid:
+            env = procs.environ(t.pid) if t.host == self.config.host else None
+            known = self._local[rank] = (t.pid, (env or {}).get(ENV_LAUNCH_ID) == self.launch_id)
+        return known[1]
 
     def _watch(self) -> RunResult:
         hang: HangRecord | None = None
@@ -294,6 +319,12 @@ class _Run:
                 self._report_lags(now)
                 if self.detector.desync is not None and not desync_reported:
                     desync, desync_reported = self.detector.desync, True
+                    if self.exchange is not None:
+                        self.exchange.publish(desync)  # the other nodes stop theirs
+            if self.exchange is not None and not desync_reported:
+                self.exchange.progress = {r: p for r, p in self.tracker.ranks.items() if self._is_local(r)}
+                if self.exchange.desync is not None:  # found by the coordinator, maybe on another node
+                    desync, desync_reported = self.exchange.desync, True
             if desync is None and now >= next_scan:
                 self._scan()
                 next_scan = now + 1.0

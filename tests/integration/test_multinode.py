@@ -116,3 +116,32 @@ def test_two_nodes_one_shared_run_dir(tmp_path):
         assert len({n["log"] for n in nodes}) == 2
     finally:
         _assert_stopped_everywhere([run_dir], results)
+
+
+def test_two_nodes_one_run_dir_each(tmp_path):
+    """No shared file system: each node sees only its own rank's trace; the desync is found by the
+    coordinator through the rendezvous store, and every node stops its own rank. ``analyze DIR1 DIR2``
+    then gives the pattern and culprit of the shared-directory run."""
+    run_dirs = [tmp_path / "node0" / "run", tmp_path / "node1" / "run"]
+    for d in run_dirs:
+        d.parent.mkdir()
+    results = run_two_nodes(run_dirs)
+    try:
+        assert [c for c, _, _ in results] == [124, 124], _tails(results)
+        stacks = []
+        for d in run_dirs:
+            manifest = json.loads((d / "manifest.json").read_text())
+            (node,) = manifest["nodes"].values()
+            assert node["status"] == "hang" and node["hang"]["trigger"] == "desync", (node["hang"], _tails(results))
+            assert "#61" in node["hang"]["finding"], node["hang"]["finding"]
+            assert len(list((d / "traces").glob("rank-*.jsonl"))) == 1  # its own rank only
+            stacks += [p.name for p in (d / "stacks").glob("rank-*.json")]
+        assert sorted(stacks) == ["rank-0.json", "rank-1.json"]
+        merged = subprocess.run([sys.executable, "-m", "moedoctor", "analyze", *map(str, run_dirs), "--json"],
+                                capture_output=True, text=True, cwd=REPO, timeout=120)
+        report = json.loads(merged.stdout)
+        assert merged.returncode == 1 and report["pattern"] == PATTERN and report["culprit_ranks"] == CULPRIT, (
+            merged.stderr[-2000:])
+        assert sorted(report["source"]["traced_ranks"]) == [0, 1]
+    finally:
+        _assert_stopped_everywhere(run_dirs, results)
