@@ -72,7 +72,8 @@ def test_two_nodes_find_the_desync_through_the_store():
         assert ref.desync is not None
         for n in nodes:
             assert n.problem is None and n.desync is not None
-            assert (n.desync.group, n.desync.seq, n.desync.ranks) == (ref.desync.group, ref.desync.seq, ref.desync.ranks)
+            found, expected = n.desync, ref.desync
+            assert (found.group, found.seq, found.ranks) == (expected.group, expected.seq, expected.ranks)
         assert sorted(n.node for n in nodes) == [0, 1]
         # Messages are deleted as they are read: the store holds the counters, the finding and what is in flight.
         in_flight = [k for k in store.data if not k.endswith(("/n", "/nodes", "/desync"))]
