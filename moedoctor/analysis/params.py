@@ -297,7 +297,7 @@ def _compare(name: str, label: str, prints: dict[int, TensorPrint], cps: dict[in
         else:
             return None
         why += ", and is identical after it: per-rank data overwritten"
-        return _identical(name, label, prints, score, why, _find_broadcast(events, prints, extra))
+        return _identical(name, label, prints, score, why, _find_broadcast(events, prints, overwritten[name]))
     if state_key:
         if _differing(param) or not _differing(prints):
             return None
@@ -334,14 +334,19 @@ def _fmt(prints) -> str:
     return ",".join(map(str, sorted(prints)))
 
 
-def _find_broadcast(events: dict[int, list[CollectiveEvent]], prints: dict[int, TensorPrint], extra: dict | None):
+def _find_broadcast(
+    events: dict[int, list[CollectiveEvent]], prints: dict[int, TensorPrint], before: dict[int, TensorPrint] | None
+):
     """The recorded broadcast that wrote this tensor: on the recorded group from the recorded source
-    with its local shape and dtype, nearest the recorded time (without a record: the last such one)."""
+    with its local shape and dtype, nearest after the time each rank recorded before it (its own
+    clock); without a record, the last such one."""
     some = next(iter(prints.values()))
+    extra = next(iter(before.values())).extra if before else None
     src = extra.get("src") if extra else None
     group = tuple(sorted(extra["group"])) if extra and extra.get("group") else None
-    target = extra.get("time") if extra else None
     for rank in sorted(prints, key=lambda r: r == src):  # a receiving rank's record first
+        own = before.get(rank) if before else None
+        target = (own.extra if own is not None else extra or {}).get("time")
         best = None
         for e in events.get(rank, ()):
             if e.op != "broadcast" or not e.in_shapes:

@@ -163,3 +163,19 @@ def test_plain_param_outside_fsdp2_is_claimed_with_a_lower_score_when_everything
     (f,) = check_params(run, {}).findings
     assert (f.kind, f.name, f.confidence) == (SHARD_IDENTICAL, "experts", 0.6)
     assert "kept out of FSDP2" in f.evidence
+
+
+def test_a_bucket_broadcast_is_attributed_by_each_ranks_own_time():
+    """DDP's constructor broadcasts a flattened bucket: no parameter shape, so the broadcast right
+    after the rank's own pre-broadcast time is taken, not a later one of another shape."""
+    a, b = ranks(2)  # clocks: a from 1000.000, b from 1000.000; the prints' times differ per rank
+    for builder in (a, b):
+        builder.coll("broadcast", (609,), root=0, line=77)  # the bucket, at 1000.001
+        builder.coll("broadcast", (8,), root=0, line=84)  # a later forward's broadcast, at 1000.002
+    run = {}
+    for r, when in ((0, 1000.0015), (1, 1000.0002)):  # rank 0 records later than rank 1 issues
+        extra = {"src": 0, "group": [0, 1], "time": when}
+        run[r] = [cp(POINT_BEFORE_BROADCAST, r, [tp("dense", 1.0, extra=extra), tp("experts", 5.0 + r, extra=extra)]),
+                  cp(POINT_PREPARED, r, [tp("dense", 1.0), tp("experts", 5.0)])]
+    (f,) = check_params(run, {0: a.events, 1: b.events}).findings
+    assert f.overwrite is not None and f.overwrite.call_site == "train.py:77", f.overwrite
