@@ -27,12 +27,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _node_command(run_dir: Path, node: int, port: int, rdzv_id: str, *extra: str) -> list[str]:
+def _node_command(run_dir: Path, node: int, port: int, rdzv_id: str, *extra: str, fixture: Path = FIXTURE
+                  ) -> list[str]:
     return [
         sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", "20", *extra, "--",
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
         "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-        "--rdzv-id", rdzv_id, str(FIXTURE), "--pg-timeout", "40",
+        "--rdzv-id", rdzv_id, str(fixture), "--pg-timeout", "40",
     ]
 
 
@@ -49,7 +50,7 @@ def _job_processes(run_dirs: list[Path]) -> list[int]:
     return live_processes(matches)
 
 
-def run_two_nodes(run_dirs: list[Path], *extra: str) -> list[tuple[int, str, float]]:
+def run_two_nodes(run_dirs: list[Path], *extra: str, fixture: Path = FIXTURE) -> list[tuple[int, str, float]]:
     """Both nodes' ``moedoctor run`` started at once; (exit code, output, seconds) per node. Every
     process is killed in the end, whatever happens."""
     port, rdzv_id = _free_port(), f"mn{os.getpid()}"
@@ -61,8 +62,8 @@ def run_two_nodes(run_dirs: list[Path], *extra: str) -> list[tuple[int, str, flo
             logs.append(log)
             procs.append(
                 subprocess.Popen(
-                    _node_command(run_dir, node, port, rdzv_id, *extra), stdout=log, stderr=subprocess.STDOUT,
-                    env=job_env(), cwd=REPO, start_new_session=True,
+                    _node_command(run_dir, node, port, rdzv_id, *extra, fixture=fixture), stdout=log,
+                    stderr=subprocess.STDOUT, env=job_env(), cwd=REPO, start_new_session=True,
                 )
             )
         results = []
@@ -143,5 +144,20 @@ def test_two_nodes_one_run_dir_each(tmp_path):
         assert merged.returncode == 1 and report["pattern"] == PATTERN and report["culprit_ranks"] == CULPRIT, (
             merged.stderr[-2000:])
         assert sorted(report["source"]["traced_ranks"]) == [0, 1]
+    finally:
+        _assert_stopped_everywhere(run_dirs, results)
+
+
+def test_a_healthy_two_node_job_is_left_alone(tmp_path):
+    """Do no harm: the exchange between per-node run directories raises no alarm on a healthy job."""
+    run_dirs = [tmp_path / "node0" / "run", tmp_path / "node1" / "run"]
+    for d in run_dirs:
+        d.parent.mkdir()
+    results = run_two_nodes(run_dirs, fixture=FIXTURES / "healthy" / "train.py")
+    try:
+        assert [c for c, _, _ in results] == [0, 0], _tails(results)
+        for d in run_dirs:
+            (node,) = json.loads((d / "manifest.json").read_text())["nodes"].values()
+            assert node["status"] == "finished" and node["hang"] is None, _tails(results)
     finally:
         _assert_stopped_everywhere(run_dirs, results)
