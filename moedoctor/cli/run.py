@@ -92,6 +92,17 @@ def run(
             "waiting for --hang-timeout. A rank a step behind its waiting group is reported, not acted on.",
         ),
     ] = True,
+    exchange: Annotated[
+        bool,
+        typer.Option(
+            "--exchange/--no-exchange",
+            metavar="",
+            help="Multi-node (--nnodes above 1, c10d or static rendezvous): the nodes' moedoctors exchange "
+            "digests of their ranks' collectives through the job's rendezvous store (its TCPStore, keys under "
+            "moedoctor/<rdzv id>/), so a desync across nodes is found, and the job stopped on every node, "
+            "with a run directory per node (no shared file system). Needs --online.",
+        ),
+    ] = True,
     no_stacks: Annotated[
         bool,
         typer.Option(
@@ -172,6 +183,7 @@ def run(
         startup_timeout=startup_timeout,
         keep_alive=keep_alive,
         online=online,
+        exchange=exchange,
         stacks=not no_stacks,
         native=native,
         max_events=max_events,
