@@ -22,8 +22,10 @@ from moedoctor.render.json_report import write_json
 from moedoctor.render.terminal import render_report, render_slow
 from moedoctor.runner import RunResult
 from moedoctor.runner.manifest import hang_of, load_manifest
+from moedoctor.runner.exchange import store_of
 from moedoctor.runner.rundir import RunDir
 from moedoctor.trace.format import STOPPED, read_statuses
+from moedoctor.trace.reader import trace_paths
 
 
 def report_after_hang(run_dir: Path, console: Console) -> None:
@@ -71,6 +73,23 @@ def report_after_hang(run_dir: Path, console: Console) -> None:
     console.print("Written: " + "  ".join(escape(f) for f in files), highlight=False, soft_wrap=True)
     console.print(
         f"Next: [bold]moedoctor analyze {escape(str(layout.path))}[/] (add --html FILE or --perfetto FILE)",
+        highlight=False,
+        soft_wrap=True,
+    )
+    _other_nodes_note(layout, manifest, console)
+
+
+def _other_nodes_note(layout: RunDir, manifest: dict, console: Console) -> None:
+    """A node of a multi-node job with a run directory of its own holds its own ranks' traces only:
+    say how to analyze the whole job."""
+    world, command = manifest.get("world_size"), manifest.get("command")
+    traced = len(trace_paths(layout.traces)) if layout.traces.is_dir() else 0
+    if not isinstance(world, int) or traced >= world or not isinstance(command, list) or store_of(command) is None:
+        return
+    console.print(
+        f"This node's run directory holds {traced} of the job's {world} ranks (a run directory per node): "
+        f"for the whole job, gather the nodes' run directories and run [bold]moedoctor analyze "
+        f"{escape(str(layout.path))} OTHER_NODE_RUN_DIR ...[/]",
         highlight=False,
         soft_wrap=True,
     )

@@ -22,6 +22,7 @@ with the agent that hosted it) is retried or given up, quietly; the job is never
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -189,6 +190,8 @@ class Exchange:
 
     @staticmethod
     def _tcp_store(host: str, port: int) -> Any:
+        # torch's C++ warnings (a store gone with the agent that hosted it) are not the user's business.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         import torch.distributed as dist  # only here: a multi-node run's supervisor
 
         return dist.TCPStore(
@@ -218,6 +221,11 @@ class Exchange:
                 self.problem = f"the rendezvous store at {self.host}:{self.port} stopped answering ({e!r:.200})"
                 return
             self._stop.wait(self.period)
+        if boxes is not None and self._own is not None:  # closed right after publish(): tell the others
+            try:
+                boxes.publish_desync(self._own)
+            except Exception:  # noqa: BLE001 - the store is gone: the other nodes time out by themselves
+                pass
 
     def _round(self, boxes: Mailboxes) -> None:
         assert self.digest is not None and self.node is not None

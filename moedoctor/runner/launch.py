@@ -325,6 +325,8 @@ class _Run:
                 self.exchange.progress = {r: p for r, p in self.tracker.ranks.items() if self._is_local(r)}
                 if self.exchange.desync is not None:  # found by the coordinator, maybe on another node
                     desync, desync_reported = self.exchange.desync, True
+            if desync is not None and self.exchange is not None:
+                self.exchange.close()  # told (or told the others): done before the job stops
             if desync is None and now >= next_scan:
                 self._scan()
                 next_scan = now + 1.0

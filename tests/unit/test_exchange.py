@@ -121,3 +121,16 @@ def test_a_desync_found_by_one_node_reaches_the_other():
 ])
 def test_the_rendezvous_store_of_a_command(command, expected):
     assert store_of(command.split()) == expected
+
+
+def test_a_desync_published_right_before_close_still_reaches_the_store():
+    store = FakeStore()
+    ref = DesyncDetector()
+    ProgressTracker(GOLDEN / "inflight_metric_allreduce" / "traces", listener=ref.feed).poll()
+    node = Exchange("h", 1, "job", period=0.05, connect=lambda h, p: store).start()
+    deadline = time.monotonic() + 10
+    while node.node is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    node.publish(ref.desync)
+    node.close()
+    assert Mailboxes(store, "job").desync() == ref.desync
