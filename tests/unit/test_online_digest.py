@@ -224,3 +224,31 @@ def test_recorded_streams_same_findings(name):
         assert dig.desync is None
     else:
         same(ref, dig)
+
+
+def _scale_benchmark():
+    import importlib.util
+
+    path = Path(__file__).parents[2] / "benchmarks" / "online_scale.py"
+    spec = importlib.util.spec_from_file_location("online_scale", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("plant", ["extra", "split"])
+def test_scale_benchmark_finds_the_planted_desync_at_64_ranks(plant):
+    """benchmarks/online_scale.py at its smallest size (8 nodes, groups chunked at 4 members so the
+    chunk-and-root path runs): the planted rank and group are found, nothing else is expanded."""
+    bench = _scale_benchmark()
+    bench.FANIN = 4
+    res = bench.simulate(64, 2.5, 0.5, plant, quiet=True)
+    d = res["found"]
+    assert d is not None and res["victim"] in d.ranks
+    assert res["victim"] in d.group_ranks
+    if plant == "extra":
+        assert d.group.startswith("fsdp") and "all_reduce" in d.ops[res["victim"]]
+    else:
+        assert d.group.startswith("ep") and d.reason and "expects" in d.reason
+    assert res["expanded"] == 1 and res["unconfirmed"] == 0
+    assert 0 < res["latency"] < 2.5
