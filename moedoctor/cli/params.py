@@ -32,8 +32,14 @@ def run_params_check(path: Path) -> ParamsCheck | None:
     check = check_run_dir(path, events)
     try:
         (Path(path) / "params" / CHECK_FILE).write_text(json.dumps(check.to_json(), indent=1) + "\n")
-    except OSError:
-        pass
+        report = Path(path) / "report.json"
+        if report.is_file():  # the run's report gets the section too (docs/report-format.md, `params`)
+            data = json.loads(report.read_text())
+            if isinstance(data, dict):
+                data["params"] = check.to_json()
+                report.write_text(json.dumps(data, indent=1) + "\n")
+    except (OSError, ValueError):
+        pass  # the check was printed; its files are a convenience
     return check
 
 

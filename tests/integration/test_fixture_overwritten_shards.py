@@ -35,6 +35,9 @@ def test_overwritten_experts_are_named_with_the_broadcast_and_the_fix_is_clean(t
     for f in check["findings"]:
         assert f["overwrite"]["src"] == 0 and f["overwrite"]["call_site"] == EXPECTED["call_site"], f
 
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["verdict"] == "healthy" and report["params"]["pattern"] == EXPECTED["pattern"], report["params"]
+
     analyzed = run_command([*MOEDOCTOR, "analyze", "--params", str(run_dir)], 60, cwd=REPO)
     assert analyzed.returncode == 1 and "overwritten-shards" in analyzed.output, analyzed.tail()
 
