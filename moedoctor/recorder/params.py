@@ -46,22 +46,33 @@ def _pseudo_random(device: torch.device) -> torch.Tensor:
     return w
 
 
+_CHUNK = 1 << 24  # float64 scratch per tensor at most 128 MiB; a multiple of _WEIGHTS_LEN (same weights)
+
+
 @torch.no_grad()
 def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
-    """Five float64 reductions of ``tensor`` (``params_format.FINGERPRINT_FIELDS``), on its device."""
+    """Five float64 reductions of ``tensor`` (``params_format.FINGERPRINT_FIELDS``), on its device,
+    without a host synchronization."""
     x = tensor.detach().reshape(-1)
     if x.is_complex():
         x = torch.view_as_real(x).reshape(-1)
-    x = x.to(torch.float64)
     n = x.numel()
     if n == 0:
         return torch.zeros(5, dtype=torch.float64, device=x.device)
     w = _pseudo_random(x.device)
-    full = n - n % _WEIGHTS_LEN
-    wsum = (x[full:] * w[: n - full]).sum()
-    if full:
-        wsum = wsum + (x[:full].view(-1, _WEIGHTS_LEN) @ w).sum()
-    return torch.stack([x.sum(), (x * x).sum(), wsum, x.min(), x.max()])
+    parts = []
+    for start in range(0, n, _CHUNK):
+        c = x[start : start + _CHUNK].to(torch.float64)
+        m = c.numel()
+        full = m - m % _WEIGHTS_LEN
+        wsum = (c[full:] * w[: m - full]).sum()
+        if full:
+            wsum = wsum + (c[:full].view(-1, _WEIGHTS_LEN) @ w).sum()
+        parts.append(torch.stack([c.sum(), (c * c).sum(), wsum, c.min(), c.max()]))
+    if len(parts) == 1:
+        return parts[0]
+    p = torch.stack(parts)
+    return torch.stack([p[:, 0].sum(), p[:, 1].sum(), p[:, 2].sum(), p[:, 3].min(), p[:, 4].max()])
 
 
 def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, dict | None]:
@@ -139,6 +150,7 @@ class _ParamCheck:
                 {"src": src_global, "group": group_ranks, "time": now},
             )
 
+    @torch.no_grad()
     def on_forward(self, module: nn.Module, args) -> None:
         if self.root is not None or not any(True for _ in module.parameters()):
             return
@@ -168,6 +180,7 @@ class _ParamCheck:
     def on_step_start(self, optimizer, args, kwargs) -> None:
         self.depth += 1
 
+    @torch.no_grad()
     def on_step(self, optimizer, args, kwargs) -> None:
         self.depth = max(0, self.depth - 1)
         if self.depth:  # an optimizer stepped by another (ZeroRedundancyOptimizer's local one): wait for the outer

@@ -52,3 +52,19 @@ def test_with_the_option_fingerprints_at_first_forward_and_after_step_n(tmp_path
     assert prepared["1.weight"][4][3:] == [1.0, 1.0]  # LayerNorm weight: min == max, a constant tensor
     stepped = {t[0] for t in lines[1]["tensors"]}
     assert {"0.weight#exp_avg", "0.weight#exp_avg_sq"} <= stepped
+
+
+def test_fingerprint_is_chunk_independent_and_tells_a_permutation(monkeypatch):
+    import torch
+
+    from moedoctor.recorder import params
+
+    x = torch.randn(50_000)
+    whole = params.fingerprint(x)
+    monkeypatch.setattr(params, "_CHUNK", 8192)
+    chunked = params.fingerprint(x)
+    assert torch.allclose(whole, chunked, rtol=1e-12, atol=1e-9)
+    shuffled = params.fingerprint(x[torch.randperm(x.numel())])
+    assert torch.allclose(whole[[0, 1, 3, 4]], shuffled[[0, 1, 3, 4]]) and not torch.isclose(whole[2], shuffled[2])
+    ones = params.fingerprint(torch.ones(3, 4, dtype=torch.bfloat16))
+    assert ones[3] == ones[4] == 1.0
