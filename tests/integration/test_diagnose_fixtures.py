@@ -21,10 +21,13 @@ from moedoctor.errors import EXIT_HANG
 
 # The healthy corpus (healthy_*) has its own test, with its rank counts and environments.
 # A job that is slow, not stuck (failure: slow) completes: tests/integration/test_broadcast_storm.py runs it.
+# One that completes with wrong weights (failure: silent): tests/integration/test_fixture_overwritten_shards.py.
 NAMES = sorted(
     p.parent.name
     for p in FIXTURES.glob("*/expected.yaml")
-    if not p.parent.name.startswith("healthy_") and "failure: slow" not in p.read_text()
+    if not p.parent.name.startswith("healthy_")
+    and "failure: slow" not in p.read_text()
+    and "failure: silent" not in p.read_text()
 )
 
 

@@ -8,11 +8,16 @@ import json
 import sys
 
 import yaml
+from test_fixtures_moe import test_expected_yaml_line_references as check_line_references
 from torchrun_util import FIXTURES, REPO, run_command, torchrun_command
 
 FIXTURE = FIXTURES / "overwritten_shards"
 EXPECTED = yaml.safe_load((FIXTURE / "expected.yaml").read_text())
 MOEDOCTOR = [sys.executable, "-m", "moedoctor"]
+
+
+def test_expected_yaml_points_at_code() -> None:
+    check_line_references("overwritten_shards")
 
 
 def _run(tmp_path, name, *args):
