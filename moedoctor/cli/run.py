@@ -170,6 +170,8 @@ def run(
     fix_config = load_fix_config(config, FIXES.values()) if config is not None else {}
     if fix_config and not fixes:
         raise MoedoctorError("--config only tells fixes where your code is: name a fix with --fix")
+    if check_params_step != 1 and not check_params:
+        raise MoedoctorError("--check-params-step only says when --check-params fingerprints: add --check-params")
     if run_dir is None:
         run_dir = default_run_dir(Path("moedoctor-runs"))
     joined = prepare_run_dir(run_dir, command, force)
