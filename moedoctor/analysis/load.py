@@ -206,7 +206,7 @@ def load_run(
     if (path / "manifest.json").exists() or (path / "traces").is_dir():
         run = RunData(path=path, kind=SourceKind.RUN_DIR, traces=[])
         run.manifest = _read_manifest(path / "manifest.json", run.incomplete)
-        run.stacks = _read_stacks(path / "stacks", run.incomplete)
+        run.stacks = read_stacks(path / "stacks", run.incomplete)
         run.gpus = read_gpu_snapshots(path / "gpu", run.incomplete)
         paths = trace_paths(path / "traces")
         if not paths:
@@ -539,7 +539,7 @@ def _gap_text(gap: dict) -> str:
     )
 
 
-def _read_stacks(folder: Path, incomplete: list[str]) -> dict[int, StackDump]:
+def read_stacks(folder: Path, incomplete: list[str]) -> dict[int, StackDump]:
     stacks: dict[int, StackDump] = {}
     if not folder.is_dir():
         return stacks

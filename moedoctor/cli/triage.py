@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import typer
 from rich.console import Console
 from rich.text import Text
 
 from moedoctor.cli._command import Command
-from moedoctor.errors import EXIT_FINDING, EXIT_OK
+from moedoctor.errors import EXIT_FINDING, EXIT_OK, EXIT_USAGE
 from moedoctor.render.json_report import report_to_dict
 from moedoctor.render.terminal import render_report
 from moedoctor.runner.rundir import default_run_dir
-from moedoctor.triage import TriageResult, triage as run_triage
+from moedoctor.triage import TriageResult, merge_triages, triage as run_triage
 
 app = typer.Typer()
 
@@ -25,21 +25,32 @@ EPILOG = (
     "Exit status: 0 no collective problem seen; 1 a desync or a stuck job was found; 2 PID is no torch job, "
     "or nothing could be read. It never kills, stops or signals the job; py-spy pauses each rank for the "
     "milliseconds a stack read takes. Needs ptrace permission (root, or SYS_PTRACE in a container). "
-    "Example: moedoctor triage --pid $(pgrep -f torchrun | head -1)"
+    "Example: moedoctor triage --pid $(pgrep -f torchrun | head -1); a multi-node job: triage --pid on each "
+    "node, then moedoctor triage --merge node0-out --merge node1-out"
 )
 
 
 @app.command(cls=Command, epilog=EPILOG)
 def triage(
     pid: Annotated[
-        int,
+        Optional[int],
         typer.Option(
             "--pid",
             metavar="PID",
             help="torchrun (the elastic agent), moedoctor run, or any rank of the job.",
             show_default=False,
         ),
-    ],
+    ] = None,
+    merge: Annotated[
+        Optional[list[Path]],
+        typer.Option(
+            "--merge",
+            metavar="DIR",
+            help="Instead of --pid: one report from the triage folders of a multi-node job's nodes (run "
+            "moedoctor triage --pid on each node, gather the --out folders, name each with --merge).",
+            show_default=False,
+        ),
+    ] = None,
     out: Annotated[
         Optional[Path],
         typer.Option(
@@ -72,6 +83,26 @@ def triage(
     Recorder dump where the job allows one and its moedoctor traces if it runs under moedoctor, and say which
     ranks wait in which collective, which rank is elsewhere, and whether it looks like a code desync, a
     straggler or the hardware."""
+    if merge:
+        if pid is not None:
+            _usage("give either --pid (triage this node) or --merge DIR ... (merge the nodes' triages)")
+        report, evidence, notes = merge_triages(merge)
+        if json_out:
+            doc = report_to_dict(report)
+            doc["triage"] = {"merged": [str(d) for d in merge], "evidence": evidence, "notes": notes}
+            typer.echo(json.dumps(doc, indent=1, allow_nan=False, default=str))
+        else:
+            console = Console()
+            console.print(
+                Text(f"Triage of {len(merge)} nodes' folders merged; report from the {evidence}", style="dim"),
+                soft_wrap=True,
+            )
+            for note in notes:
+                console.print(Text(f"  {note}", style="dim"), soft_wrap=True)
+            render_report(report, console)
+        raise typer.Exit(EXIT_FINDING if report.problem_found else EXIT_OK)
+    if pid is None:
+        _usage("give --pid PID (a rank, torchrun, or moedoctor run of the job), or --merge DIR ...")
     result = run_triage(
         pid, out or default_run_dir(DEFAULT_BASE), native=native, flight_recorder=not no_flight_recorder
     )
@@ -84,6 +115,11 @@ def triage(
         _preface(result, console)
         render_report(result.report, console)
     raise typer.Exit(EXIT_FINDING if result.report.problem_found else EXIT_OK)
+
+
+def _usage(message: str) -> NoReturn:
+    Console(stderr=True).print(f"[bold red]moedoctor:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(EXIT_USAGE)
 
 
 def _preface(result: TriageResult, console: Console) -> None:

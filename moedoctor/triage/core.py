@@ -147,7 +147,7 @@ def triage(
     if evidence == "traces" and report.verify_command and run_dir is not None:
         # verify replays the job's own run directory (its manifest holds the command), not this copy
         report.verify_command = report.verify_command.replace(str(out_dir), str(run_dir))
-    return TriageResult(
+    result = TriageResult(
         pid=pid,
         launcher=launcher,
         ranks=ranks,
@@ -160,6 +160,74 @@ def triage(
         report=report,
         notes=notes,
     )
+    try:  # what merge_triages needs from this node: the ranks' states and the job's world size
+        (out_dir / TRIAGE_FILE).write_text(json.dumps({**result.to_dict(), "world_size": _world(ranks)}, indent=1))
+    except OSError as e:
+        notes.append(f"{TRIAGE_FILE} not written ({e.strerror or e})")
+    return result
+
+
+TRIAGE_FILE = "triage.json"
+
+
+def merge_triages(dirs: list[Path]) -> tuple[Report, str, list[str]]:
+    """One report from the triage folders of a multi-node job's nodes (``moedoctor triage --pid`` run
+    on each node, the folders gathered): ``(report, evidence, notes)``. The stacks, GPU snapshots and
+    ranks' states of every node are merged; the traces of the nodes that have them (jobs under
+    ``moedoctor run``) are analyzed together (``load_runs``), else the Flight Recorder dumps of every
+    node together, else the stacks alone."""
+    from moedoctor.analysis import load_runs
+    from moedoctor.analysis.load import read_stacks
+
+    notes: list[str] = []
+    stacks: dict[int, StackDump] = {}
+    states: dict[int, str] = {}
+    gpus = []
+    worlds = []
+    for d in dirs:
+        d = Path(d)
+        if not d.is_dir():
+            raise MoedoctorError(f"{d}: no such triage folder", EXIT_USAGE)
+        for rank, dump in read_stacks(d / "stacks", notes).items():
+            if rank in stacks:
+                notes.append(f"{d}: rank {rank} already read from another folder; left out")
+                continue
+            stacks[rank] = dump
+        gpus += read_gpu_snapshots(d / "gpu", notes)
+        try:
+            info = json.loads((d / TRIAGE_FILE).read_text())
+            states.update({int(r): v["state"] for r, v in info.get("ranks", {}).items()})
+            if isinstance(info.get("world_size"), int):
+                worlds.append(info["world_size"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            notes.append(f"{d}: no readable {TRIAGE_FILE} (ranks' process states and world size unknown)")
+    if not stacks:
+        raise MoedoctorError(f"no rank's stack in {', '.join(map(str, dirs))}: not triage folders?", EXIT_USAGE)
+    world = max(worlds) if worlds else None
+    source = " + ".join(str(d) for d in dirs)
+    from_stacks = report_from_stacks(stacks, source=source, world_size=world, gpus=gpus, states=states)
+    traced = [Path(d) for d in dirs if (Path(d) / "traces").is_dir()]
+    fr = [Path(d) / "flight_recorder" for d in dirs if any((Path(d) / "flight_recorder").glob("fr_rank_*"))]
+    for sources, label in ((traced, "traces"), (fr, "flight-recorder")):
+        if not sources:
+            continue
+        try:
+            run = load_runs(sources)
+        except MoedoctorError as e:
+            notes.append(f"{label}: not analyzed ({e.message})")
+            continue
+        run.stacks = stacks
+        run.gpus = run.gpus or gpus
+        report = analyze(run)
+        if report.verdict == Verdict.HEALTHY and from_stacks.verdict != Verdict.HEALTHY:
+            notes.append(f"the {label} show no problem yet (recorded up to a moment ago); the report is the stacks'")
+            return from_stacks, "stacks", notes
+        return report, label, notes
+    return from_stacks, "stacks", notes
+
+
+def _world(ranks: list[RankProcess]) -> int | None:
+    return next((int(r.env["WORLD_SIZE"]) for r in ranks if r.env.get("WORLD_SIZE", "").isdigit()), None)
 
 
 # ---- which processes ----------------------------------------------------------------------------
@@ -284,7 +352,7 @@ def _report(
     notes: list[str],
 ) -> tuple[Report, str]:
     states = {r.rank: r.state for r in ranks}
-    world = next((int(r.env["WORLD_SIZE"]) for r in ranks if r.env.get("WORLD_SIZE", "").isdigit()), None)
+    world = _world(ranks)
     from_stacks = report_from_stacks(
         stacks, source=str(out_dir), world_size=world, gpus=read_gpu_snapshots(out_dir / "gpu", []), states=states
     )

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from torchrun_util import FIXTURES, REPO, _kill_session, job_env, live_processes
 
 FIXTURE = FIXTURES / "inflight_metric_allreduce" / "train.py"
@@ -27,12 +28,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _node_command(run_dir: Path, node: int, port: int, rdzv_id: str, *extra: str, fixture: Path = FIXTURE
-                  ) -> list[str]:
+def _node_command(run_dir: Path, node: int, port: int, rdzv_id: str, *extra: str, fixture: Path = FIXTURE,
+                  nproc: int = 1) -> list[str]:
     return [
         sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", "20", *extra, "--",
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-        "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--nproc_per_node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
         "--rdzv-id", rdzv_id, str(fixture), "--pg-timeout", "40",
     ]
 
@@ -50,7 +51,8 @@ def _job_processes(run_dirs: list[Path]) -> list[int]:
     return live_processes(matches)
 
 
-def run_two_nodes(run_dirs: list[Path], *extra: str, fixture: Path = FIXTURE) -> list[tuple[int, str, float]]:
+def run_two_nodes(run_dirs: list[Path], *extra: str, fixture: Path = FIXTURE, nproc: int = 1,
+                  timeout: float = TIMEOUT) -> list[tuple[int, str, float]]:
     """Both nodes' ``moedoctor run`` started at once; (exit code, output, seconds) per node. Every
     process is killed in the end, whatever happens."""
     port, rdzv_id = _free_port(), f"mn{os.getpid()}"
@@ -62,14 +64,14 @@ def run_two_nodes(run_dirs: list[Path], *extra: str, fixture: Path = FIXTURE) ->
             logs.append(log)
             procs.append(
                 subprocess.Popen(
-                    _node_command(run_dir, node, port, rdzv_id, *extra, fixture=fixture), stdout=log,
+                    _node_command(run_dir, node, port, rdzv_id, *extra, fixture=fixture, nproc=nproc), stdout=log,
                     stderr=subprocess.STDOUT, env=job_env(), cwd=REPO, start_new_session=True,
                 )
             )
         results = []
         for proc, log in zip(procs, logs):
             try:
-                code = proc.wait(timeout=max(1.0, TIMEOUT - (time.monotonic() - start)))
+                code = proc.wait(timeout=max(1.0, timeout - (time.monotonic() - start)))
             except subprocess.TimeoutExpired:
                 code = -9
             log.seek(0)
@@ -159,5 +161,29 @@ def test_a_healthy_two_node_job_is_left_alone(tmp_path):
         for d in run_dirs:
             (node,) = json.loads((d / "manifest.json").read_text())["nodes"].values()
             assert node["status"] == "finished" and node["hang"] is None, _tails(results)
+    finally:
+        _assert_stopped_everywhere(run_dirs, results)
+
+
+@pytest.mark.heavy
+def test_sixteen_ranks_two_nodes_of_eight_one_run_dir_each(tmp_path):
+    """2 nodes x 8 ranks (Gloo, tiny tensors), a run directory per node: the desync of rank 1 against
+    the 15 others is found through the store, every node stops its 8 ranks, and the merged analysis
+    names the pattern and the culprit. Prints the time it took."""
+    run_dirs = [tmp_path / "node0" / "run", tmp_path / "node1" / "run"]
+    for d in run_dirs:
+        d.parent.mkdir()
+    results = run_two_nodes(run_dirs, "--hang-timeout", "60", nproc=8, timeout=400)
+    try:
+        print(f"16 ranks: nodes ended after {[round(s) for _, _, s in results]} s")
+        assert [c for c, _, _ in results] == [124, 124], _tails(results)
+        for d in run_dirs:
+            (node,) = json.loads((d / "manifest.json").read_text())["nodes"].values()
+            assert node["hang"]["trigger"] == "desync", (node["hang"], _tails(results))
+        merged = subprocess.run([sys.executable, "-m", "moedoctor", "analyze", *map(str, run_dirs), "--json"],
+                                capture_output=True, text=True, cwd=REPO, timeout=300)
+        report = json.loads(merged.stdout)
+        assert report["pattern"] == PATTERN and report["culprit_ranks"] == CULPRIT, merged.stderr[-2000:]
+        assert sorted(report["source"]["traced_ranks"]) == list(range(16))
     finally:
         _assert_stopped_everywhere(run_dirs, results)
