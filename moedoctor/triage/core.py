@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moedoctor.analysis import analyze, load_run
+from moedoctor.analysis import analyze, load_runs
 from moedoctor.analysis.from_stacks import report_from_stacks
 from moedoctor.analysis.load import read_gpu_snapshots
 from moedoctor.analysis.model import Report, Verdict
@@ -176,7 +176,6 @@ def merge_triages(dirs: list[Path]) -> tuple[Report, str, list[str]]:
     ranks' states of every node are merged; the traces of the nodes that have them (jobs under
     ``moedoctor run``) are analyzed together (``load_runs``), else the Flight Recorder dumps of every
     node together, else the stacks alone."""
-    from moedoctor.analysis import load_runs
     from moedoctor.analysis.load import read_stacks
 
     notes: list[str] = []
@@ -208,22 +207,35 @@ def merge_triages(dirs: list[Path]) -> tuple[Report, str, list[str]]:
     from_stacks = report_from_stacks(stacks, source=source, world_size=world, gpus=gpus, states=states)
     traced = [Path(d) for d in dirs if (Path(d) / "traces").is_dir()]
     fr = [Path(d) / "flight_recorder" for d in dirs if any((Path(d) / "flight_recorder").glob("fr_rank_*"))]
-    for sources, label in ((traced, "traces"), (fr, "flight-recorder")):
-        if not sources:
+    report, evidence = _best_report(
+        ((traced, "traces"), (fr, "flight-recorder")), stacks, lambda incomplete: gpus, from_stacks, notes
+    )
+    return report, evidence, notes
+
+
+def _best_report(
+    sources, stacks: dict[int, StackDump], gpus, from_stacks: Report, notes: list[str]
+) -> tuple[Report, str]:
+    """The report of the first of ``sources`` (``(paths, label)``: traces, then Flight Recorder dumps)
+    that loads, with the fresh ``stacks``; the stacks' own report when none does, or when it finds
+    nothing the stacks do (recorded up to a moment ago). ``gpus(incomplete)``: the GPU snapshots."""
+    for paths, label in sources:
+        if not paths:
             continue
         try:
-            run = load_runs(sources)
+            run = load_runs(paths)
         except MoedoctorError as e:
             notes.append(f"{label}: not analyzed ({e.message})")
             continue
         run.stacks = stacks
-        run.gpus = run.gpus or gpus
+        if not run.gpus:
+            run.gpus = gpus(run.incomplete)
         report = analyze(run)
         if report.verdict == Verdict.HEALTHY and from_stacks.verdict != Verdict.HEALTHY:
             notes.append(f"the {label} show no problem yet (recorded up to a moment ago); the report is the stacks'")
-            return from_stacks, "stacks", notes
-        return report, label, notes
-    return from_stacks, "stacks", notes
+            return from_stacks, "stacks"
+        return report, label
+    return from_stacks, "stacks"
 
 
 def _world(ranks: list[RankProcess]) -> int | None:
@@ -356,23 +368,10 @@ def _report(
     from_stacks = report_from_stacks(
         stacks, source=str(out_dir), world_size=world, gpus=read_gpu_snapshots(out_dir / "gpu", []), states=states
     )
-    for source, label in (
-        (out_dir if traces else None, "traces"),
-        (out_dir / "flight_recorder" if fr.dumps else None, "flight-recorder"),
-    ):
-        if source is None:
-            continue
-        try:
-            run = load_run(source)
-        except MoedoctorError as e:
-            notes.append(f"{label}: not analyzed ({e.message})")
-            continue
-        run.stacks = stacks
-        if not run.gpus:
-            run.gpus = read_gpu_snapshots(out_dir / "gpu", run.incomplete)
-        report = analyze(run)
-        if report.verdict == Verdict.HEALTHY and from_stacks.verdict != Verdict.HEALTHY:
-            notes.append(f"the {label} show no problem yet (recorded up to a moment ago); the report is the stacks'")
-            return from_stacks, "stacks"
-        return report, label
-    return from_stacks, "stacks"
+    sources = (
+        ([out_dir] if traces else [], "traces"),
+        ([out_dir / "flight_recorder"] if fr.dumps else [], "flight-recorder"),
+    )
+    return _best_report(
+        sources, stacks, lambda incomplete: read_gpu_snapshots(out_dir / "gpu", incomplete), from_stacks, notes
+    )
