@@ -14,8 +14,9 @@ Every node is its own ``NodeDigest`` and its own ``Coordinator`` (groups sharded
 and counted in bytes, coordinators poll, and expansion requests are answered by the nodes that hold
 the ranks (one more period is counted for that round trip). Planted desyncs (``--plant``): ``extra``:
 one rank issues one extra 1-element all_reduce on its FSDP group in step 1 and runs on (its later
-FSDP collectives are shifted by one: no hang to help); ``split``: one rank's all_to_all expects one
-more row from a peer than the peer sends (a broken split contract).
+FSDP collectives are shifted by one: no hang to help); ``hang``: the same extra collective, and every
+rank stops right after it (found at the frontier, no block closes); ``split``: one rank's all_to_all
+expects one more row from a peer than the peer sends (a broken split contract).
 
 Printed per size: detection latency after the mismatching record was issued (simulated time: the
 period in which the mismatch's digests arrive, plus one period for the expansion's round trip, plus
@@ -26,7 +27,7 @@ around generating the streams), the supervisor CPU per node at 100 collectives p
 parsing the node's 8 trace files (measured on node 0's records written as real trace files) added,
 memory (the whole simulation's peak RSS and per node), and the bytes exchanged per node per second.
 
-    python benchmarks/online_scale.py [--sizes 64,1024,16384] [--seconds 3] [--plant extra|split]
+    python benchmarks/online_scale.py [--sizes 64,1024,16384] [--seconds 3] [--plant extra|split|hang]
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def schedule() -> list[tuple]:
 class Rank:
     """One rank's synthetic stream."""
 
-    __slots__ = ("rank", "groups", "seqs", "pos", "extra", "broken")
+    __slots__ = ("rank", "groups", "seqs", "pos", "extra", "broken", "stop")
 
     def __init__(self, rank: int, groups: list[Group]):
         self.rank = rank
@@ -106,6 +107,7 @@ class Rank:
         self.pos = 0  # collectives issued (position in the run)
         self.extra: int | None = None  # issue an extra FSDP all_reduce before this position
         self.broken: int | None = None  # break the split contract at this position
+        self.stop: int | None = None  # issue nothing from this position on (a hang)
 
     def issue(self, count: int, sched: list[tuple], seed: int) -> tuple[list[CollectiveEvent], float | None]:
         out = []
@@ -117,6 +119,8 @@ class Rank:
             if self.extra == pos:
                 out.append(self._event(2, "all_reduce", ((1,),), ((1,),), "float32", "sum", step, t))
                 planted = t
+            if self.stop is not None and pos >= self.stop:
+                break
             gi, op, kind = sched[i]
             g = self.groups[gi]
             if op == "all_to_all":
@@ -183,8 +187,13 @@ def simulate(n: int, seconds: float, period: float, plant: str, seed: int = 7, q
     sched = schedule()
     ranks = [Rank(r, groups[r]) for r in range(n)]
     victim = n // 2 + 3
-    if plant == "extra":
-        ranks[victim].extra = RATE + 37  # step 1, before the 4th layer's forward all_gather
+    if plant in ("extra", "hang"):
+        at = RATE + 3 * 5  # step 1, right before the 4th layer's forward FSDP all_gather
+        assert sched[at % RATE][:2] == (2, "all_gather")
+        ranks[victim].extra = at
+        if plant == "hang":  # every rank stops there: the others after that all_gather, the victim before
+            for x in ranks:
+                x.stop = at + (x.rank != victim)
     else:
         a2a = [i for i, s in enumerate(sched) if s[1] == "all_to_all"]
         ranks[victim].broken = RATE + a2a[5]
@@ -215,7 +224,7 @@ def simulate(n: int, seconds: float, period: float, plant: str, seed: int = 7, q
                 evs, planted = ranks[r].issue(per_tick, sched, seed)
                 if planted is not None:
                     issued_at = planted
-                if k == 0 and tick < 2:
+                if k == 0 and tick < 4:
                     sample[r].extend(evs)
                 t0 = clock()
                 node.feed(r, evs)
@@ -264,7 +273,9 @@ def simulate(n: int, seconds: float, period: float, plant: str, seed: int = 7, q
     gc.enable()
     sim_seconds = (tick + 1) * period
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    gc.freeze()  # the simulation's millions of objects are not the tracker's to collect
     parse = parse_cost(sample)
+    gc.unfreeze()
     per_node = [c / sim_seconds for c in cpu]
     expanded = sum(c.expanded for c in coords)
     unconfirmed = sum(c.unconfirmed for c in coords)
@@ -310,7 +321,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="64,1024,16384")
     ap.add_argument("--seconds", type=float, default=3.0, help="simulated seconds at most (the desync is in 1-2)")
     ap.add_argument("--period", type=float, default=0.5, help="exchange period, simulated seconds")
-    ap.add_argument("--plant", choices=["extra", "split"], default="extra")
+    ap.add_argument("--plant", choices=["extra", "split", "hang"], default="extra")
     args = ap.parse_args()
     last = None
     for n in (int(x) for x in args.sizes.split(",")):

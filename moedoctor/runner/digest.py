@@ -33,13 +33,18 @@ The interface (everything crosses nodes as ``bytes``; the transport is the calle
   every exchange period ``node.message(now, progress)`` -> ``bytes`` (``progress``: the tracker's
   ``ranks`` mapping, for lags; ``now`` on the tracker's monotonic clock), or
   ``node.messages(now, progress, route)`` -> ``{coordinator_node: bytes}`` where ``route(group_name,
-  group_ranks) -> node`` shards the groups over coordinators (e.g. ``coordinator_of``). On a request:
+  group_ranks, rank) -> node`` shards the groups over coordinators: ``route =
+  coordinator_of(nodes, node_of_rank)`` (every node must build the same route). On a request:
   ``node.answer(request_bytes)`` -> ``bytes`` (its local ranks' records of that group and range).
-- Coordinator: ``coord = Coordinator()``; ``coord.receive(message_bytes, now)`` for every node's message;
-  ``out = coord.poll(now)`` -> ``Outcome`` with ``desync`` (a ``Desync`` or None, the first found,
-  kept in ``coord.desync``), ``lags`` (new ``Lag`` s) and ``requests`` (new ``Expansion`` s: send
-  ``req.to_bytes()`` to each node in ``req.nodes``); ``coord.receive_records(response_bytes)`` for
-  each answer; the next ``poll`` judges the range once every asked node has answered.
+- Coordinator: ``coord = Coordinator(node=my_node, fanin=FANIN, route=route)`` on every node (one
+  node alone: ``Coordinator()``); ``coord.receive(message_bytes, now)`` for every message addressed to
+  it (nodes' digests and other coordinators' chunk summaries alike); ``out = coord.poll(now)`` ->
+  ``Outcome`` with ``desync`` (a ``Desync`` or None, the first found, kept in ``coord.desync``),
+  ``lags`` (new ``Lag`` s), ``requests`` (new ``Expansion`` s: send ``req.to_bytes()`` to each node
+  in ``req.nodes``, hand each answer to ``coord.receive_records(response_bytes)``; the next ``poll``
+  judges the range once every asked node has answered) and ``up`` (``{coordinator_node: bytes}``:
+  chunk summaries, delivered like digests). A ``Desync`` found by any node's coordinator is the job's:
+  broadcast it (``Desync`` is a frozen dataclass) so every node diagnoses and stops its ranks.
 - One node (``moedoctor run`` on one host): ``LocalDigest`` wires one ``NodeDigest`` to one
   ``Coordinator`` with no transport; it is a drop-in for ``DesyncDetector`` (``feed``, ``poll``).
 """
@@ -281,7 +286,7 @@ class NodeDigest:
                 m.done = []
                 if (dest, name) not in self._sent_groups:
                     self._sent_groups.add((dest, name))
-                    p["groups"][name] = [m.group.desc, list(m.group.ranks)]
+                    p["groups"][name] = [m.group.desc, pack_ranks(m.group.ranks)]
             if progress is not None and rank in progress:
                 summary = self._rank_summary(rank, progress[rank], now)
                 if summary is not None:
@@ -315,6 +320,25 @@ class NodeDigest:
         return json.dumps(
             {"id": req["id"], "node": self.node, "complete": complete, "records": out}, separators=(",", ":")
         ).encode()
+
+
+def pack_ranks(ranks: tuple[int, ...]) -> list:
+    """A group's ranks as runs ``[start, step, count]`` (a device mesh's groups are one run each: a
+    2,048-rank group is 3 numbers, not 2,048)."""
+    runs: list[list[int]] = []
+    i = 0
+    while i < len(ranks):
+        step = ranks[i + 1] - ranks[i] if i + 1 < len(ranks) else 1
+        n = 1
+        while i + n < len(ranks) and ranks[i + n] - ranks[i + n - 1] == step:
+            n += 1
+        runs.append([ranks[i], step, n])
+        i += n
+    return runs
+
+
+def unpack_ranks(runs: list) -> tuple[int, ...]:
+    return tuple(start + step * j for start, step, n in runs for j in range(n))
 
 
 def encode_event(e: CollectiveEvent) -> list:
@@ -491,7 +515,7 @@ class Coordinator:
         node = msg["node"]
         for name, (desc, ranks) in msg["groups"].items():
             if name not in self._defs:
-                self._defs[name] = Group(name, desc, tuple(ranks))
+                self._defs[name] = Group(name, desc, unpack_ranks(ranks))
         for rank, where in msg.get("where", ()):
             self._node_of[rank] = where
         for rank, epoch, name, f, prefix, done in msg["members"]:
@@ -663,7 +687,7 @@ class Coordinator:
             g.up_done = []
             if not g.up_sent:
                 g.up_sent = True
-                p["groups"][g.group.name] = [g.group.desc, list(g.group.ranks)]
+                p["groups"][g.group.name] = [g.group.desc, pack_ranks(g.group.ranks)]
                 p["where"] = p.get("where", []) + [[r, self._node_of[r]] for r in g.members if r in self._node_of]
         return {d: json.dumps(p, separators=(",", ":")).encode() for d, p in parts.items()}
 
