@@ -29,12 +29,12 @@ def _free_port() -> int:
 
 
 def _node_command(run_dir: Path, node: int, port: int, rdzv_id: str, *extra: str, fixture: Path = FIXTURE,
-                  nproc: int = 1) -> list[str]:
+                  nproc: int = 1, backend: str = "gloo") -> list[str]:
     return [
         sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", "20", *extra, "--",
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
         "--nproc_per_node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-        "--rdzv-id", rdzv_id, str(fixture), "--pg-timeout", "40",
+        "--rdzv-id", rdzv_id, str(fixture), "--pg-timeout", "40", "--backend", backend,
     ]
 
 
@@ -52,9 +52,9 @@ def _job_processes(run_dirs: list[Path]) -> list[int]:
 
 
 def run_two_nodes(run_dirs: list[Path], *extra: str, fixture: Path = FIXTURE, nproc: int = 1,
-                  timeout: float = TIMEOUT) -> list[tuple[int, str, float]]:
+                  timeout: float = TIMEOUT, backend: str = "gloo") -> list[tuple[int, str, float]]:
     """Both nodes' ``moedoctor run`` started at once; (exit code, output, seconds) per node. Every
-    process is killed in the end, whatever happens."""
+    process is killed in the end, whatever happens. NCCL: node N on GPU N (two single-GPU nodes)."""
     port, rdzv_id = _free_port(), f"mn{os.getpid()}"
     procs, logs = [], []
     start = time.monotonic()
@@ -64,8 +64,10 @@ def run_two_nodes(run_dirs: list[Path], *extra: str, fixture: Path = FIXTURE, np
             logs.append(log)
             procs.append(
                 subprocess.Popen(
-                    _node_command(run_dir, node, port, rdzv_id, *extra, fixture=fixture, nproc=nproc), stdout=log,
-                    stderr=subprocess.STDOUT, env=job_env(), cwd=REPO, start_new_session=True,
+                    _node_command(run_dir, node, port, rdzv_id, *extra, fixture=fixture, nproc=nproc,
+                                  backend=backend), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                    env=job_env(**({"CUDA_VISIBLE_DEVICES": str(node)} if backend == "nccl" else {})),
+                    start_new_session=True,
                 )
             )
         results = []
@@ -102,9 +104,9 @@ def _report(run_dir: Path) -> dict:
     return json.loads((run_dir / "report.json").read_text())
 
 
-def test_two_nodes_one_shared_run_dir(tmp_path):
+def test_two_nodes_one_shared_run_dir(tmp_path, backend="gloo"):
     run_dir = tmp_path / "run"
-    results = run_two_nodes([run_dir, run_dir])
+    results = run_two_nodes([run_dir, run_dir], backend=backend)
     try:
         assert [c for c, _, _ in results] == [124, 124], _tails(results)
         report = _report(run_dir)
@@ -121,14 +123,14 @@ def test_two_nodes_one_shared_run_dir(tmp_path):
         _assert_stopped_everywhere([run_dir], results)
 
 
-def test_two_nodes_one_run_dir_each(tmp_path):
+def test_two_nodes_one_run_dir_each(tmp_path, backend="gloo"):
     """No shared file system: each node sees only its own rank's trace; the desync is found by the
     coordinator through the rendezvous store, and every node stops its own rank. ``analyze DIR1 DIR2``
     then gives the pattern and culprit of the shared-directory run."""
     run_dirs = [tmp_path / "node0" / "run", tmp_path / "node1" / "run"]
     for d in run_dirs:
         d.parent.mkdir()
-    results = run_two_nodes(run_dirs)
+    results = run_two_nodes(run_dirs, backend=backend)
     try:
         assert [c for c, _, _ in results] == [124, 124], _tails(results)
         stacks = []
@@ -187,3 +189,23 @@ def test_sixteen_ranks_two_nodes_of_eight_one_run_dir_each(tmp_path):
         assert sorted(report["source"]["traced_ranks"]) == list(range(16))
     finally:
         _assert_stopped_everywhere(run_dirs, results)
+
+
+def _two_gpus() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.device_count() >= 2
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("layout", ["shared", "per-node"])
+def test_nccl_two_single_gpu_nodes(tmp_path, layout):
+    """The same on NCCL: two single-GPU nodes (node N sees GPU N only)."""
+    if layout == "shared":
+        test_two_nodes_one_shared_run_dir(tmp_path, backend="nccl")
+    else:
+        test_two_nodes_one_run_dir_each(tmp_path, backend="nccl")
