@@ -160,6 +160,7 @@ class Exchange:
         self.coordinator: Coordinator | None = None
         self.desync: Desync | None = None
         self.lags: list[Lag] = []
+        self._lags_taken = 0
         self.problem: str | None = None
         self.bytes_sent = 0
         self._backlog: list[tuple[int, list, bool]] = []  # fed before the node had its number
@@ -185,6 +186,12 @@ class Exchange:
 
     def publish(self, desync: Desync) -> None:
         self._own = desync
+
+    def take_lags(self) -> list[Lag]:
+        """The lags the coordinator (this node, node 0) found since the last call."""
+        taken = self.lags[self._lags_taken :]
+        self._lags_taken += len(taken)
+        return taken
 
     # -- the thread ------------------------------------------------------------------------------
 

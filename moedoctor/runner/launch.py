@@ -462,6 +462,8 @@ class _Run:
     def _report_lags(self, now: float) -> None:
         stopped = self.tracker.stopped  # an unrecorded rank only looks behind
         lags = self.detector.check_lags({r: p for r, p in self.tracker.ranks.items() if r not in stopped}, now)
+        if self.exchange is not None:  # lags the coordinator saw across nodes (the same once only)
+            lags += [lag for lag in self.exchange.take_lags() if lag.line() not in self.node.lags]
         for lag in lags:
             if len(self.node.lags) < 100:
                 self.node.lags.append(lag.line())

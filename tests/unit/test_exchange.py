@@ -134,3 +134,14 @@ def test_a_desync_published_right_before_close_still_reaches_the_store():
     node.publish(ref.desync)
     node.close()
     assert Mailboxes(store, "job").desync() == ref.desync
+
+
+def test_lags_are_taken_once():
+    from moedoctor.runner.online import Lag
+
+    node = Exchange("h", 1, "job")  # not started: no store needed
+    lag = Lag("0", 5, 2, (0,), 1, 3, 1, 0.0)
+    node.lags.append(lag)
+    assert node.take_lags() == [lag] and node.take_lags() == []
+    node.lags.append(lag)
+    assert node.take_lags() == [lag]
