@@ -220,7 +220,7 @@ def check_params(checkpoints: dict[int, list[Checkpoint]], events: dict[int, lis
     if ctx.per_rank:
         check.notes.append(
             f"{len(ctx.per_rank)} plain parameter(s) differ across ranks from the first point on and were never "
-            "broadcast: taken as per-rank by construction (expert parallelism without DTensor), not compared"
+            "broadcast: taken as per-rank by construction (experts, pipeline stages: no DTensor says so), not compared"
         )
     return check
 
