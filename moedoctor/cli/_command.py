@@ -21,7 +21,16 @@ class Command(TyperCommand):
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = super().collect_usage_pieces(ctx)
-        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
+        return [_plain_metavar(p) for p in pieces]
+
+
+def _plain_metavar(piece: str) -> str:
+    """``{PATH}`` -> ``PATH``, ``{PATH}...`` (several) -> ``PATH...``."""
+    many = piece.endswith("}...")
+    core = piece[:-3] if many else piece
+    if core.startswith("{") and core.endswith("}"):
+        return core[1:-1] + ("..." if many else "")
+    return piece
 
 
 class Group(TyperGroup):

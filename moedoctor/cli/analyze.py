@@ -41,7 +41,7 @@ def analyze(
             "PyTorch Flight Recorder dumps. Several run directories (or trace folders) of one job, one per node "
             "(each node's moedoctor run with its own --run-dir): merged into one analysis.",
             show_default=False,
-            metavar="PATH...",
+            metavar="PATH",
         ),
     ],
     json_out: Annotated[
