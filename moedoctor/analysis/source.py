@@ -241,6 +241,18 @@ def _function_at(path: str, line: int) -> list[ast.FunctionDef | ast.AsyncFuncti
     )
 
 
+def qualified_function(path: str, line: int, name: str) -> str | None:
+    """The name a fix can patch for the function ``name`` running ``line`` of ``path``: ``name`` at
+    module level, ``Class.name`` for a method (classes nested in classes too); None for a function
+    defined inside another (a new object each call: nothing to patch) or a source that cannot be read."""
+    enclosing = _function_at(path, line)
+    if not enclosing or enclosing[-1].name != name or isinstance(enclosing[-1], ast.ClassDef):
+        return None
+    if any(not isinstance(n, ast.ClassDef) for n in enclosing[:-1]):
+        return None
+    return ".".join(n.name for n in enclosing)
+
+
 def defined_classes(path: str) -> set[str] | None:
     """Names of the classes ``path`` defines (None when the source cannot be read)."""
     tree = _tree(path)

@@ -33,7 +33,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from moedoctor.analysis.source import calls_in, line_text
+from moedoctor.analysis.source import calls_in, line_text, qualified_function
 from moedoctor.events import CollectiveEvent
 
 #: A storm: at least this many consecutive collectives of one op, group and call site on a rank...
@@ -334,8 +334,14 @@ def storm_fix_config(slow: SlowReport | None, command: list[str] | None) -> dict
             module = "__main__"
         elif "-packages" + os.sep in file and file.endswith(".py"):
             module = file.split("-packages" + os.sep, 1)[1][:-3].replace(os.sep, ".").removesuffix(".__init__")
-        if module is not None and f"{module}:{s.function}" not in targets:
-            targets.append(f"{module}:{s.function}")
+        line = s.call_site.rsplit(":", 1)[1]
+        # A method is patched as Class.method; a source that cannot be read keeps the plain name.
+        name = qualified_function(file, int(line), s.function) if line.isdigit() else None
+        if name is None and line.isdigit() and line_text(file, int(line)) is not None:
+            continue  # a function defined inside another: nothing a fix can patch
+        name = name or s.function
+        if module is not None and f"{module}:{name}" not in targets:
+            targets.append(f"{module}:{name}")
     return {"coalesce-broadcasts": {"targets": targets}} if targets else None
 
 

@@ -242,3 +242,28 @@ def test_a_gap_in_the_event_ids_ends_a_run():
     windows = b.events[:800] + b.events[801:]
     assert [len(r) for r in timing.runs(windows)] == [800, 799]
     assert [s.count for s in rank_storms(0, b.events)] == [1600]
+
+
+def test_fix_target_of_a_method_is_class_dot_method(tmp_path):
+    # Megatron-style DistributedDataParallel.broadcast_params: the site's function is the method's
+    # co_name; the target must be its qualified name, or the fix finds nothing to patch. A function
+    # defined inside another is a new object each call: no target.
+    script = tmp_path / "train.py"
+    script.write_text(
+        "class DDP:\n"
+        "    def broadcast_params(self):\n"
+        "        for p in self.params:\n"
+        "            dist.broadcast(p, src=0)\n"
+        "def outer():\n"
+        "    def inner():\n"
+        "        dist.broadcast(x, src=0)\n"
+    )
+    for line, function, target in ((4, "broadcast_params", "__main__:DDP.broadcast_params"), (7, "inner", None)):
+        builders = ranks(2)
+        for b in builders:
+            for _ in range(MIN_STORM_COUNT + 600):
+                b.coll("broadcast", (8,), root=0, file=str(script), line=line, function=function)
+        info = dataclasses.replace(manifest(exits={0: 0, 1: 0}, hang=False), command=["torchrun", str(script)])
+        report = analyze(run_of(*builders, manifest_info=info))
+        expected = {"coalesce-broadcasts": {"targets": [target]}} if target else None
+        assert report.slow is not None and report.fix_config == expected
