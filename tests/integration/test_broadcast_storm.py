@@ -1,7 +1,7 @@
 """Slow, not stuck, for real: the broadcast-storm fixture (a short version: 2 layers x 700 experts,
 4,211 one-tensor broadcasts from rank 0) under ``moedoctor run`` with a hang timeout shorter than the
-job, then ``moedoctor verify --fix coalesce-broadcasts`` as the report prints it, and with the fix
-pointed at the wrong function."""
+job, then ``moedoctor verify --fix coalesce-broadcasts`` as the report prints it, and (``heavy``) with the
+fix pointed at the wrong function."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import shlex
 import sys
 
+import pytest
 import yaml
 from torchrun_util import FIXTURES, REPO, run_command, torchrun_command
 
@@ -26,11 +27,18 @@ def storm_too_short(run_dir) -> bool:
     return max(s["seconds"] for s in storms) < LIVE_STORM_SECONDS + 1.5
 
 
-def test_storm_is_reported_not_stopped_and_the_coalescing_fix_verifies(tmp_path):
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def storm_run(tmp_path_factory):
+    """The short storm under ``moedoctor run`` (its run directory and the run's result)."""
+    run_dir = tmp_path_factory.mktemp("storm") / "run"
     job = torchrun_command(FIXTURE / "train.py", 2, "--pg-timeout", "30", *map(str, EXPECTED["test_args"]))
     result = run_command([*MOEDOCTOR, "run", "--run-dir", str(run_dir), "--hang-timeout", "8", "--", *job], 150,
                          cwd=REPO)
+    return run_dir, result
+
+
+def test_storm_is_reported_not_stopped_and_the_coalescing_fix_verifies(storm_run):
+    run_dir, result = storm_run
     context = result.tail(40)
     assert result.returncode == 0, context  # the job was not stopped: it completed
     assert "moedoctor: hang" not in result.output and "moedoctor: desync" not in result.output, context
@@ -59,7 +67,12 @@ def test_storm_is_reported_not_stopped_and_the_coalescing_fix_verifies(tmp_path)
     assert arrived["passed"] and "identical to the source rank's" in arrived["after"], context
     assert checks["losses before the hang"]["passed"], context
 
-    # The fix pointed at a function that broadcasts nothing: the storm stays, and verify says so.
+
+
+@pytest.mark.heavy  # the wrong-fix verify of another pattern runs in the suite (test_fixture_collective_in_checkpoint)
+def test_the_fix_pointed_at_the_wrong_function_does_not_verify(storm_run, tmp_path):
+    """The fix pointed at a function that broadcasts nothing: the storm stays, and verify says so."""
+    run_dir, _ = storm_run
     config = tmp_path / "wrong.yaml"
     config.write_text("coalesce-broadcasts:\n  targets: ['__main__:params_identical']\n")
     wrong = run_command([*MOEDOCTOR, "verify", "--run", str(run_dir), "--fix", EXPECTED["fix"], "--config",

@@ -86,6 +86,7 @@ def test_straggler_hangs_until_pg_timeout() -> None:
     assert_hung(run_and_reap("straggler"), last_logged_step=1)
 
 
+@pytest.mark.heavy  # in the suite: test_diagnose_fixtures[hardware_like] (the same hang, under moedoctor run)
 def test_hardware_like_never_completes() -> None:
     # Left alone, torchrun needs its 30 s SIGTERM grace to end the stopped rank: kill it sooner.
     assert_hung(run_and_reap("hardware_like", timeout=30), last_logged_step=1)

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from torchrun_util import REPO, JobResult, job_env, live_processes, run_command, torchrun_command
 
 from moedoctor.errors import EXIT_HANG, EXIT_INTERRUPTED
@@ -193,6 +194,7 @@ def test_keep_alive_diagnoses_and_leaves_the_job_running(tmp_path):
     assert manifest(run_dir)["hang"] is not None
 
 
+@pytest.mark.heavy  # superseded in the suite by test_multinode.py (c10d rendezvous, both layouts)
 def test_two_nodes_share_one_run_dir(tmp_path):
     """Two ``moedoctor run`` of one 2-node job (one rank each) on this host, one run directory."""
     run_dir = tmp_path / "run"

@@ -6,7 +6,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=6))
 rank = dist.get_rank()
 for _ in range(2):
     dist.all_reduce(torch.ones(4))
