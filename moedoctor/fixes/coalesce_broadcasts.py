@@ -18,18 +18,29 @@ group that was used and compared with the source rank's: every broadcast tensor 
 bitwise equal. The detail carries the time spent in the target and the number of coalesced
 broadcasts, for the before/after comparison.
 
-Risk: code inside the target that reads a broadcast tensor before the flush (broadcast into a
-buffer, then ``param.copy_(buffer)``) sees the tensor as it was before the broadcast. Guarded two
-ways: with checks on (``moedoctor verify``), the receiving ranks' floating-point tensors are filled
-with NaN when deferred, so a stale read poisons what it was copied into (the losses become NaN and
-the loss comparison fails) instead of silently using old weights; and a tensor the source rank
-modifies in place after deferring it (its version counter moves) is reported as a note, since the
-ranks would receive the later value. Code that needs the data before the function returns must not
-be a target: name a smaller function (``--config``).
+Reads inside the target: while a target runs, a torch function mode watches every torch operation
+(methods and properties included) for an argument whose memory overlaps a deferred tensor's; such an
+operation (``model.load_state_dict(state_dict)`` at the end of a per-key loader, a ``copy_`` from
+the received buffer) flushes every pending bucket first, so it sees the broadcast data. The flush is
+a collective: it is safe when the ranks run the same code (they touch the same tensors at the same
+point); a rank-local read (``if rank == 0: print(t.norm())``) flushes on that rank only and
+mismatches the buckets.
+
+Risk: what the mode cannot see still reads stale data: a read through another tensor object over
+other memory that is later copied in, or through raw pointers (``data_ptr()`` in an extension).
+Guarded two ways: with checks on (``moedoctor verify``), the receiving ranks' floating-point tensors
+are filled with NaN when deferred, so a stale read poisons what it was copied into (the losses become
+NaN and the loss comparison fails) instead of silently using old weights; and a tensor the source
+rank modifies in place after deferring it without a torch operation the mode sees (its version
+counter moves) is reported as a note, since the ranks would receive the later value. A loop that
+reads each tensor right after its broadcast flushes every time: nothing is coalesced, and the verify
+says the storm is still there. Code that needs the data before the function returns must not be a
+target: name a smaller function (``--config``).
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import sys
 import threading
@@ -115,6 +126,49 @@ class Buckets:
         return bool(self.pending)
 
 
+class Ranges:
+    """Byte ranges of the deferred tensors (start, end), for the overlap test of every torch
+    operation inside a target: torch-free, testable alone. Deferred tensors are distinct buffers
+    (a tensor broadcast twice flushes first), so the ranges do not overlap one another, and one
+    bisection answers whether [start, end) meets any of them."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def add(self, start: int, end: int) -> None:
+        i = bisect.bisect_right(self.starts, start)
+        self.starts.insert(i, start)
+        self.ends.insert(i, end)
+
+    def overlaps(self, start: int, end: int) -> bool:
+        i = bisect.bisect_left(self.starts, end) - 1  # the last range starting before ``end``
+        return i >= 0 and self.ends[i] > start
+
+    def clear(self) -> None:
+        self.starts.clear()
+        self.ends.clear()
+
+    def __bool__(self) -> bool:
+        return bool(self.starts)
+
+
+def _extent(tensor) -> tuple[int, int] | None:
+    """[first byte, last byte + 1) of ``tensor``'s elements (a view's strided span), or None for a
+    tensor without memory of its own to compare (meta, sparse, empty)."""
+    try:
+        if tensor.numel() == 0 or tensor.is_meta or tensor.layout is not _STRIDED[0]:
+            return None
+        start = tensor.data_ptr()
+    except (RuntimeError, AttributeError):  # no storage (a tensor subclass, a sparse tensor)
+        return None
+    span = sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return start, start + (span + 1) * tensor.element_size()
+
+
+_STRIDED: list[Any] = []  # torch.strided, set at install (this module imports no torch at load)
+
+
 def _install(runtime) -> None:
     import torch
     import torch.distributed as dist
@@ -126,12 +180,48 @@ def _install(runtime) -> None:
     original_broadcast = c10d.broadcast
     torch_dir = os.path.dirname(torch.__file__) + os.sep
 
+    _STRIDED[:] = [torch.strided]
+
     def state():
         if not hasattr(local, "depth"):
             local.depth, local.buckets, local.sent, local.flushes, local.deferred = 0, Buckets(limit), [], 0, 0
+            local.ranges, local.touch_flushes, local.quiet = Ranges(), 0, False
         return local
 
+    class FlushOnTouch(torch.overrides.TorchFunctionMode):
+        """Inside a target: an operation on a deferred tensor's memory flushes the buckets first (the
+        mode is off while its handler runs, so the flush's own operations pass straight through)."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            s = state()
+            if s.ranges and not s.quiet and _touches(s.ranges, args, kwargs):
+                s.touch_flushes += 1
+                flush_all()
+            return func(*args, **(kwargs or {}))
+
+    def _touches(ranges, args, kwargs) -> bool:
+        stack = [args, kwargs] if kwargs else [args]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, torch.Tensor):
+                extent = _extent(item)
+                if extent is not None and ranges.overlaps(*extent):
+                    return True
+            elif isinstance(item, (list, tuple)):
+                stack.extend(item)
+            elif isinstance(item, Mapping):
+                stack.extend(item.values())
+        return False
+
     def flush_one(key, items) -> None:
+        s = state()
+        quiet, s.quiet = s.quiet, True  # the flush's own reads of the deferred tensors
+        try:
+            _flush_one(key, items)
+        finally:
+            s.quiet = quiet
+
+    def _flush_one(key, items) -> None:
         group, src, _device = key
         tensors = [t for t, _version in items]
         if dist.get_rank() == src:
@@ -162,6 +252,7 @@ def _install(runtime) -> None:
 
     def flush_all() -> None:
         s = state()
+        s.ranges.clear()
         for key, items in s.buckets.drain():
             flush_one(key, items)
 
@@ -181,6 +272,9 @@ def _install(runtime) -> None:
         s.deferred += 1
         if full is not None:
             flush_one(key, full)
+        extent = _extent(tensor)
+        if extent is not None:
+            s.ranges.add(*extent)
         return None
 
     def flushing(name, original):
@@ -211,18 +305,21 @@ def _install(runtime) -> None:
             s.depth += 1
             outermost = s.depth == 1
             if outermost:
-                s.sent, s.flushes, s.deferred = [], 0, 0
+                s.sent, s.flushes, s.deferred, s.touch_flushes = [], 0, 0, 0
                 started = time.perf_counter()
+                mode = FlushOnTouch()
+                mode.__enter__()
             try:
                 return original(*args, **kwargs)
             finally:
                 if outermost:
+                    mode.__exit__(None, None, None)
                     flush_all()
                 s.depth -= 1
                 if outermost:
                     elapsed = time.perf_counter() - started
                     if checks:
-                        _check_arrivals(runtime, s.sent, s.deferred, s.flushes, elapsed, torch, dist)
+                        _check_arrivals(runtime, s.sent, s.deferred, s.flushes, s.touch_flushes, elapsed, torch, dist)
 
         return coalescing
 
@@ -230,9 +327,10 @@ def _install(runtime) -> None:
         runtime.patch(target, make_coalescing)
 
 
-def _check_arrivals(runtime, sent, deferred, flushes, elapsed, torch, dist) -> None:
+def _check_arrivals(runtime, sent, deferred, flushes, touch_flushes, elapsed, torch, dist) -> None:
     """One all_gather per group of the per-tensor fingerprints; each rank compares with the source's."""
-    timing = f"{deferred:,} broadcasts in {flushes} coalesced broadcast(s), {elapsed:.2f} s in the target"
+    early = f" ({touch_flushes} before an operation on a deferred tensor)" if touch_flushes else ""
+    timing = f"{deferred:,} broadcasts in {flushes} coalesced broadcast(s){early}, {elapsed:.2f} s in the target"
     if not sent:
         runtime.check(CHECK, None, f"no broadcast was deferred ({elapsed:.2f} s in the target)")
         return
@@ -262,10 +360,12 @@ FIX = Fix(
     mechanism="Wraps the target function: while it runs, synchronous dist.broadcast calls are queued per "
     "(group, src, device) and sent as one coalesced broadcast per bucket (dist._broadcast_coalesced, else "
     "flatten per dtype + one broadcast + copy back) when the bucket is full, before any other collective, "
-    "and when the function returns.",
-    risk="Code inside the target that reads a broadcast tensor before the flush sees stale data; with "
-    "checks on, receivers' float tensors are NaN-filled when deferred so such a read shows in the losses, "
-    "and a tensor the source modifies in place after deferring it is reported. The bucket's flatten "
+    "before any torch operation on a deferred tensor's memory (a torch function mode while the target "
+    "runs: load_state_dict after a per-key loop), and when the function returns.",
+    risk="A read the mode cannot see (raw pointers, another tensor object copied in later) gets stale data; "
+    "with checks on, receivers' float tensors are NaN-filled when deferred so such a read shows in the "
+    "losses, and a tensor the source modifies in place after deferring it is reported. A rank-local read "
+    "of a deferred tensor flushes on that rank only (the flush is a collective). The bucket's flatten "
     "buffer costs up to bucket_mb of memory per dtype while it is sent.",
     cost="one collective per bucket instead of one per tensor; a flatten copy of each bucket (with checks: "
     "one all_gather of one int64 per tensor per target call)",
