@@ -67,6 +67,16 @@ def parse_target(value: Any, where: str, note: str = "") -> Target:
         raise FixConfigError(f"{where}: {e.message}") from None
 
 
+def parse_targets(section: Mapping[str, Any], key: str) -> list[str]:
+    """The ``module:function`` paths under ``key`` of a ``--config`` section: one string or a list
+    (none when the key is absent)."""
+    value = section.get(key, [])
+    value = [value] if isinstance(value, str) else value
+    if not isinstance(value, list):
+        raise FixConfigError(f"{key}: expected 'module:function' or a list of them, got {value!r}")
+    return [parse_target(v, f"{key}[{i}]").path for i, v in enumerate(value)]
+
+
 @dataclass(frozen=True)
 class Fix:
     """One fix module, as the registry lists it.

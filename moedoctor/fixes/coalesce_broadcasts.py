@@ -48,7 +48,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from moedoctor.fixes.base import Fix, FixConfigError, parse_target
+from moedoctor.fixes.base import Fix, FixConfigError, parse_targets
 
 NAME = "coalesce-broadcasts"
 CHECK = "broadcast tensors bitwise equal to the source"
@@ -83,11 +83,7 @@ def _parse_config(section: Mapping[str, Any]) -> dict:
     unknown = set(section) - {"targets", "bucket_mb"}
     if unknown:
         raise FixConfigError(f"unknown key(s) {sorted(unknown)}; expected 'targets' and 'bucket_mb'")
-    targets = section.get("targets", [])
-    targets = [targets] if isinstance(targets, str) else targets
-    if not isinstance(targets, list):
-        raise FixConfigError(f"targets: expected 'module:function' or a list of them, got {targets!r}")
-    out: dict[str, Any] = {"targets": [parse_target(t, f"targets[{i}]").path for i, t in enumerate(targets)]}
+    out: dict[str, Any] = {"targets": parse_targets(section, "targets")}
     bucket = section.get("bucket_mb", DEFAULT_BUCKET_MB)
     if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not bucket > 0:
         raise FixConfigError(f"bucket_mb: expected a positive number of MB, got {bucket!r}")
@@ -153,22 +149,6 @@ class Ranges:
         return bool(self.starts)
 
 
-def _extent(tensor) -> tuple[int, int] | None:
-    """[first byte, last byte + 1) of ``tensor``'s elements (a view's strided span), or None for a
-    tensor without memory of its own to compare (meta, sparse, empty)."""
-    try:
-        if tensor.numel() == 0 or tensor.is_meta or tensor.layout is not _STRIDED[0]:
-            return None
-        start = tensor.data_ptr()
-    except (RuntimeError, AttributeError):  # no storage (a tensor subclass, a sparse tensor)
-        return None
-    span = sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
-    return start, start + (span + 1) * tensor.element_size()
-
-
-_STRIDED: list[Any] = []  # torch.strided, set at install (this module imports no torch at load)
-
-
 def _install(runtime) -> None:
     import torch
     import torch.distributed as dist
@@ -180,7 +160,17 @@ def _install(runtime) -> None:
     original_broadcast = c10d.broadcast
     torch_dir = os.path.dirname(torch.__file__) + os.sep
 
-    _STRIDED[:] = [torch.strided]
+    def _extent(tensor) -> tuple[int, int] | None:
+        """[first byte, last byte + 1) of ``tensor``'s elements (a view's strided span), or None for a
+        tensor without memory of its own to compare (meta, sparse, empty)."""
+        try:
+            if tensor.numel() == 0 or tensor.is_meta or tensor.layout is not torch.strided:
+                return None
+            start = tensor.data_ptr()
+        except (RuntimeError, AttributeError):  # no storage (a tensor subclass, a sparse tensor)
+            return None
+        span = sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+        return start, start + (span + 1) * tensor.element_size()
 
     def state():
         if not hasattr(local, "depth"):

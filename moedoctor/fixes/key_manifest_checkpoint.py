@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from moedoctor.fixes.base import Fix, FixConfigError, Target, parse_target
+from moedoctor.fixes.base import Fix, FixConfigError, Target, parse_targets
 from moedoctor.fixes.rewrite import parse_branch
 from moedoctor.fixes.runtime import agreed_branch, collective_device, first_mapping_argument
 
@@ -138,11 +138,7 @@ def _parse_config(section: Mapping[str, Any]) -> dict:
     unknown = set(section) - {"preprocess", "branch"}
     if unknown:
         raise FixConfigError(f"unknown key(s) {sorted(unknown)}; expected 'preprocess' or 'branch'")
-    functions = section.get("preprocess", [])
-    functions = [functions] if isinstance(functions, str) else functions
-    if not isinstance(functions, list):
-        raise FixConfigError(f"preprocess: expected 'module:function' or a list of them, got {functions!r}")
-    out: dict[str, Any] = {"targets": [parse_target(f, f"preprocess[{i}]").path for i, f in enumerate(functions)]}
+    out: dict[str, Any] = {"targets": parse_targets(section, "preprocess")}
     if section.get("branch") is not None:
         out["branch"] = parse_branch(section["branch"])
     return out

@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from moedoctor.fixes.base import Fix, FixConfigError, Target, parse_target
+from moedoctor.fixes.base import Fix, FixConfigError, Target, parse_targets
 from moedoctor.fixes.rewrite import parse_branch
 from moedoctor.fixes.runtime import agreed_branch, collective_device
 
@@ -38,11 +38,7 @@ def _parse_config(section: Mapping[str, Any]) -> dict:
     unknown = set(section) - {"decision", "returns", "branch"}
     if unknown:
         raise FixConfigError(f"unknown key(s) {sorted(unknown)}; expected 'decision', 'returns' or 'branch'")
-    decisions = section.get("decision", [])
-    decisions = [decisions] if isinstance(decisions, str) else decisions
-    if not isinstance(decisions, list):
-        raise FixConfigError(f"decision: expected 'module:function' or a list of them, got {decisions!r}")
-    targets = [parse_target(d, f"decision[{i}]").path for i, d in enumerate(decisions)]
+    targets = parse_targets(section, "decision")
     returns = section.get("returns", "flag")
     if returns not in ("flag", "norm"):
         raise FixConfigError(f"returns: expected 'flag' (true = skip) or 'norm' (non-finite = skip), got {returns!r}")
