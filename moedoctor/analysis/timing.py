@@ -328,18 +328,20 @@ def storm_fix_config(slow: SlowReport | None, command: list[str] | None) -> dict
             continue
         if direct_call(s) is False:  # a library call issues them (and may read each result at once)
             continue
-        file = os.path.normpath(s.call_site.rsplit(":", 1)[0])
+        path, _, line = s.call_site.rpartition(":")
+        file = os.path.normpath(path)
         module = None
         if script is not None and (file == script or file.endswith(os.sep + script.lstrip("." + os.sep))):
             module = "__main__"
         elif "-packages" + os.sep in file and file.endswith(".py"):
             module = file.split("-packages" + os.sep, 1)[1][:-3].replace(os.sep, ".").removesuffix(".__init__")
-        line = s.call_site.rsplit(":", 1)[1]
         # A method is patched as Class.method; a source that cannot be read keeps the plain name.
-        name = qualified_function(file, int(line), s.function) if line.isdigit() else None
-        if name is None and line.isdigit() and line_text(file, int(line)) is not None:
-            continue  # a function defined inside another: nothing a fix can patch
-        name = name or s.function
+        name = s.function
+        if line.isdigit():
+            qualified = qualified_function(file, int(line), s.function)
+            if qualified is None and line_text(file, int(line)) is not None:
+                continue  # read, but not a function a fix can patch (one defined inside another)
+            name = qualified or name
         if module is not None and f"{module}:{name}" not in targets:
             targets.append(f"{module}:{name}")
     return {"coalesce-broadcasts": {"targets": targets}} if targets else None
