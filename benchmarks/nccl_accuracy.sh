@@ -6,12 +6,8 @@
 # tokenizers 0.21 and huggingface_hub 0.x wheels. Summary in $OUT/accuracy.txt, logs in $OUT/logs.tgz.
 set -u
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+. benchmarks/_device_env.sh
 out=${OUT:-/tmp/out}; mkdir -p "$out"
-for tool in py-spy ninja; do
-  command -v $tool >/dev/null || pip install -q --target /tmp/site .whl/${tool/-/_}-*.whl >/dev/null 2>&1
-done
-export PATH=/tmp/site/bin:$PATH PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if ls .whl/transformers-4.* >/dev/null 2>&1 && [ ! -x .venv-tf4/bin/python ]; then
   # the GPU machine's python3 is itself a venv: a --system-site-packages venv of it would not see its
   # torch, so the transformers 4.x environment is a folder put first on PYTHONPATH

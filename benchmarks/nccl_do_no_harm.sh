@@ -14,11 +14,7 @@ pack() {  # at most 8 files come back from the GPU machine: every log and report
   tar czf "$out/logs.tgz" -C / "${logs#/}" $(cd / && ls -d "${runs#/}"/*/report.json "${runs#/}"/*/manifest.json \
     "${runs#/}"/healthy/*.log 2>/dev/null) 2>/dev/null
 }
-for tool in py-spy ninja; do  # carried as wheels in .whl/ (the GPU machine has no index)
-  command -v $tool >/dev/null || pip install -q --target /tmp/site .whl/${tool/-/_}-*.whl >/dev/null 2>&1
-done
-export PATH=/tmp/site/bin:$PATH
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+. benchmarks/_device_env.sh
 md="python3 -m moedoctor"
 launch="python3 -m torch.distributed.run --standalone --nproc_per_node 2"
 backend=${BACKEND:-nccl}

@@ -10,11 +10,7 @@
 # may be added). Output in $OUT/recorder_toggle.log, summary lines printed.
 set -u
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-for tool in py-spy ninja; do
-  command -v $tool >/dev/null || pip install -q --target /tmp/site .whl/${tool/-/_}-*.whl >/dev/null 2>&1
-done
-export PATH=/tmp/site/bin:$PATH PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+. benchmarks/_device_env.sh
 backend=${BACKEND:-nccl}; steps=${STEPS:-200}; block=${BLOCK:-5}; nproc=${NPROC:-2}
 sizes=${SIZES:-"2048:8:8192 1024:16:2048 512:48:1024"}
 out=${OUT:-/tmp/out}; mkdir -p "$out"; log="$out/recorder_toggle.log"; : > "$log"

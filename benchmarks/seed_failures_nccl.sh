@@ -7,11 +7,7 @@
 #   OUT=/tmp/out bash benchmarks/seed_failures_nccl.sh [FIXTURE ...]
 set -u
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-for tool in py-spy ninja; do
-  command -v $tool >/dev/null || pip install -q --target /tmp/site .whl/${tool/-/_}-*.whl >/dev/null 2>&1
-done
-export PATH=/tmp/site/bin:$PATH PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+. benchmarks/_device_env.sh
 out=${OUT:-/tmp/out}; mkdir -p "$out"; log="$out/seed_failures.log"; : > "$log"
 launch="python3 -m torch.distributed.run --standalone --nproc_per_node 2"
 md="python3 -m moedoctor"; backend=${BACKEND:-nccl}

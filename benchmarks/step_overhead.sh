@@ -7,11 +7,7 @@
 # GPU machine: bash benchmarks/step_overhead.sh   (BACKEND=gloo SIZES=... for a CPU smoke run)
 set -u
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-for tool in py-spy ninja; do  # carried as wheels in .whl/ (the GPU machine has no index)
-  command -v $tool >/dev/null || pip install -q --target /tmp/site .whl/${tool/-/_}-*.whl >/dev/null 2>&1
-done
-export PATH=/tmp/site/bin:$PATH PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+. benchmarks/_device_env.sh
 backend=${BACKEND:-nccl}; rounds=${ROUNDS:-5}; steps=${STEPS:-30}; nproc=${NPROC:-2}
 # dim:layers:tokens; FSDP2 one unit per block: about 3 collectives per block per step
 sizes=${SIZES:-"2048:8:8192 1024:16:2048 512:48:1024"}
