@@ -11,11 +11,12 @@ are not confident), the verify results, the false alarms on the healthy jobs, an
     accuracy: pattern N/M, culprit N/M, wrong-confident N, verify-passed N/K, false-alarms N/H
 
     python benchmarks/diagnosis_accuracy.py [--backend gloo|nccl] [--only PATTERN[,PATTERN]] [--no-verify]
-        [--no-healthy] [--keep DIR] [--jobs N] [--variants DIR] [--reanalyze DIR]
+        [--no-healthy] [--keep DIR] [--jobs N] [--variants DIR] [--healthy-dir DIR] [--reanalyze DIR]
 
 ``--reanalyze DIR`` runs no job: it analyzes again the run directories a former ``--keep DIR`` left
 (what a classifier change does to the same recordings, in seconds). ``--variants DIR`` reads the
-variants from another folder laid out the same way (a held-out corpus).
+variants from another folder laid out the same way (a held-out corpus), ``--healthy-dir DIR`` the
+healthy jobs (``DIR/healthy_*/``).
 
 A straggler variant's "pattern" is ``straggler``; the verdict it must get is ``stuck``. Expect about
 40 s per variant on 2 CPU cores (each one hangs until moedoctor detects it).
@@ -75,7 +76,8 @@ class Case:
     skipped: str | None = None     # why it did not run (its environment is missing)
 
 
-def discover(only: set[str] | None, healthy: bool, variants: Path = VARIANTS) -> list[Case]:
+def discover(only: set[str] | None, healthy: bool, variants: Path = VARIANTS,
+             healthy_dir: Path = FIXTURES) -> list[Case]:
     cases = []
     for spec in sorted(variants.glob("*/*.yaml")):
         expected = yaml.safe_load(spec.read_text())
@@ -83,7 +85,7 @@ def discover(only: set[str] | None, healthy: bool, variants: Path = VARIANTS) ->
             continue
         cases.append(Case(f"{spec.parent.name}/{spec.stem}", spec.with_suffix(".py"), expected))
     if healthy:
-        for spec in sorted(FIXTURES.glob("healthy_*/expected.yaml")):
+        for spec in sorted(healthy_dir.glob("healthy_*/expected.yaml")):
             cases.append(Case(spec.parent.name, spec.parent / "train.py", yaml.safe_load(spec.read_text()), True))
     return cases
 
@@ -270,6 +272,8 @@ def main() -> None:
     parser.add_argument("--max-nproc", type=int, default=None,
                         help="skip jobs of more ranks (NCCL: one GPU per rank; default: the GPUs nvidia-smi lists)")
     parser.add_argument("--variants", type=Path, default=VARIANTS, help="variants folder (<pattern>/<variant>.py|yaml)")
+    parser.add_argument("--healthy-dir", type=Path, default=FIXTURES,
+                        help="folder of the healthy jobs (healthy_*/train.py + expected.yaml)")
     parser.add_argument("--reanalyze", type=Path, default=None,
                         help="run nothing: analyze again the run directories a former --keep DIR left")
     args = parser.parse_args()
@@ -277,7 +281,7 @@ def main() -> None:
         args.keep, args.verify = args.reanalyze, args.reverify
     if args.backend == "nccl" and args.max_nproc is None:
         args.max_nproc = _gpus()
-    cases = discover(set(args.only.split(",")) if args.only else None, args.healthy, args.variants)
+    cases = discover(set(args.only.split(",")) if args.only else None, args.healthy, args.variants, args.healthy_dir)
     keep = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="moedoctor-accuracy-"))
     keep.mkdir(parents=True, exist_ok=True)
     print(f"{len(cases)} jobs ({args.backend}); runs and logs in {keep}", file=sys.stderr, flush=True)
