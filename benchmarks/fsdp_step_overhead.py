@@ -4,7 +4,8 @@ Run the same command twice, plain and under the recorder, and compare the printe
   torchrun --standalone --nproc_per_node 2 benchmarks/fsdp_step_overhead.py --backend nccl
   MOEDOCTOR_RUN_DIR=/tmp/r PYTHONPATH=moedoctor/_bootstrap:. torchrun ... (same)
 (``benchmarks/step_overhead.sh`` does both with ``moedoctor run``, launches interleaved;
-``benchmarks/recorder_toggle.sh`` toggles the recorder inside one process, ``--toggle``). Prints the median step time, collectives per step and,
+``benchmarks/recorder_toggle.sh`` toggles the recorder inside one process, ``--toggle``).
+Prints the median step time, collectives per step and,
 when recorded, the trace size.
 """
 
