@@ -496,13 +496,23 @@ static void append_int_list(std::string& out, const c10::IValue& value) {
 // The object a custom-class argument holds (a ProcessGroup, a ReduceOp, a Work), borrowed: the op's
 // schema fixes the argument's class, so toCustomClass's type lookups and its four reference-count
 // changes (on objects other threads touch too) are not needed. Valid while the stack holds the value.
+// peek_custom_class gives null for anything else, without an exception: a throw and its unwinding cost
+// microseconds, and NCCL hands back an empty Work for every collective issued without async_op (this
+// path threw once per such collective until the fifth session of issue 14: ~2 us on an H100 host).
+template <typename T>
+static T* peek_custom_class(const c10::IValue& value) {
+  if (!value.isObject()) return nullptr;
+  const auto& slots = value.toObjectRef().slots();
+  if (slots.size() != 1 || !slots[0].isCapsule()) return nullptr;
+  auto* target = static_cast<c10::intrusive_ptr_target*>(const_cast<void*>(slots[0].internalToPointer()));
+  return target == nullptr ? nullptr : static_cast<T*>(static_cast<torch::CustomClassHolder*>(target));
+}
+
 template <typename T>
 static T* borrow_custom_class(const c10::IValue& value) {
-  const auto& slots = value.toObjectRef().slots();
-  if (slots.size() != 1 || !slots[0].isCapsule()) throw std::runtime_error("not a custom class object");
-  auto* target = static_cast<c10::intrusive_ptr_target*>(const_cast<void*>(slots[0].internalToPointer()));
-  if (target == nullptr) throw std::runtime_error("empty custom class object");
-  return static_cast<T*>(static_cast<torch::CustomClassHolder*>(target));
+  T* target = peek_custom_class<T>(value);
+  if (target == nullptr) throw std::runtime_error("not a custom class object, or an empty one");
+  return target;
 }
 
 static const std::string& group_name_of(const c10::IValue& value) {
@@ -1135,7 +1145,9 @@ struct RecordingKernel final : public c10::OperatorKernel {
         // isObject, not isCustomClass (a registry lookup by type name).
         if (!stack->empty() && stack->back().isObject()) {
           if (index < MAX_CHECKED && work_checked[index].load(std::memory_order_relaxed)) {
-            work = c10::intrusive_ptr<c10d::Work>::reclaim_copy(borrow_custom_class<c10d::Work>(stack->back()));
+            if (c10d::Work* held = peek_custom_class<c10d::Work>(stack->back())) {  // null: an empty Work
+              work = c10::intrusive_ptr<c10d::Work>::reclaim_copy(held);
+            }
           } else {  // the first time per op: toCustomClass checks the object really is a Work
             work = stack->back().toCustomClass<c10d::Work>();
             if (index < MAX_CHECKED) work_checked[index].store(true, std::memory_order_relaxed);
