@@ -35,6 +35,7 @@ ENV_SWITCH = "MOEDOCTOR_FR_COMPLETION"
 INTERVAL = 1.0  # seconds between polls, at least
 COST_FACTOR = 1000  # ... and at least this many times the last poll's duration
 READ_CHUNK = 16 << 20  # bytes of the trace read per poll at most
+TAIL_PER_ENTRY = 512  # bytes of the trace followed per ring-buffer entry; anything older is skipped
 FULL_DUMP_EVERY = 60.0  # seconds between full dumps at most (to learn a group's pg_id)
 
 
@@ -200,10 +201,25 @@ class FlightRecorderPoller:
         return pg_id
 
     def _read_tail(self) -> None:
-        """Feed the tracker what the trace gained since the last read (this process writes it)."""
+        """Feed the tracker what the trace gained since the last read (this process writes it).
+
+        Only the last ``window * TAIL_PER_ENTRY`` bytes are followed: Flight Recorder proves nothing
+        about older collectives but through a later one of their group, and parsing every record in
+        Python (2-3 us each, holding the GIL) made a poll's cost grow with the backlog, and with it
+        the next interval (1,000 times the cost): above about 400 collectives a second the tracker
+        fell behind for good. What is skipped is only scanned for group records (``LiveTracker.skip``)."""
         try:
             with open(self._path, "rb") as f:
+                backlog = os.fstat(f.fileno()).st_size - self._offset
                 f.seek(self._offset)
+                skip = backlog - max(self.window, 1) * TAIL_PER_ENTRY
+                while skip > 0:
+                    data = f.read(min(READ_CHUNK, skip))
+                    if not data:
+                        break
+                    skip -= len(data)
+                    self._offset += len(data)
+                    self.tracker.skip(data)
                 data = f.read(READ_CHUNK)
         except OSError:
             return

@@ -406,28 +406,56 @@ class LiveTracker:
         self.p2p_groups: set[str] = set()  # groups with p2p ops (their pg_status mixes numberings)
         self._disagree: dict[str, int] = {}
         self.parse_errors = 0
+        self.skipped = 0  # records passed over by skip()
 
     # -- following the trace --------------------------------------------------------------------
 
     def feed(self, data: bytes) -> None:
         """New bytes of the trace file (any split; a partial last line waits for the rest)."""
-        data = self._partial + data
-        end = data.rfind(b"\n")
+        data, end = self._whole_lines(data)
         if end < 0:
-            self._partial = data
             return
-        self._partial = data[end + 1 :]
         for line in data[:end].split(b"\n"):
             if line.startswith(b'{"k":"c"'):
                 self._collective(line)
             elif line.startswith(b'{"k":"d"'):
                 self._done(line)
             elif line.startswith(b'{"k":"g"'):
-                try:
-                    rec = json.loads(line)
-                    self._groups[int(rec["id"])] = str(rec["name"])
-                except (ValueError, KeyError, TypeError):
-                    self.parse_errors += 1
+                self._group(line)
+
+    def skip(self, data: bytes) -> None:
+        """Bytes of the trace passed over (the poller fell further behind than Flight Recorder can
+        say anything about): only their group records are read, and what was followed so far is
+        dropped. Its completion stays unknown here; the analysis takes it from a later collective of
+        its group. Dropping it also keeps ``top_seq`` honest: a group followed again is one whose
+        newest records were read."""
+        data, end = self._whole_lines(data)
+        if end < 0:
+            return
+        self.skipped += data.count(b"\n", 0, end + 1)
+        pos = 0
+        while (i := data.find(b'{"k":"g"', pos, end)) >= 0:
+            stop = data.find(b"\n", i, end + 1)
+            if i == 0 or data[i - 1] == 0x0A:
+                self._group(data[i:stop])
+            pos = stop + 1
+        self.pending.clear()
+        self._where.clear()
+
+    def _whole_lines(self, data: bytes) -> tuple[bytes, int]:
+        """The held partial line and ``data`` joined, and where their last whole line ends (-1: none
+        yet); what follows it is held for the next call."""
+        data = self._partial + data
+        end = data.rfind(b"\n")
+        self._partial = data if end < 0 else data[end + 1 :]
+        return data, end
+
+    def _group(self, line: bytes) -> None:
+        try:
+            rec = json.loads(line)
+            self._groups[int(rec["id"])] = str(rec["name"])
+        except (ValueError, KeyError, TypeError):
+            self.parse_errors += 1
 
     def _collective(self, line: bytes) -> None:
         m = _C_RECORD.match(line)

@@ -416,3 +416,36 @@ def test_poller_learns_pg_ids_from_a_full_dump_and_uses_pg_status(tmp_path, monk
     record_line = json.loads(recorder.written[0])
     assert record_line["src"] == "fr" and record_line["i"] == [0, 1, 2, 3, 4]
     assert poller._pg_ids == {"1": "7"} and not poller.tracker.pending.get("1")
+
+
+def test_tracker_skip_reads_only_group_records_and_drops_what_it_followed():
+    t = tracker()
+    t.feed(record(0, 0, 1) + record(1, 0, 2))
+    assert sorted(t.pending["0"]) == [1, 2]
+    passed = record(2, 0, 3) + b'{"k":"g","id":2,"name":"2","desc":"ep","ranks":[0,1]}\n' + record(3, 2, 1)
+    cut = len(passed) - 20  # the skipped bytes end inside a record: it is followed from the tail on
+    t.skip(passed[:cut])
+    assert not t.pending and t.skipped == 2 and t.parse_errors == 0
+    t.feed(passed[cut:] + record(4, 2, 2) + record(5, 0, 4))
+    assert sorted(t.pending["2"]) == [1, 2] and sorted(t.pending["0"]) == [4]
+    assert t.top_seq == {"0": 4, "2": 2} and t.last_event == 5
+
+
+def test_poller_follows_only_the_tail_of_a_long_backlog(tmp_path):
+    """A poll's cost must not grow with the backlog (it sets the next interval): with a ring buffer
+    of 10 entries only the last 10 * TAIL_PER_ENTRY bytes are parsed, and groups are still known."""
+    from moedoctor.recorder import fr_poller
+
+    (tmp_path / "traces").mkdir()
+    trace = tmp_path / "traces" / "rank-00000.jsonl"
+    body = b"".join(record(i, 1, 1 + i) for i in range(20_000))
+    trace.write_bytes(b'{"format":"moedoctor-trace","version":1}\n' + GROUPS + body)
+    poller = fr_poller.FlightRecorderPoller(_FakeRecorder(tmp_path, {"0": _FakeGroup(0), "1": _FakeGroup(20_000)}))
+    poller._backends.update({"0": "nccl", "1": "nccl"})
+    poller.window = 10
+    poller._read_tail()
+    followed = poller.tracker.pending["1"]
+    assert 0 < len(followed) <= 10 * fr_poller.TAIL_PER_ENTRY // 150
+    assert max(followed) == 20_000 and poller.tracker.top_seq["1"] == 20_000
+    assert poller.tracker.last_event == 19_999 and poller.tracker.skipped > 19_000
+    assert poller._offset == trace.stat().st_size
