@@ -565,20 +565,26 @@ _FINITENESS = re.compile(r"\b(isfinite|isnan|isinf|isposinf|isneginf|found_inf)\
 def checks_finiteness(branch: Branch) -> bool:
     """Does the branch's test check numbers for inf/NaN: directly (``torch.isfinite(norm)``), through a
     name assigned before it in the function (``bad = not math.isfinite(loss)`` then ``if bad:``), or
-    through a function or method of the same file that the test calls (one level down)?"""
+    through a function or method of the same file that the test calls, or that such an assignment
+    calls (``overflow = self.scaler.has_overflow(buf)`` then ``if overflow:``; one level down)?"""
     if _FINITENESS.search(branch.test):
         return True
     try:
         test = ast.parse(branch.test, mode="eval").body
     except SyntaxError:
         return False
-    if any(
-        _FINITENESS.search(rhs) for name in _operand_names(test) for rhs in _assigned(branch.file, name, branch.line)
-    ):
-        return True
+    sources = [test]
+    for rhs in (rhs for name in _operand_names(test) for rhs in _assigned(branch.file, name, branch.line)):
+        if _FINITENESS.search(rhs):
+            return True
+        try:
+            sources.append(ast.parse(rhs, mode="eval").body)
+        except SyntaxError:
+            continue
     called = {
         n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id
-        for n in ast.walk(test)
+        for source in sources
+        for n in ast.walk(source)
         if isinstance(n, ast.Call) and isinstance(n.func, (ast.Attribute, ast.Name))
     }
     tree = _tree(branch.file)

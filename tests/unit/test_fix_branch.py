@@ -118,3 +118,33 @@ def test_an_inf_nan_check_is_read_through_one_assignment_or_one_call(tmp_path):
     assert checks_finiteness(Branch(str(path), 8, "self._check(g)", False))
     assert checks_finiteness(Branch(str(path), 11, "bad", False))
     assert not checks_finiteness(Branch(str(path), 13, "loss > 10", False))
+
+
+def test_an_inf_nan_check_is_read_through_an_assignment_that_calls_a_method_of_the_file(tmp_path):
+    """``overflow = self.scaler.has_overflow(buf)`` then ``if overflow:`` (a loss scaler of the same
+    file, as DeepSpeed-style optimizers written into a script have); a call that checks nothing does
+    not count."""
+    from moedoctor.analysis.source import Branch, checks_finiteness
+
+    path = tmp_path / "zero.py"
+    path.write_text(textwrap.dedent("""\
+        import torch
+
+        class Scaler:
+            def has_overflow(self, buf):
+                return not bool(torch.isfinite(buf).all())
+
+            def too_large(self, buf):
+                return bool(buf.abs().max() > 1e4)
+
+        class Opt:
+            def step(self, buf):
+                overflow = self.scaler.has_overflow(buf)
+                if overflow:
+                    return False
+                large = self.scaler.too_large(buf)
+                if large:
+                    return False
+        """))
+    assert checks_finiteness(Branch(str(path), 13, "overflow", False))
+    assert not checks_finiteness(Branch(str(path), 16, "large", False))
