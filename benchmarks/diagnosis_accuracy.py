@@ -2,9 +2,10 @@
 
 Runs every fault variant of ``fixtures/variants/<pattern>/<variant>.py`` (its ``<variant>.yaml``
 says the true pattern, ranks, culprits, call site and fix) and every healthy job of
-``fixtures/healthy_*`` under ``moedoctor run`` (``--backend`` passed to the jobs), reads each
-``report.json``, then runs the ``moedoctor verify`` command the report printed where the variant
-has a fix. Prints a confusion matrix (true pattern x reported pattern), culprit accuracy, the
+``fixtures/healthy_*`` and ``fixtures/variants/healthy/healthy_*`` under ``moedoctor run``
+(``--backend`` passed to the jobs), reads each ``report.json``, then runs the ``moedoctor verify``
+command the report printed where the variant has a fix. Prints a confusion matrix (true pattern x
+reported pattern), culprit accuracy, the
 confident wrong calls (a named pattern that is not the true one; ``unknown-desync`` and "no pattern"
 are not confident), the verify results, the false alarms on the healthy jobs, and last, one line:
 
@@ -15,8 +16,8 @@ are not confident), the verify results, the false alarms on the healthy jobs, an
 
 ``--reanalyze DIR`` runs no job: it analyzes again the run directories a former ``--keep DIR`` left
 (what a classifier change does to the same recordings, in seconds). ``--variants DIR`` reads the
-variants from another folder laid out the same way (a held-out corpus), ``--healthy-dir DIR`` the
-healthy jobs (``DIR/healthy_*/``).
+variants from another folder laid out the same way (a held-out corpus), ``--healthy-dir DIR`` (repeatable)
+the healthy jobs (``DIR/healthy_*/``).
 
 A straggler variant's "pattern" is ``straggler``; the verdict it must get is ``stuck``. Expect about
 40 s per variant on 2 CPU cores (each one hangs until moedoctor detects it).
@@ -77,7 +78,7 @@ class Case:
 
 
 def discover(only: set[str] | None, healthy: bool, variants: Path = VARIANTS,
-             healthy_dir: Path = FIXTURES) -> list[Case]:
+             healthy_dirs: tuple[Path, ...] = (FIXTURES, VARIANTS / "healthy")) -> list[Case]:
     cases = []
     for spec in sorted(variants.glob("*/*.yaml")):
         expected = yaml.safe_load(spec.read_text())
@@ -85,7 +86,7 @@ def discover(only: set[str] | None, healthy: bool, variants: Path = VARIANTS,
             continue
         cases.append(Case(f"{spec.parent.name}/{spec.stem}", spec.with_suffix(".py"), expected))
     if healthy:
-        for spec in sorted(healthy_dir.glob("healthy_*/expected.yaml")):
+        for spec in sorted(p for d in healthy_dirs for p in d.glob("healthy_*/expected.yaml")):
             cases.append(Case(spec.parent.name, spec.parent / "train.py", yaml.safe_load(spec.read_text()), True))
     return cases
 
@@ -272,8 +273,9 @@ def main() -> None:
     parser.add_argument("--max-nproc", type=int, default=None,
                         help="skip jobs of more ranks (NCCL: one GPU per rank; default: the GPUs nvidia-smi lists)")
     parser.add_argument("--variants", type=Path, default=VARIANTS, help="variants folder (<pattern>/<variant>.py|yaml)")
-    parser.add_argument("--healthy-dir", type=Path, default=FIXTURES,
-                        help="folder of the healthy jobs (healthy_*/train.py + expected.yaml)")
+    parser.add_argument("--healthy-dir", type=Path, action="append", default=None,
+                        help="a folder of healthy jobs (healthy_*/train.py + expected.yaml); repeatable "
+                        "(default: fixtures/ and fixtures/variants/healthy/)")
     parser.add_argument("--reanalyze", type=Path, default=None,
                         help="run nothing: analyze again the run directories a former --keep DIR left")
     args = parser.parse_args()
@@ -281,7 +283,8 @@ def main() -> None:
         args.keep, args.verify = args.reanalyze, args.reverify
     if args.backend == "nccl" and args.max_nproc is None:
         args.max_nproc = _gpus()
-    cases = discover(set(args.only.split(",")) if args.only else None, args.healthy, args.variants, args.healthy_dir)
+    cases = discover(set(args.only.split(",")) if args.only else None, args.healthy, args.variants,
+                     tuple(args.healthy_dir or (FIXTURES, VARIANTS / "healthy")))
     keep = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="moedoctor-accuracy-"))
     keep.mkdir(parents=True, exist_ok=True)
     print(f"{len(cases)} jobs ({args.backend}); runs and logs in {keep}", file=sys.stderr, flush=True)
