@@ -33,9 +33,11 @@ of clearing between micro-batches); with the habit rule limited to earlier steps
 
 Evidence from the code: the `if` that separates the ranks (`Context.decision_sides`: in the stack of
 a rank that issued the step's collective, confirmed by the stacks of those that issued something
-else); when its test checks for inf/NaN (`torch.isfinite`, `math.isnan`, directly, through one
-assignment or one function of the same file), it weighs 0.45 and, where no optimizer hook fired,
-decides which ranks stepped.
+else, or, where those died, the one their stack cannot deny); when its test checks for inf/NaN
+(`torch.isfinite`, `math.isnan`, directly, through one assignment, one function of the same file, or
+an assignment that calls one: `overflow = self.scaler.has_overflow(buf)`), it weighs 0.45 and, where
+no optimizer hook fired, decides which ranks stepped (held-out `zero1_fp16_loss_scaler`: a
+hand-written ZeRO-1 with a loss scaler, the skipping rank aborted by Gloo).
 """
 
 from __future__ import annotations
