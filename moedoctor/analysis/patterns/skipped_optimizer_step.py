@@ -33,7 +33,7 @@ of clearing between micro-batches); with the habit rule limited to earlier steps
 
 Evidence from the code: the `if` that separates the ranks (`Context.decision_sides`: in the stack of
 a rank that issued the step's collective, confirmed by the stacks of those that issued something
-else, or, where those died, the one their stack cannot deny); when its test checks for inf/NaN
+else, or unconfirmed where their stacks are not in that function); when its test checks for inf/NaN
 (`torch.isfinite`, `math.isnan`, directly, through one assignment, one function of the same file, or
 an assignment that calls one: `overflow = self.scaler.has_overflow(buf)`), it weighs 0.45 and, where
 no optimizer hook fired, decides which ranks stepped (held-out `zero1_fp16_loss_scaler`: a
