@@ -60,6 +60,10 @@ def main() -> None:
                         help="install moedoctor run --check-params's hooks (fingerprints at the first forward "
                         "and after optimizer step N) before the model is built, and print the time they took "
                         "and the steps that held them against the median step")
+    parser.add_argument("--ddp", type=float, default=0, metavar="MB",
+                        help="wrap the model in DDP with buckets of MB megabytes instead of FSDP2 (FSDP2 on a world "
+                        "of one rank issues no collectives; DDP still all-reduces its buckets, so one GPU "
+                        "measures real steps with the collectives of a smaller bucket size)")
     args = parser.parse_args()
     if args.backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -80,10 +84,14 @@ def main() -> None:
     all_times: list[float] = []
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     model = torch.nn.Sequential(*[Block(args.dim) for _ in range(args.layers)]).to(device)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.backend == "nccl" else MixedPrecisionPolicy()
-    for block in model:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    if args.ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.ddp)
+    else:
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if args.backend == "nccl" else MixedPrecisionPolicy())
+        for block in model:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(args.tokens, args.dim, device=device)
     recorder = None
