@@ -1,0 +1,52 @@
+"""``params_without_grad`` evidence (``recorder/evidence.py``): written when the set of parameters
+without a gradient changes, and named only then (naming costs about 4 us a parameter, and an MoE
+model can hold thousands of idle experts' parameters at every backward and step)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from moedoctor.recorder import evidence
+
+
+def _recorder():
+    rec = types.SimpleNamespace(records=[], step=1, paused=False)
+    rec.write_evidence = lambda kind, data: rec.records.append((kind, data))
+    return rec
+
+
+def test_the_set_is_named_and_written_only_when_it_changes(monkeypatch):
+    rec = _recorder()
+    gradients = evidence._Gradients(rec)
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(6)]
+    for p in params[::2]:
+        p.grad = torch.zeros(3)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    named = []
+    real = evidence._named
+    monkeypatch.setattr(evidence, "_named", lambda missing: named.append(len(missing)) or real(missing))
+
+    gradients.note(optimizer)
+    gradients.note(optimizer)  # the same three parameters lack a gradient: nothing to name or write
+    assert named == [3]
+    assert [(kind, data["count"], data["shapes"]) for kind, data in rec.records] == [
+        ("params_without_grad", 3, [[3], [3], [3]])
+    ]
+    params[1].grad = torch.zeros(3)
+    gradients.note(optimizer)
+    assert named == [3, 2] and rec.records[-1][1]["count"] == 2
+    for p in params:
+        p.grad = torch.zeros(3)
+    gradients.note(optimizer)
+    assert named == [3, 2, 0] and rec.records[-1][1] == {"names": [], "shapes": [], "count": 0}
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_frozen_parameter_is_not_missing_its_gradient(frozen):
+    rec = _recorder()
+    p = torch.nn.Parameter(torch.zeros(2), requires_grad=not frozen)
+    evidence._Gradients(rec).note(torch.optim.SGD([p], lr=0.1))
+    assert [data["count"] for _, data in rec.records] == ([] if frozen else [1])
