@@ -378,7 +378,9 @@ class Branch:
         return f"{self.file.rsplit('/', 1)[-1]}:{self.line}"
 
 
-def decision_branch(stack: tuple[str, ...], others: tuple[tuple[str, ...], ...] = ()) -> Branch | None:
+def decision_branch(
+    stack: tuple[str, ...], others: tuple[tuple[str, ...], ...] = (), *, confirmed: bool = False
+) -> Branch | None:
     """The branch that sent this call's rank one way and the ``others`` (stacks of ranks that did
     not issue it) another: an ``if`` around the call line (its body or its ``else``), or an earlier
     ``if`` in the same function whose body leaves it, such that every other rank that is in the same
@@ -386,7 +388,7 @@ def decision_branch(stack: tuple[str, ...], others: tuple[tuple[str, ...], ...] 
     they cannot see (not in that function), the innermost frame first. Tests that read the rank are
     not decisions a rank makes from its data (``rank_guard`` covers them); tests on an attribute alone
     (``if self.collective:``, ``if args.apply_fix:``) are settings, the same on every rank, and are
-    passed over too."""
+    passed over too. With ``confirmed``, only a branch the other ranks' stacks confirm."""
     theirs = [frames(o) for o in others]
     unconfirmed: Branch | None = None
     for frame in frames(stack):
@@ -413,7 +415,7 @@ def decision_branch(stack: tuple[str, ...], others: tuple[tuple[str, ...], ...] 
                 return branch
             if not lines and unconfirmed is None:
                 unconfirmed = branch
-    return unconfirmed
+    return None if confirmed else unconfirmed
 
 
 def collection_decision(stack: tuple[str, ...]) -> Branch | None:

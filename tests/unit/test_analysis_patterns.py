@@ -149,3 +149,37 @@ def test_ranks_of_one_host_on_one_gpu_are_said(devices, shared):
     lines = [line for line in report.evidence if "same GPU" in line]
     assert lines == (["ranks 0,1 on host host issued their collectives on the same GPU, cuda:0: each rank needs its "
                       "own (torch.cuda.set_device(local_rank) before init_process_group)"] if shared else [])
+
+
+_REFILL_LOOP = '''def train(reader, model, data_group):
+    for step in range(4):
+        if reader.starved():
+            reader.exchange_cursor(data_group)
+        loss = model(reader.next_batch())
+        sync_gradients(model)
+'''
+
+
+@pytest.mark.parametrize("both_branch", [False, True], ids=["one-rank-decided", "both-under-branches"])
+def test_an_inversion_at_the_first_collective_names_the_rank_whose_own_branch_put_it_first(tmp_path, both_branch):
+    """No earlier step shows a habit, so the order alone names nobody. Rank 0 reached its collective
+    through `if reader.starved():`, whose body rank 1 (blocked further down the same function) did not
+    enter: rank 0 decided. When both ranks' collectives sit under branches, nobody is singled out."""
+    from analysis_scenarios import DP, TP
+    from event_factory import ranks, run_of
+
+    source = tmp_path / "train.py"
+    text = _REFILL_LOOP
+    if both_branch:
+        text = text.replace("        sync_gradients(model)", "        if loss.isfinite():\n            sync_gradients(model)")
+    source.write_text(text)
+    a, b = ranks(2)
+    a.coll("all_gather", (1,), group=DP, line=4, file=str(source), function="train", done=False)
+    b.coll("all_reduce", (8,), group=TP, line=7 if both_branch else 6, file=str(source), function="train", done=False)
+    report = analyze(run_of(a, b, hang=True))
+    assert report.pattern == "collective-order-inversion", report.summary
+    if both_branch:
+        assert report.culprit_ranks == [0, 1]
+    else:
+        assert report.culprit_ranks == [0]
+        assert any("rank 0 reached its collective through `if reader.starved()`" in e for e in report.evidence)

@@ -19,15 +19,20 @@ runs); otherwise 0.35, with the ranks that never issued it in the evidence (an i
 0, with no history, is then not named either).
 
 Culprits: the ranks of the cycle that changed their own order (their last earlier collectives from
-the two call sites came the other way round), when some did and some kept theirs; otherwise every
-rank of the cycle (an inversion at the first iteration has no habit to break).
+the two call sites came the other way round), when some did and some kept theirs. With no habit (an
+inversion at the first iteration), the ranks that reached their blocked collective through an ``if``
+the other ranks' stacks show they did not take, when some, not all, did. Otherwise every rank of
+the cycle.
 
 Fix: issue the collectives of overlapping groups in one global order on every rank (or make one of
 them asynchronous and wait for both).
 
 Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 5 variants of `collective-order-inversion/`
 (side DCP group, functional buckets, 3 pair groups in a ring, telemetry group, 2x2 mesh): 5/5 named
-after the change; culprits 2/5 (the other three invert at their first collectives: no habit).
+after the change; culprits 2/5 (the other three invert at their first collectives: no habit). With
+the branch rule (the sixth variant, ``streaming_reader_eager_refill``, held out before it), 4/6: the
+two left are symmetric schedules (a ring, a parity stagger) where the yaml's culprits are relative to
+the order the fix picks, which no stack shows.
 Confusions seen before it: cycles at step 0 named `rank-conditional-collective`
 (2: the partner's absence read as 'no partner', though it was blocked in another group) and a
 DCP-side-group cycle named `uneven-dtensor-allgather` (a checkpoint phase alone named it).
@@ -37,7 +42,7 @@ from __future__ import annotations
 
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
-from moedoctor.analysis.source import rank_guard
+from moedoctor.analysis.source import Branch, decision_branch, rank_guard
 from moedoctor.analysis.steps import cycle_loop_exit
 
 
@@ -99,7 +104,13 @@ def classify(ctx: Context) -> Finding | None:
             "under a branch on the rank, but the history does not show every rank issuing the "
             "collectives of the cycle (a collective that only some ranks issue cannot be ruled out)"
         )
-        return Finding(0.45, tuple(evidence), suggestion=Suggestion(site, fn, _ADVICE))
+        # Either way (a reordering, or a collective only some ranks issue), the rank whose own branch
+        # put its collective there made the decision.
+        deciders, lines = _decided(_blocked(ctx))
+        evidence.extend(lines)
+        return Finding(
+            0.45, tuple(evidence), culprits=tuple(deciders) or None, suggestion=Suggestion(site, fn, _ADVICE)
+        )
     deviators, habit = _deviators(ctx)
     evidence.extend(habit)
     return Finding(0.95, tuple(evidence), culprits=tuple(deviators) or None, suggestion=Suggestion(site, fn, _ADVICE))
@@ -111,11 +122,7 @@ def _deviators(ctx: Context) -> tuple[list[int], list[str]]:
     the two sites came in the other order, it reordered them now. Named only when some, not all, did
     (a cycle where every rank kept its habit, or none has one, leaves the culprits to the cycle)."""
     view = ctx.view
-    blocked = {}
-    for edge in ctx.cycle:
-        e = view.event(edge.rank, edge.group, edge.seq)
-        if e is not None and e.call_site is not None:
-            blocked[edge.rank] = (edge.group, e.call_site.where, e)
+    blocked = _blocked(ctx)
     changed, kept, lines = [], [], []
     for rank, (group, site, event) in blocked.items():
         other = next(((g, s) for r, (g, s, _) in blocked.items() if r != rank and (g, s) != (group, site)), None)
@@ -140,7 +147,39 @@ def _deviators(ctx: Context) -> tuple[list[int], list[str]]:
             kept.append(rank)
     if changed and kept:
         return sorted(changed), lines
-    return [], []
+    if changed:
+        return [], []
+    return _decided(blocked)
+
+
+def _blocked(ctx: Context) -> dict:
+    """rank -> (group, call site, event) of each rank's blocked collective in the cycle."""
+    blocked = {}
+    for edge in ctx.cycle:
+        e = ctx.view.event(edge.rank, edge.group, edge.seq)
+        if e is not None and e.call_site is not None:
+            blocked[edge.rank] = (edge.group, e.call_site.where, e)
+    return blocked
+
+
+def _decided(blocked: dict) -> tuple[list[int], list[str]]:
+    """With no habit to break (the cycle at the ranks' first collectives): the ranks that reached their
+    blocked collective through an ``if`` the others' stacks show they did not take (a rank-local
+    decision, ``source.decision_branch`` confirmed by the other call sites' stacks), when some, not
+    all, ranks of the cycle did."""
+    taken: dict[int, Branch] = {}
+    for rank, (_group, site, event) in blocked.items():
+        others = tuple(e.call_site.stack for r, (_g, s, e) in blocked.items() if r != rank and s != site)
+        branch = decision_branch(event.call_site.stack, others, confirmed=True) if others else None
+        if branch is not None:
+            taken[rank] = branch
+    if not taken or len(taken) == len(blocked):
+        return [], []
+    return sorted(taken), [
+        f"rank {rank} reached its collective through `if {b.test}` ({b.short}), which the other ranks of "
+        "the cycle did not take: a decision of its own put that collective first"
+        for rank, b in sorted(taken.items())
+    ]
 
 
 def _first_time(ctx: Context) -> list[str]:
