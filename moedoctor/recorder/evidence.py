@@ -49,15 +49,15 @@ class _Gradients:
         self.before: frozenset[tuple[str, tuple[int, ...]]] = frozenset()
         # The same set as ids, checked first: naming thousands of idle experts' parameters at every
         # backward and step (about 4 us each) cost more than finding them (about 0.1 us each).
-        self.before_ids: tuple[int, ...] = ()
+        self.before_ids: list[int] = []
 
     def note(self, optimizer) -> None:
         missing = _missing(optimizer)
         if self._changed(missing):
-            self._write(_named(missing))
+            self._write(_named(optimizer, missing))
 
     def _changed(self, missing: list) -> bool:
-        ids = tuple(id(p) for _, _, p in missing)
+        ids = list(map(id, missing))
         changed, self.before_ids = ids != self.before_ids, ids
         return changed
 
@@ -75,9 +75,9 @@ class _Gradients:
         if optimizer is not None:
             self.note(optimizer)
         elif self.recorder.step == 0:  # before the first step: the models' trainable parameters
-            missing = [(name, 0, p) for name, p in _ModuleRegistry.trainable() if p.grad is None]
-            if self._changed(missing):
-                self._write(frozenset((name, _local_shape(p)) for name, _, p in missing))
+            missing = [(name, p) for name, p in _ModuleRegistry.trainable() if p.grad is None]
+            if self._changed([p for _, p in missing]):
+                self._write(frozenset((name, _local_shape(p)) for name, p in missing))
 
 
 def _install_optimizer_hooks(recorder: Recorder, gradients: _Gradients) -> None:
@@ -121,23 +121,28 @@ def _install_zero_grad_hook(recorder: Recorder) -> None:
         owner.zero_grad = zero_grad  # type: ignore[method-assign]
 
 
-def _missing(optimizer) -> list[tuple[int, int, Any]]:
-    """(group index, index, parameter) of each parameter of ``optimizer`` that requires a gradient and
-    has none (a frozen parameter has none by design: progressive unfreezing is not a routing question)."""
-    return [
-        (group_index, index, param)
-        for group_index, group in enumerate(optimizer.param_groups)
-        for index, param in enumerate(group["params"])
-        if param.grad is None and param.requires_grad
-    ]
+def _missing(optimizer) -> list[Any]:
+    """Each parameter of ``optimizer`` that requires a gradient and has none (a frozen parameter has
+    none by design: progressive unfreezing is not a routing question). Run twice a step over every
+    parameter: one attribute read each, the rest only for the missing ones (about 0.06 us a
+    parameter, against 0.2 with its indices built for all)."""
+    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is None and p.requires_grad]
 
 
-def _named(missing: list[tuple[int, int, Any]]) -> frozenset[tuple[str, tuple[int, ...]]]:
-    """(name, local shape) of each of ``_missing``'s parameters."""
+def _named(optimizer, missing: list[Any]) -> frozenset[tuple[str, tuple[int, ...]]]:
+    """(name, local shape) of each of ``_missing``'s parameters; one without a module name is named
+    by its place in the optimizer (``param_groups[g][i]``)."""
     if not missing:
         return frozenset()
-    names = _ModuleRegistry.parameter_names(missing[0][2])
-    return frozenset((names.get(id(p)) or f"param_groups[{g}][{i}]", _local_shape(p)) for g, i, p in missing)
+    names = _ModuleRegistry.parameter_names(missing[0])
+    wanted = {id(p) for p in missing if id(p) not in names}
+    places = {
+        id(p): f"param_groups[{g}][{i}]"
+        for g, group in enumerate(optimizer.param_groups if wanted else ())
+        for i, p in enumerate(group["params"])
+        if id(p) in wanted
+    }
+    return frozenset((names.get(id(p)) or places[id(p)], _local_shape(p)) for p in missing)
 
 
 def _local_shape(param) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ def test_the_set_is_named_and_written_only_when_it_changes(monkeypatch):
     optimizer = torch.optim.SGD(params, lr=0.1)
     named = []
     real = evidence._named
-    monkeypatch.setattr(evidence, "_named", lambda missing: named.append(len(missing)) or real(missing))
+    monkeypatch.setattr(evidence, "_named", lambda optimizer, missing: named.append(len(missing)) or real(optimizer, missing))
 
     gradients.note(optimizer)
     gradients.note(optimizer)  # the same three parameters lack a gradient: nothing to name or write
@@ -35,6 +35,8 @@ def test_the_set_is_named_and_written_only_when_it_changes(monkeypatch):
     assert [(kind, data["count"], data["shapes"]) for kind, data in rec.records] == [
         ("params_without_grad", 3, [[3], [3], [3]])
     ]
+    # No module holds them: named by their place in the optimizer.
+    assert rec.records[0][1]["names"] == ["param_groups[0][1]", "param_groups[0][3]", "param_groups[0][5]"]
     params[1].grad = torch.zeros(3)
     gradients.note(optimizer)
     assert named == [3, 2] and rec.records[-1][1]["count"] == 2
