@@ -388,7 +388,8 @@ def decision_branch(
     they cannot see (not in that function), the innermost frame first. Tests that read the rank are
     not decisions a rank makes from its data (``rank_guard`` covers them); tests on an attribute alone
     (``if self.collective:``, ``if args.apply_fix:``) are settings, the same on every rank, and are
-    passed over too. With ``confirmed``, only a branch the other ranks' stacks confirm."""
+    passed over too, as are schedules on a loop's counter (``if (step + 1) % cfg.sync_every == 0:``).
+    With ``confirmed``, only a branch the other ranks' stacks confirm."""
     theirs = [frames(o) for o in others]
     unconfirmed: Branch | None = None
     for frame in frames(stack):
@@ -398,7 +399,7 @@ def decision_branch(
         lines = [f.line for fs in theirs for f in fs if f.file == frame.file and f.function == frame.function]
         candidates = []
         for node in ast.walk(defs[-1]):
-            if not isinstance(node, ast.If) or _configuration(node.test):
+            if not isinstance(node, ast.If) or _configuration(node.test) or _schedule(node, defs[-1]):
                 continue
             side = _side(node, frame.line)
             if side == "after" and not (_leaves(node.body) and not node.orelse):
@@ -560,6 +561,47 @@ def _configuration(test: ast.expr) -> bool:
     return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
 
 
+def _schedule(node: ast.If, function: ast.AST) -> bool:
+    """A test made only of the counters of the loops around it (``for step in range(...)``, the index
+    of ``enumerate``), settings (``cfg.log_every``) and constants: ``(step + 1) % cfg.sync_every == 0``.
+    Every rank at that iteration takes the same side: a schedule, not a rank's decision."""
+    counters = set()
+    for loop in ast.walk(function):
+        if not isinstance(loop, ast.For) or not (loop.lineno < node.lineno <= (loop.end_lineno or 0)):
+            continue
+        call = loop.iter
+        if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
+            continue
+        if call.func.id == "range" and isinstance(loop.target, ast.Name):
+            counters.add(loop.target.id)
+        elif call.func.id == "enumerate" and isinstance(loop.target, ast.Tuple) and loop.target.elts:
+            first = loop.target.elts[0]
+            if isinstance(first, ast.Name):
+                counters.add(first.id)
+    if not counters:
+        return False
+
+    def invariant(n: ast.AST) -> bool:
+        if isinstance(n, ast.Constant):
+            return True
+        if isinstance(n, ast.Name):
+            return n.id in counters
+        if isinstance(n, ast.Attribute):
+            return isinstance(n.value, ast.Name) and n.value.id not in counters
+        if isinstance(n, ast.UnaryOp):
+            return invariant(n.operand)
+        if isinstance(n, ast.BinOp):
+            return invariant(n.left) and invariant(n.right)
+        if isinstance(n, ast.BoolOp):
+            return all(invariant(v) for v in n.values)
+        if isinstance(n, ast.Compare):
+            return invariant(n.left) and all(invariant(c) for c in n.comparators)
+        return False
+
+    reads_counter = any(isinstance(n, ast.Name) and n.id in counters for n in ast.walk(node.test))
+    return reads_counter and invariant(node.test)
+
+
 #: The calls a test makes when it checks numbers for overflow: torch's and math's own.
 _FINITENESS = re.compile(r"\b(isfinite|isnan|isinf|isposinf|isneginf|found_inf)\b")
 
@@ -598,6 +640,44 @@ def checks_finiteness(branch: Branch) -> bool:
         and _FINITENESS.search(ast.unparse(n))
         for n in ast.walk(tree)
     )
+
+
+_MEANS_FINITE = re.compile(r"\bisfinite\b")
+_MEANS_NONFINITE = re.compile(r"\b(isnan|isinf|isposinf|isneginf|found_inf|overflow\w*|has_overflow|nonfinite\w*)\b")
+
+
+def finite_side(branch: Branch) -> bool | None:
+    """Did the ranks whose call is on the branch's side (``runs_when``) see finite numbers? Read from
+    the test's polarity: ``isfinite`` means finite, ``isnan`` / ``isinf`` / ``found_inf`` / an
+    ``overflow`` mean the opposite, each ``not`` flips it; a name is followed to its assignments
+    (those it can read must agree). None where the test does not say (both kinds, or neither, or a
+    comparison)."""
+
+    def meaning(text: str) -> bool | None:
+        """True: the expression is true when the numbers are finite; False: when they are not."""
+        try:
+            node = ast.parse(text, mode="eval").body
+        except SyntaxError:
+            return None
+        flips = 0
+        while isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            node, flips = node.operand, flips + 1
+        if isinstance(node, (ast.Compare, ast.BoolOp)):
+            return None  # `found_inf.item() == 0`, `a and not b`: not read
+        inner = _segment(node)
+        finite, nonfinite = bool(_MEANS_FINITE.search(inner)), bool(_MEANS_NONFINITE.search(inner))
+        if finite == nonfinite:
+            if isinstance(node, ast.Name):  # one step of data flow; the assignments read must agree
+                found = {meaning(rhs) for rhs in _assigned(branch.file, node.id, branch.line)} - {None}
+                base = found.pop() if len(found) == 1 else None
+                return None if base is None else base if flips % 2 == 0 else not base
+            return None
+        return finite if flips % 2 == 0 else not finite
+
+    when_true = meaning(branch.test)
+    if when_true is None:
+        return None
+    return when_true if branch.runs_when else not when_true
 
 
 def assigns_attribute(path: str, owner: str, attribute: str) -> int | None:

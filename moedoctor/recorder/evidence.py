@@ -258,10 +258,15 @@ def _install_backward_hook(recorder: Recorder, gradients: _Gradients) -> None:
             ordinal[0] += 1
         recorder.write_evidence("backward_begin")
         try:
-            return original(*args, **kwargs)
-        finally:
-            recorder.write_evidence("backward_end")
-            gradients.after_backward()
+            result = original(*args, **kwargs)
+        except BaseException as e:
+            # Autograd stopped part-way: which parameters have a gradient says where it stopped,
+            # not which ones the forward used, so the set is not checked.
+            recorder.write_evidence("backward_end", {"raised": type(e).__name__})
+            raise
+        recorder.write_evidence("backward_end")
+        gradients.after_backward()
+        return result
 
     torch.autograd.backward = backward  # Tensor.backward calls torch.autograd.backward
 

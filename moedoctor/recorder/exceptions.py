@@ -198,7 +198,9 @@ def _describe(fn) -> list | None:
 
 def _module_lists(owner) -> list[str]:
     """``name:count`` of each ``nn.ModuleList`` inside ``owner`` whose members (2 or more) share one
-    class (at most ``MAX_FRAMES``)."""
+    class, and ``name.{p,q}:count`` of each module holding its members stacked: 2 or more parameters
+    of its own of 3 or more dimensions sharing a leading one of 2 or more (fused experts, ``w1[e]``);
+    at most ``MAX_FRAMES``."""
     try:
         from torch import nn
 
@@ -208,8 +210,16 @@ def _module_lists(owner) -> list[str]:
         for name, module in owner.named_modules():
             if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(m) for m in module}) == 1:
                 found.append(_bounded(f"{name}:{len(module)}"))
-                if len(found) == MAX_FRAMES:
-                    break
-        return found
+            else:
+                stacked: dict[int, list[str]] = {}
+                for pname, param in module.named_parameters(recurse=False):
+                    if param.dim() >= 3 and param.shape[0] >= 2:
+                        stacked.setdefault(int(param.shape[0]), []).append(pname)
+                for lead, pnames in stacked.items():
+                    if len(pnames) >= 2:
+                        found.append(_bounded(f"{name + '.' if name else ''}{{{','.join(pnames)}}}:{lead}"))
+            if len(found) >= MAX_FRAMES:
+                break
+        return found[:MAX_FRAMES]
     except Exception:  # noqa: BLE001 - a module whose traversal fails: no lists named
         return []

@@ -438,7 +438,8 @@ EXCEPTION = Record(
             doc="when the traceback passes through `torch.utils.checkpoint` with its frame object at hand: the "
             'function it checkpointed, `[qualified name, file, first line, class of its module or "", module lists]`; '
             "module lists: `name:count` of each `nn.ModuleList` in that module whose members (at least 2) are of one "
-            "class (experts), at most 64",
+            "class (experts), and `name.{p,q}:count` of each submodule holding its members stacked (at least 2 "
+            "parameters of its own of 3+ dimensions sharing a leading one of 2+: fused experts), at most 64",
         ),
     ),
 )

@@ -52,3 +52,27 @@ def test_a_frozen_parameter_is_not_missing_its_gradient(frozen):
     p = torch.nn.Parameter(torch.zeros(2), requires_grad=not frozen)
     evidence._Gradients(rec).note(torch.optim.SGD([p], lr=0.1))
     assert [data["count"] for _, data in rec.records] == ([] if frozen else [1])
+
+
+def test_a_backward_that_raised_is_marked_and_its_gradients_are_not_checked(monkeypatch):
+    """Autograd stopped part-way (a recompute's CheckpointError): the parameters it had not reached
+    have no gradient whatever the routing, so the set is not written; the end record says it raised."""
+    monkeypatch.setattr(torch.autograd, "backward", torch.autograd.backward)  # restored after the test
+    rec = _recorder()
+    rec.write_evidence = lambda kind, data=None, step=None: rec.records.append((kind, data))
+    gradients = evidence._Gradients(rec)
+    checked = []
+    monkeypatch.setattr(gradients, "after_backward", lambda: checked.append(True))
+    evidence._install_backward_hook(rec, gradients)
+    w = torch.nn.Parameter(torch.ones(2))
+
+    def fails(ctx_grad):
+        raise RuntimeError("stopped part-way")
+
+    bad = (w * 2).sum()
+    bad.register_hook(fails)
+    with pytest.raises(RuntimeError, match="stopped part-way"):
+        bad.backward()
+    assert ("backward_end", {"raised": "RuntimeError"}) in rec.records and checked == []
+    (w * 2).sum().backward()
+    assert rec.records[-1] == ("backward_end", None) and checked == [True]

@@ -226,3 +226,56 @@ def test_every_rank_raised_and_none_waits():
     assert report.candidates[0].score == pytest.approx(0.6) and report.culprit_ranks == [0, 1]
     assert any("no rank is left waiting" in e for e in report.evidence)
     assert "rank 0 raised torch.utils.checkpoint.CheckpointError" in report.summary
+
+
+class Fused(nn.Module):
+    """Its experts stacked in two parameters (``w1[e]``, ``w2[e]``); runs fewer of them each forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.w1 = nn.Parameter(torch.randn(3, 4, 8))
+        self.w2 = nn.Parameter(torch.randn(3, 8, 4))
+        self.active = 3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.norm(x)
+        for e in range(self.active):
+            out = out + (x @ self.w1[e]).relu() @ self.w2[e]
+        self.active -= 1
+        return out
+
+
+def test_experts_stacked_in_parameters_are_recorded_and_count_as_members():
+    """A real recompute error from a block with fused experts records ``{w1,w2}:3``; the pattern then
+    does not lower the score as for a region without experts (the norm's 1-D weights are not stacked)."""
+    block, x = Fused(), torch.randn(2, 4, requires_grad=True)
+    try:
+        checkpoint(block, x, use_reentrant=False).sum().backward()
+    except Exception as e:  # noqa: BLE001
+        error = e
+    else:
+        raise AssertionError("the recompute did not raise")
+    record = exceptions.exception_record(type(error), error, error.__traceback__, "MainThread", 2)
+    assert record["ckpt"][4] == ["{w1,w2}:3"]
+    fused = CheckpointedFunction("Layer.forward", "/job/model.py", 72, "Layer", ("moe.{w1,w2}:8",))
+    report = crashed_run({"checkpointed": fused})
+    assert report.pattern == "checkpoint-recompute-mismatch" and report.candidates[0].score == 0.8
+    assert any("stacked in parameters" in e and "moe.{w1,w2} (8 members)" in e for e in report.evidence)
+
+
+def test_a_rank_whose_collective_failed_once_the_culprit_died_counts_as_waiting():
+    """Gloo completes rank 0's reduction with an error ("Connection closed by peer") when rank 1 dies:
+    the work reads as completed, but rank 0 raised after issuing it and issued nothing more."""
+    a, b = ranks(2)
+    for step in range(3):
+        for r in (a, b):
+            r.coll("all_gather", (3248,), phase=Phase.BACKWARD, step=step, line=109, module="layers.1")
+        a.coll("reduce_scatter", (6496,), phase=Phase.BACKWARD, step=step, line=109, module="layers.1")
+        if step < 2:
+            b.coll("reduce_scatter", (6496,), phase=Phase.BACKWARD, step=step, line=109, module="layers.1")
+    b.exc("torch.utils.checkpoint.CheckpointError", COUNT_MESSAGE, FRAMES, step=2, checkpointed=MOE_LAYER)
+    a.exc("RuntimeError", "Connection closed by peer", FRAMES[:3], step=2)
+    report = analyze(run_of(a, b, manifest_info=manifest({0: -15, 1: 1}, hang=False)))
+    assert report.pattern == "checkpoint-recompute-mismatch" and report.candidates[0].score == 0.8
+    assert any("rank 0 until it failed" in e for e in report.evidence), report.evidence

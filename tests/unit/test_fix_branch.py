@@ -148,3 +148,61 @@ def test_an_inf_nan_check_is_read_through_an_assignment_that_calls_a_method_of_t
         """))
     assert checks_finiteness(Branch(str(path), 13, "overflow", False))
     assert not checks_finiteness(Branch(str(path), 16, "large", False))
+
+
+def test_a_schedule_on_the_loop_counter_is_not_a_decision(tmp_path):
+    """``if (step + 1) % cfg.sync_every == 0:`` is the same on every rank at the same iteration: a rank
+    inside it and a rank elsewhere in the loop did not decide differently there. A test on the data
+    in the same loop still is a decision."""
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent("""\
+        def main(cfg, batches):
+            for step in range(cfg.steps):
+                stats = reduce_stats()
+                if (step + 1) % cfg.sync_every == 0:
+                    outer_sync()
+            for i, batch in enumerate(batches):
+                if i % cfg.log_every == 0 and batch.size > 0:
+                    log()
+                if batch.size > 0:
+                    log()
+        """))
+    assert decision_branch(_stack(path, (5, "main")), (_stack(path, (3, "main")),)) is None
+    assert decision_branch(_stack(path, (8, "main")), (_stack(path, (10, "main")),)) is None  # `and` is read whole
+    assert decision_branch(_stack(path, (10, "main")), (_stack(path, (8, "main")),)).line == 9
+
+
+def test_which_side_of_an_inf_nan_check_saw_finite_numbers(tmp_path):
+    from moedoctor.analysis.source import Branch, finite_side
+
+    path = tmp_path / "outer.py"
+    path.write_text(textwrap.dedent("""\
+        import math, torch
+
+        def sync(deltas, norm, scaler, buf, collective):
+            finite = all(torch.isfinite(d).all() for d in deltas)
+            if collective:
+                finite = agree(finite) == 0.0
+            bad = not math.isfinite(norm)
+            overflow = scaler.has_overflow(buf)
+            if not finite:
+                return False
+            if torch.isfinite(norm):
+                step()
+            if bad:
+                skip()
+            if overflow:
+                skip()
+            if found_inf.item() == 0:
+                step()
+        """))
+    cases = [
+        (9, "not finite", False, True),  # past an `if` that leaves when not finite: the finite side
+        (11, "torch.isfinite(norm)", True, True),
+        (13, "bad", True, False),
+        (13, "bad", False, True),
+        (15, "overflow", True, False),
+        (17, "found_inf.item() == 0", True, None),  # a comparison is not read
+    ]
+    for line, test, runs_when, want in cases:
+        assert finite_side(Branch(str(path), line, test, runs_when)) is want, test

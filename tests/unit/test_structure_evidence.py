@@ -275,17 +275,23 @@ def test_a_per_parameter_gradient_sync_that_skips_idle_experts_is_inactive_exper
     assert analyze(run_of(*bare, hang=True)).pattern == "shape-mismatch"
 
 
+def _rank_1_left_a_backward_reduction():
+    """Two DDP ranks, two steps of one backward all-reduce; at step 2 rank 0 waits in it alone."""
+    a, b = ranks(2)
+    for step in range(2):
+        for r in (a, b):
+            r.coll("all_reduce", (151,), step=step, line=86, phase=Phase.BACKWARD)
+    a.coll("all_reduce", (151,), step=2, line=86, phase=Phase.BACKWARD, done=False)
+    return a, b
+
+
 def test_a_reducer_that_never_launched_an_idle_experts_bucket_explains_the_crash_that_follows():
     """DDP with static buckets: at step 2 rank 1 routed no token to expert 2, its bucket is never
     launched, rank 0 waits in it, and rank 1's reducer raises in the next forward (exit 1)."""
     from event_factory import manifest
 
     def job(with_evidence: bool):
-        a, b = ranks(2)
-        for step in range(2):
-            for r in (a, b):
-                r.coll("all_reduce", (151,), step=step, line=86, phase=Phase.BACKWARD)
-        a.coll("all_reduce", (151,), step=2, line=86, phase=Phase.BACKWARD, done=False)
+        a, b = _rank_1_left_a_backward_reduction()
         if with_evidence:
             b.ev("params_without_grad", 2, names=["module.0.experts.2.weight", "module.0.experts.2.bias"],
                  shapes=[[4, 4], [4]], count=2)
@@ -296,6 +302,31 @@ def test_a_reducer_that_never_launched_an_idle_experts_bucket_explains_the_crash
     assert report.culprit_ranks == [1] and report.fix_config == {"expert-zero-term": {"lists": "auto"}}
     bare = analyze(job(False))
     assert bare.verdict.value == "crashed" and bare.pattern is None and bare.culprit_ranks == [1], bare.summary
+
+
+def test_gradients_missing_after_a_backward_that_raised_say_nothing_about_routing():
+    """Rank 1's backward raised (a recompute's CheckpointError): the parameters autograd had not reached
+    have no gradient, idle experts or not. The recorder now marks that backward's end and checks no
+    gradients; an older trace still holds the set, and the exception in backward rules it out."""
+    from event_factory import manifest
+
+    def job(marked: bool):
+        a, b = _rank_1_left_a_backward_reduction()
+        b.ev("backward_begin", 2)
+        if marked:
+            b.ev("backward_end", 2, raised="CheckpointError")
+        else:
+            b.ev("backward_end", 2)
+            b.ev("params_without_grad", 2, names=["module.layers.0.experts.2.weight", "module.layers.0.attn.bias"],
+                 shapes=[[4, 4], [4]], count=2)
+        b.exc("torch.utils.checkpoint.CheckpointError", "Recomputed values have different metadata",
+              (("/job/train.py", 86, "main"),), step=2)
+        return run_of(a, b, manifest_info=manifest({0: -15, 1: 1}))
+
+    for marked in (True, False):
+        report = analyze(job(marked))
+        assert report.pattern != "inactive-experts", report.summary
+        assert not any("inactive-experts" == c.pattern for c in report.candidates), report.candidates
 
 
 EMA = textwrap.dedent("""\
@@ -339,3 +370,66 @@ def test_the_if_that_filled_the_per_key_collection_is_the_decision(tmp_path):
     local = collection_decision(_stack(path, (27, "export")))
     assert (local.line, local.runs_when) == (24, True)
     assert collection_decision(_stack(path, (19, "state_dict"))) is None  # filled under a rank test: a guard
+
+
+OUTER = textwrap.dedent("""\
+    class Outer:
+        def _outer_step(self, deltas):
+            flat = torch.cat(deltas)
+            dist.all_reduce(flat)
+            self.opt.step()
+
+        def sync(self, deltas):
+            finite = all(torch.isfinite(d).all() for d in deltas)
+            if not finite:
+                return False
+            self._outer_step(deltas)
+            return True
+
+
+    def main(cfg, outer, inner):
+        for step in range(cfg.steps):
+            inner_step(inner)
+            dist.all_reduce(stats)
+            if (step + 1) % cfg.inner_steps == 0:
+                outer.sync(deltas)
+    """)
+
+
+def test_an_outer_step_skipped_by_a_local_check_is_told_by_the_check_not_by_the_inner_optimizers_count(tmp_path):
+    """DiLoCo-style: an inner optimizer steps every iteration (the step counter's), and every second one
+    an outer step all-reduces the pseudo-gradients, skipped on a rank-local inf/NaN check. Rank 2
+    skips it and runs on into the next iteration's inner step: the hooks show rank 2 starting the
+    step the others have not, the reverse of a skip. The ranks that are past the check's finite side
+    stepped; rank 2 skipped."""
+    import dataclasses
+
+    from moedoctor.events import CallSite
+
+    path = tmp_path / "diloco.py"
+    path.write_text(OUTER)
+    outer_stack = (f"{path}:4 Outer._outer_step", f"{path}:11 Outer.sync", f"{path}:20 main")
+    builders = ranks(3)
+
+    def iteration(r, k, sync, done=True):
+        r.ev("optimizer_step_begin", k, optimizer="AdamW")
+        r.ev("optimizer_step_end", k, optimizer="AdamW")
+        r.coll("all_reduce", (2,), step=k + 1, line=18, file=str(path), done=done or sync)
+        if sync:
+            r.coll("all_reduce", (1571,), step=k + 1, line=4, file=str(path), function="Outer._outer_step", done=done)
+            r.events[-1] = dataclasses.replace(r.events[-1], call_site=CallSite(str(path), 4, "Outer._outer_step",
+                                                                                outer_stack))
+
+    for k in range(3):
+        for r in builders:
+            iteration(r, k, sync=k % 2 == 1)
+    for r in builders[:2]:
+        iteration(r, 3, sync=True, done=False)  # they wait in the outer all_reduce
+    iteration(builders[2], 3, sync=False)      # rank 2 skipped it ...
+    iteration(builders[2], 4, sync=False, done=False)  # ... and waits in the next iteration's all_reduce
+    report = analyze(run_of(*builders, hang=True))
+    assert report.pattern == "skipped-optimizer-step", report.summary
+    assert report.culprit_ranks == [2]
+    assert any("ranks 0,1 went the way that steps, rank 2 the other" in e for e in report.evidence), report.evidence
+    assert report.fix_config == {"skip-step-collectively": {"branch": {
+        "file": str(path), "line": 9, "agree": "any", "test": "not finite"}}}

@@ -23,7 +23,8 @@ it was raised in backward (autograd's engine in the traceback). The others wait 
 the group at the divergence, in backward. The message gives the counts of tensors saved in forward
 and recompute, or the shapes that differ (the rows of a token batch routed to an expert). The
 record names the function checkpoint recomputed (read from checkpoint's own frame object), and the
-module lists of same-class members (experts) in its module.
+module lists of same-class members (experts) in its module, or its members stacked in parameters of
+one leading dimension (fused experts: ``wi[e]``, ``wo[e]``).
 
 Scores: 0.8 with all of it; lower, each said in the evidence, when the exception was not raised in
 backward, the others are not waiting in backward, the message does not say what differed, the
@@ -137,20 +138,23 @@ def classify(ctx: Context) -> Finding | None:
     else:
         owner = f" of {ckpt.module}" if ckpt.module else ""
         evidence.append(f"checkpointed region: {ckpt.function}{owner} ({ckpt.short})")
-        if ckpt.module_lists:
-            lists = ", ".join(
-                f"{n.rpartition(':')[0] or '(the module)'} ({n.rpartition(':')[2]} members)"
-                for n in ckpt.module_lists[:4]
+        lists = [n for n in ckpt.module_lists if "{" not in n]
+        stacked = [n for n in ckpt.module_lists if "{" in n]
+        if lists:
+            evidence.append(f"it holds module list(s) of same-class members, run per routed member: {_members(lists)}")
+        if stacked:
+            evidence.append(
+                f"it holds members stacked in parameters of a leading dimension each (fused experts): "
+                f"{_members(stacked)}; expert-dense rewrites module lists only"
             )
-            evidence.append(f"it holds module list(s) of same-class members, run per routed member: {lists}")
-        else:
+        if not ckpt.module_lists:
             score -= 0.25
             evidence.append(
-                "its module holds no list of same-class members (experts): the recompute differs for another "
-                "reason, and expert-dense may not apply (-0.25)"
+                "its module holds no list of same-class members (experts), listed or stacked: the recompute "
+                "differs for another reason, and expert-dense may not apply (-0.25)"
             )
     present = ctx.present()
-    waiting = {r: v for r, v in present.items() if not v.completed}
+    waiting = {r: v for r, v in present.items() if not v.completed or _failed_in(ctx, r)}
     if div is None:
         score -= 0.2
         evidence.append(
@@ -162,6 +166,11 @@ def classify(ctx: Context) -> Finding | None:
         evidence.append(
             f"{names(sorted(waiting))} wait{'s' if len(waiting) == 1 else ''} in {v.op} #{div.seq} of group "
             f"{div.group.label()} ({v.short_site}, {v.phase}) that {names(div.missing)} never issued"
+            + (
+                f" ({names(failed)} until it failed, once the rank it waited for was gone)"
+                if (failed := sorted(r for r, x in waiting.items() if x.completed))
+                else ""
+            )
         )
         if any(v.phase != Phase.BACKWARD.value for v in waiting.values()):
             score -= 0.1
@@ -178,6 +187,19 @@ def classify(ctx: Context) -> Finding | None:
     return Finding(
         round(score, 2), tuple(evidence), culprits=tuple(sorted(raised)), suggestion=suggestion, explains_crash=True
     )
+
+
+def _members(found: list[str]) -> str:
+    return ", ".join(f"{n.rpartition(':')[0] or '(the module)'} ({n.rpartition(':')[2]} members)" for n in found[:4])
+
+
+def _failed_in(ctx: Context, rank: int) -> bool:
+    """The rank's collective at the divergence ended only because it failed: the rank raised after
+    issuing it (Gloo's "Connection closed by peer" once the awaited rank died) and issued nothing
+    after it. Its work then reads as completed, though the rank was waiting."""
+    event, exc = ctx.event(rank), ctx.view.exception(rank)
+    last = ctx.view.last_event.get(rank)
+    return event is not None and exc is not None and exc.time >= event.time and last is event
 
 
 PATTERN = Pattern(

@@ -47,6 +47,7 @@ import, over the fix's patch).
 from __future__ import annotations
 
 from moedoctor.analysis.model import Suggestion
+from moedoctor.events import Phase
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
 
 _FSDP_BACKWARD_OPS = {"reduce_scatter", "all_gather", "all_reduce", "reduce_scatter_coalesced", "all_gather_coalesced"}
@@ -199,6 +200,15 @@ def _missing_at(view, rank: int, step: int) -> dict[str, tuple[int, ...]]:
     return found
 
 
+def _backward_raised(view, rank: int, step: int) -> bool:
+    """The rank's backward of ``step`` raised: its ``backward_end`` says so, or the rank's uncaught
+    exception was raised in backward of that step."""
+    if any(e.data.get("raised") for e in view.evidence(rank, "backward_end", step)):
+        return True
+    exc = view.exception(rank)
+    return exc is not None and exc.phase == Phase.BACKWARD and exc.step == step
+
+
 def _skips_only(ref: list[tuple], mine: list[tuple], skippable: list[tuple]) -> int | None:
     """How many of ``ref``'s items ``mine`` leaves out, where ``mine`` is ``ref`` with only items of
     the ``skippable`` shapes (each used once) left out; None when it is not."""
@@ -233,6 +243,11 @@ def _reduction_never_launched(ctx: Context) -> Finding | None:
     if not present or not div.missing or any(v.phase != "backward" for v in present.values()):
         return None
     step = min(v.step for v in present.values())
+    if any(_backward_raised(view, r, step) for r in div.missing):
+        # A backward that raised (a recompute's CheckpointError) leaves parameters without gradients
+        # where autograd stopped: that says nothing about routing (traces from before the recorder
+        # stopped checking then still hold such a set).
+        return None
     missing = {r: _missing_at(view, r, step) for r in (*present, *div.missing)}
     idle = _idle_members(missing)
     if not all(idle[r] for r in div.missing) or any(idle[r] for r in present):

@@ -43,7 +43,7 @@ hand-written ZeRO-1 with a loss scaler, the skipping rank aborted by Gloo).
 from __future__ import annotations
 
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.source import checks_finiteness
+from moedoctor.analysis.source import checks_finiteness, finite_side
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb
 from moedoctor.analysis.steps import CLOSING, RESTART
 from moedoctor.events import Evidence
@@ -74,14 +74,29 @@ def classify(ctx: Context) -> Finding | None:
     skipping = sorted(r for r in ranks if r not in stepping)
     branch, through = ctx.decision_sides()
     finite_check = branch is not None and checks_finiteness(branch)
-    if (not skipping or not stepping) and finite_check and 0 < len(through) < len(ranks):
-        # No optimizer hook fired (an optimizer that is no torch.optim.Optimizer): the sides come
-        # from the rank-local inf/NaN check the ranks' stacks are on either side of.
-        stepping = sorted(through)  # their call is on the side of the `if` that issues the step's collectives
+    score, evidence = 0.0, []
+    if finite_check and 0 < len(through) < len(ranks):
+        # The ranks' stacks are on either side of a rank-local inf/NaN check: the ranks whose call is on
+        # the `if`'s side that issues the step's collectives stepped, unless the test's polarity says
+        # that side is the non-finite one.
+        side = finite_side(branch)
+        by_branch = sorted(through) if side is not False else sorted(r for r in ranks if r not in through)
+        if not skipping or not stepping:
+            # No optimizer hook fired (an optimizer that is no torch.optim.Optimizer).
+            stepping = by_branch
+        elif side is not None and not set(stepping) & set(by_branch):
+            # The hooks count the first optimizer's steps; the step skipped here is another one (an
+            # outer optimizer, a hand-written update), and the rank that skipped it ran ahead into
+            # the next iteration's first-optimizer step: the check decides the sides.
+            evidence.append(
+                f"the optimizer hooks show {names(stepping)} starting step {step}, but by running ahead: "
+                f"{names(by_branch)} {verb(by_branch, 'is', 'are')} past the finite side of the check "
+                "below, in the step it guards"
+            )
+            stepping, stepped = by_branch, []
         skipping = sorted(r for r in ranks if r not in stepping)
     if not skipping or not stepping:
         return None
-    score, evidence = 0.0, []
     if finite_check:
         score += 0.45
         evidence.append(
