@@ -12,8 +12,11 @@ optimizer's collectives alone. The caller's skip path must leave the step a true
 still move the weights: seed 001's review).
 
 Check (``moedoctor verify``): at every collective skip, a snapshot of every optimizer's parameters
-(local shards), state tensors and hyper-parameters, and every LR scheduler's position; at the next
-decision (or the end of the job) they must be bitwise unchanged.
+(local shards), state tensors and hyper-parameters, and every LR scheduler's position; when the skip
+is over (the next backward, the next decision, or the end of the job) they must be bitwise unchanged,
+or, where the job's own skip path changed them without any ``optimizer.step()`` and without moving an
+LR scheduler (DiLoCo resets the weights to the last global ones), that is said and passes: the
+failure the check is for is a skip path that steps anyway.
 
 Risk: one extra 1-element all-reduce per step. If one rank's gradients overflow every step, every
 rank now skips every step (before, the job hung): watch the skip count.
@@ -136,7 +139,11 @@ def _register_instances(cls, registry: weakref.WeakSet) -> None:
 
 
 class _StepSnapshots:
-    """Everything a skipped step must leave alone, taken at the skip, compared at the next decision."""
+    """Everything a skipped step must leave alone, taken at the skip, compared when the skip is over:
+    at the next backward (the next step's training has begun), the next decision, or the job's end.
+    An ``optimizer.step()`` in between is the skip path stepping anyway (zeroed gradients: AdamW's
+    weight decay and moments still move the weights); a change without one is the job's own handling
+    of a skip (DiLoCo resets the weights to the last global ones), said, not failed."""
 
     def __init__(self, runtime) -> None:
         self.runtime = runtime
@@ -144,13 +151,33 @@ class _StepSnapshots:
         self.schedulers: weakref.WeakSet = weakref.WeakSet()
         self.pending: list[tuple[str, Any]] | None = None
         self.skips = 0
+        self.stepped: list[str] = []  # optimizers that stepped while a skip was pending
+        self.reset_by_job = 0  # skips whose path changed state without stepping
 
     def track(self) -> None:
-        """Know every optimizer and LR scheduler the job creates (their ``__init__`` is wrapped)."""
+        """Know every optimizer and LR scheduler the job creates (their ``__init__`` is wrapped), every
+        optimizer step, and every backward (the end of a skip)."""
+        import functools
+
         import torch
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         _register_instances(torch.optim.Optimizer, self.optimizers)
         _register_instances(torch.optim.lr_scheduler.LRScheduler, self.schedulers)
+
+        def stepping(optimizer, args, kwargs):
+            if self.pending is not None:
+                self.stepped.append(type(optimizer).__name__)
+
+        register_optimizer_step_pre_hook(stepping)
+        original = torch.autograd.backward
+
+        @functools.wraps(original)
+        def backward(*args, **kwargs):
+            self.compare()  # a new backward: the skipped step is over
+            return original(*args, **kwargs)
+
+        torch.autograd.backward = backward
 
     def _state(self) -> list[tuple[str, Any]]:
         import torch
@@ -178,6 +205,7 @@ class _StepSnapshots:
 
     def take(self) -> None:
         self.skips += 1
+        self.stepped = []
         self.pending = self._state()
 
     def compare(self) -> None:
@@ -198,12 +226,22 @@ class _StepSnapshots:
             if not same:
                 changed.append(key)
         tensors = sum(isinstance(v, torch.Tensor) for _, v in before)
-        if changed:
+        listed = f"{', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}"
+        scheduled = [k for k in changed if k.startswith("scheduler")]
+        if changed and (self.stepped or scheduled):
+            why = f"{self.stepped[0]}.step() ran during the skip" if self.stepped else "an LR scheduler moved"
             self.runtime.check(
                 "skipped step is a no-op",
                 False,
-                f"skip #{self.skips} changed {len(changed)} of {len(before)} items: "
-                f"{', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}",
+                f"skip #{self.skips} changed {len(changed)} of {len(before)} items ({why}): {listed}",
+            )
+        elif changed:
+            self.reset_by_job += 1
+            self.runtime.check(
+                "skipped step is a no-op",
+                True,
+                f"skip #{self.skips}: no optimizer stepped and no LR scheduler moved; the job's own skip path "
+                f"changed {len(changed)} of {len(before)} items without a step (a reset: {listed})",
             )
         else:
             self.runtime.check(
@@ -225,7 +263,8 @@ FIX = Fix(
     "step now makes every rank skip every step.",
     cost="one 1-element all-reduce (and a host sync on its flag) per step",
     check="at each skip, params, optimizer state, hyper-parameters and LR schedulers are snapshotted; "
-    "at the next decision they must be bitwise unchanged",
+    "when the skip is over (next backward or decision) they must be bitwise unchanged, unless the job's "
+    "own skip path changed them without an optimizer step or an LR scheduler moving (a reset, said)",
     targets=(Target("_lib.sharded_optim:grad_norm_is_nonfinite", "moedoctor's fixtures"),),
     install=_install,
     by_structure="the `if` in your code that decided to skip (its test made collective)",
