@@ -30,6 +30,7 @@ peer when the classes were sorted by size).
 
 from __future__ import annotations
 
+from moedoctor.analysis.contracts import breaches
 from moedoctor.analysis.model import DivergenceKind, Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
 
@@ -56,7 +57,11 @@ def classify(ctx: Context) -> Finding | None:
                 if x is not None and x.splits is not None
             )
         )
-    if bad:
+    exchanged = _counts_exchanged(ctx, bad)
+    if exchanged is not None:
+        evidence.append(exchanged)
+        bad = ()
+    elif bad:
         evidence.append(
             f"{names(bad)} disagree{'s' if len(bad) == 1 else ''} with the peers "
             f"{'it exchanges' if len(bad) == 1 else 'they exchange'} with: receive counts not taken "
@@ -65,6 +70,62 @@ def classify(ctx: Context) -> Finding | None:
     return Finding(
         0.95, tuple(evidence), culprits=tuple(bad) or None, suggestion=Suggestion(v.call_site, v.function, _ADVICE)
     )
+
+
+_INTEGER = ("int64", "int32", "int16", "uint8", "int8")
+
+
+def _counts_exchanged(ctx: Context, bad: tuple[int, ...]) -> str | None:
+    """One pair breaks the contract (one receiver, one sender: nothing says which side is wrong but
+    the habit that receive counts are computed locally), yet both exchanged integer counts on this
+    group earlier in the step (an all_to_all of a small integer tensor), with no dispatch from this
+    call site in between (counts cached from an earlier exchange are the receiver's): it then took its
+    counts from the sender's announcement, or changed them after, and the sender may send other rows
+    than it announced. The counts' values are not recorded, so the culprit is left open, the sentence
+    says why; unless the receiver's receive splits are its own send splits (and the sender's are not):
+    computed locally after all, the receiver's (the bundled fixture)."""
+    div, view = ctx.div, ctx.view
+    events = {r: e for r in div.per_rank if (e := ctx.event(r)) is not None}
+    found = breaches(events, tuple(sorted(events)))
+    if len(found) != 1:
+        return None
+    b = found[0]
+    seen = []
+    for r in (b.receiver, b.sender):
+        event = events[r]
+        counts = [
+            e
+            for e in view.events(r, div.group.name, before=div.seq)
+            if e.op == "all_to_all"
+            and e.step == event.step
+            and e.dtypes
+            and e.dtypes[0] in _INTEGER
+            and sum(_numel(shape) for shape in e.in_shapes) <= 4096
+        ]
+        if not counts:
+            return None
+        site = event.call_site.where if event.call_site else None
+        since = view.events(r, div.group.name, before=div.seq)
+        if site is None or any(e.seq > counts[-1].seq and e.call_site and e.call_site.where == site for e in since):
+            return None  # the exchange fed an earlier dispatch from this call site: its counts may be cached
+        seen.append(counts[-1])
+    mine, theirs = events[b.receiver], events[b.sender]
+    if mine.in_splits and mine.in_splits == mine.out_splits and theirs.in_splits != theirs.out_splits:
+        return None  # its receive counts are its own send counts: computed locally, the receiver's
+    return (
+        f"rank {b.receiver} and rank {b.sender} exchanged integer counts on this group before it (#{seen[0].seq}, "
+        f"{seen[0].call_site.short if seen[0].call_site else '?'}): "
+        f"rank {b.receiver}'s receive count follows an announcement, so either rank {b.sender} sends other rows "
+        f"than it announced or rank {b.receiver} changed what it received; the counts' values are not "
+        "recorded, so no culprit is named"
+    )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 _ADVICE = (
