@@ -24,7 +24,7 @@ def line_of(text: str) -> int:
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fr")
-    result = run_command(torchrun_command(JOB, 2, str(out), "--timeout", "3"), timeout=120,
+    result = run_command(torchrun_command(JOB, 2, str(out), "--timeout", "8"), timeout=120,
                          env=job_env(TORCH_FR_BUFFER_SIZE="2000"))
     assert_ok(result)
     assert "Timed out" in result.output, result.tail()

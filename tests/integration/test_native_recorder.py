@@ -55,6 +55,11 @@ def test_native_mixed_job_is_recorded_completely_and_like_python(native_built, t
                 if name == "time":
                     continue
                 if name == "completed":
+                    if n.async_op:
+                        # Gloo flips an async work to completed just after wait() returns: whether the
+                        # last poll before exit saw it is a race, for either recorder (seen once under
+                        # CI load: native missed one the Python recorder saw).
+                        continue
                     a, b = a is not None, b is not None
                 if name == "reduce_op" and b is None:  # Python knows a c10d one only if still running at a poll
                     continue
