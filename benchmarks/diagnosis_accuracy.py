@@ -73,6 +73,7 @@ class Case:
     verify: str | None = None      # the command the report printed, if any
     verified: bool | None = None
     alarm: bool = False
+    params: str | None = None      # healthy job run with --check-params: what the parameter check claimed
     error: str | None = None
     skipped: str | None = None     # why it did not run (its environment is missing)
 
@@ -120,7 +121,7 @@ def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
                **{k: str(v) for k, v in (case.expected.get("env") or {}).items()})
     silent = case.expected.get("failure") == "silent"  # a job that completes with wrong parameters
     cmd = [python, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--force", *recorder,
-           *(["--check-params"] if silent else []),
+           *(["--check-params"] if silent or (case.healthy and args.params_on_healthy) else []),
            "--hang-timeout", str(args.hang_timeout), "--", python, "-m", "torch.distributed.run",
            "--standalone", f"--nproc_per_node={nproc}", str(case.script), *job_args]
     if args.reanalyze:
@@ -143,6 +144,8 @@ def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
     case.culprits = report.get("culprit_ranks") or []
     if silent:  # named by the parameter check (params/check.json), the overwrite's source as culprit
         case.reported, case.culprits = silent_pattern(run_dir, report, case.expected, case.alarm, case.exit_code)
+    if case.healthy and args.params_on_healthy:
+        case.params = params_claim(run_dir)
     case.verify = report.get("verify_command")
     if case.verify and args.verify and not case.healthy and case.expected.get("fix"):
         code, _, _ = run(shlex.split(case.verify.replace("moedoctor ", f"{python} -m moedoctor ", 1)),
@@ -184,6 +187,20 @@ def silent_pattern(run_dir: Path, report: dict, expected: dict, alarm: bool,
     if check["pattern"] == expected["pattern"] and culprits:
         return check["pattern"], culprits
     return check["pattern"] and f"{check['pattern']} at another call site", culprits
+
+
+def params_claim(run_dir: Path) -> str | None:
+    """What the parameter check found in a healthy job's run directory (None: nothing, or no check)."""
+    from moedoctor.analysis import load_run
+    from moedoctor.analysis.params import check_run_dir, has_params
+
+    if not has_params(run_dir):
+        return None
+    check = check_run_dir(run_dir, {t.rank: t.events for t in load_run(run_dir).traces}).to_json()
+    if not check["findings"]:
+        return None
+    kinds = Counter(f["kind"] for f in check["findings"])
+    return ", ".join(f"{k} x{n}" for k, n in kinds.items())
 
 
 def reanalyze(run_dir: Path, write: bool = False) -> dict | None:
@@ -228,15 +245,17 @@ def report(cases: list[Case]) -> str:
         if c.skipped:
             lines.append(f"skip {c.name:<59} [{c.skipped}]")
     for c in healthy:
-        lines.append(f"{'BAD' if c.alarm or c.verdict != 'healthy' else 'ok '} {c.name:<60} {c.seconds:5.0f}s "
-                     f"exit {c.exit_code} -> {c.verdict}" + (" ALARM" if c.alarm else ""))
+        bad = c.alarm or c.verdict != "healthy" or c.params
+        lines.append(f"{'BAD' if bad else 'ok '} {c.name:<60} {c.seconds:5.0f}s "
+                     f"exit {c.exit_code} -> {c.verdict}" + (" ALARM" if c.alarm else "")
+                     + (f" PARAMETERS: {c.params}" if c.params else ""))
     pattern_ok = sum(c.reported == c.expected["pattern"] for c in faults)
     with_culprit = [c for c in faults if c.expected.get("culprit_ranks")]
     culprit_ok = sum(sorted(c.culprits) == sorted(c.expected["culprit_ranks"]) for c in with_culprit)
     wrong_confident = sum(c.reported not in UNNAMED and c.reported != c.expected["pattern"] for c in faults)
     fixable = [c for c in faults if c.expected.get("fix")]
     verified = sum(bool(c.verified) for c in fixable)
-    false_alarms = sum(c.alarm or c.verdict != "healthy" for c in healthy)
+    false_alarms = sum(c.alarm or c.verdict != "healthy" or bool(c.params) for c in healthy)
     by_pattern = defaultdict(list)
     for c in faults:
         by_pattern[c.expected["pattern"]].append(c.reported == c.expected["pattern"])
@@ -262,6 +281,9 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated pattern ids")
     parser.add_argument("--no-verify", dest="verify", action="store_false")
     parser.add_argument("--no-healthy", dest="healthy", action="store_false")
+    parser.add_argument("--params-on-healthy", action="store_true",
+                        help="run the healthy jobs with --check-params too; a parameter-check finding on one "
+                             "counts as a false alarm")
     parser.add_argument("--keep", default=None, help="keep run directories and logs here")
     parser.add_argument("--hang-timeout", type=float, default=15)
     parser.add_argument("--pg-timeout", type=float, default=60)

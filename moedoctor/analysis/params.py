@@ -191,10 +191,15 @@ def check_params(checkpoints: dict[int, list[Checkpoint]], events: dict[int, lis
             continue
         live = [p for p in prints.values() if not p.constant]
         if _all_same(list(prints.values())):
-            agreed_before += 1
+            # Constants (zeros, ones) say nothing: a rank's empty allocation is often zeros.
+            agreed_before += bool(live)
         elif len(live) >= 2 and not _all_same(live):
             overwritten[name] = prints
     ctx = _Context(before, overwritten, agreed_before, _fsdp_sharded(points.get(POINT_PREPARED, {})), events)
+    ctx.prepared = points.get(POINT_PREPARED, {})
+    for label, at in points.items():
+        if label != POINT_PREPARED:
+            ctx.synced[label] = sum(1 for name in before if _kept_in_sync(name, at))
     reported: set[str] = set()
     for label in order:
         at = points[label]
@@ -222,6 +227,11 @@ def check_params(checkpoints: dict[int, list[Checkpoint]], events: dict[int, lis
             f"{len(ctx.per_rank)} plain parameter(s) differ across ranks from the first point on and were never "
             "broadcast: taken as per-rank by construction (experts, pipeline stages: no DTensor says so), not compared"
         )
+    if ctx.beside:
+        check.notes.append(
+            f"{len(ctx.beside)} plain parameter(s) were ones or zeros on every rank at the first forward and differ "
+            "later, in modules that hold per-rank parameters: taken as per-rank too, not compared"
+        )
     return check
 
 
@@ -233,6 +243,16 @@ class _Context:
     fsdp_sharded: int  # parameters that are FSDP2 / DTensor shards at the first forward
     events: dict[int, list[CollectiveEvent]]
     per_rank: set[str] = field(default_factory=set)  # plain parameters that differ by construction
+    prepared: dict[int, Checkpoint] = field(default_factory=dict)  # the first forward's prints
+    synced: dict[str, int] = field(default_factory=dict)  # point -> broadcast parameters still identical there
+    beside: set[str] = field(default_factory=set)  # constants at first in modules holding per-rank parameters
+
+
+def _kept_in_sync(name: str, at: dict[int, Checkpoint]) -> bool:
+    """The parameter is identical across the ranks at this point and not a constant (ones, zeros): the
+    job keeps it in sync."""
+    prints = [cp.tensors[name] for cp in at.values() if name in cp.tensors]
+    return len(prints) >= 2 and not all(p.constant for p in prints) and _all_same(prints)
 
 
 def _fsdp_sharded(at: dict[int, Checkpoint]) -> int:
@@ -277,6 +297,8 @@ def _compare(name: str, label: str, prints: dict[int, TensorPrint], cps: dict[in
                 return _identical(name, label, members, 0.75, why, _find_broadcast(events, members, None))
         return None
     # A plain tensor.
+    if _differing(prints) and (desynced := _left_out_of_sync(name, label, ctx)) is not None:
+        return desynced
     if name in overwritten:
         if not _all_same(list(prints.values())):
             return None
@@ -317,12 +339,52 @@ def _compare(name: str, label: str, prints: dict[int, TensorPrint], cps: dict[in
             per_rank.add(name)  # per-rank from the start, never synchronized
             return None
         why = "broadcast before the first forward, yet different across ranks after it"
+    elif _constant_beside_per_rank(name, ctx):
+        ctx.beside.add(name)  # e.g. a pipeline stage's LayerNorm: ones and zeros on every stage at first
+        return None
     else:
         why = (
             "identical across ranks at the first forward, different after it (a plain tensor is taken as "
             "replicated over the world: lower if this parameter is meant to be per-rank)"
         )
     return ParamFinding(REPLICATED_DIFFERS, name, label, tuple(sorted(prints)), _differing(prints), 0.7, why)
+
+
+def _constant_beside_per_rank(name: str, ctx: _Context) -> bool:
+    """A parameter never broadcast that was a constant (ones, zeros) at the first forward, in a module
+    (other than the root) that holds per-rank parameters: identical across ranks by its initialisation,
+    which says nothing about being replicated."""
+    if name in ctx.before:
+        return False
+    first = [cp.tensors[name] for cp in ctx.prepared.values() if name in cp.tensors]
+    if not first or not all(p.constant for p in first):
+        return False
+    parts = name.split(".")[:-1]
+    owners = {".".join(parts[:i]) + "." for i in range(1, len(parts) + 1)}
+    return any(other.startswith(owner) for other in ctx.per_rank for owner in owners)
+
+
+def _left_out_of_sync(name: str, label: str, ctx: _Context) -> ParamFinding | None:
+    """A plain parameter that differed across ranks before its broadcast (an empty rank counts), was
+    identical after it, and differs at a later step while other broadcast parameters are still
+    identical there: the job keeps those in sync and not this one, so it is per-rank (as expert-
+    parallel parameters are), and the broadcast overwrote it."""
+    if label == POINT_PREPARED or name not in ctx.before or not ctx.synced.get(label):
+        return None
+    if _all_same(list(ctx.before[name].values())):
+        return None  # the same on every rank before the broadcast: the broadcast changed nothing
+    at_prep = {r: cp.tensors[name] for r, cp in ctx.prepared.items() if name in cp.tensors}
+    if len(at_prep) < 2 or not _all_same(list(at_prep.values())):
+        return None
+    src = next(iter(ctx.before[name].values())).extra.get("src")
+    why = (
+        f"differed across ranks {_fmt(ctx.before[name])} before its broadcast (from rank {src}), identical after "
+        f"it, and different again at {label} while {ctx.synced[label]} other broadcast parameter(s) are still "
+        "identical there: the job keeps those in sync and not this one, so it is per-rank (as expert-parallel "
+        "parameters are) and the broadcast overwrote it (lower: a replicated parameter that the gradient "
+        "reduction leaves out looks the same)"
+    )
+    return _identical(name, POINT_PREPARED, at_prep, 0.6, why, _find_broadcast(ctx.events, at_prep, ctx.before[name]))
 
 
 def _identical(name: str, label: str, group, score: float, evidence: str, overwrite) -> ParamFinding:

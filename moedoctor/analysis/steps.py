@@ -45,6 +45,45 @@ def position(view: RunView, event: CollectiveEvent) -> str | None:
     return CLOSING
 
 
+def backward_collectives(view: RunView, rank: int, group: str, step: int, n: int) -> int | None:
+    """How many collectives ``rank`` issued on ``group`` during its ``n``-th (from 1) backward pass of
+    ``step``; None when that pass was not recorded whole (not begun, not ended, or overlapping the next)."""
+    begins = sorted(e.time for e in view.evidence(rank, "backward_begin", step))
+    ends = sorted(e.time for e in view.evidence(rank, "backward_end", step))
+    if n < 1 or len(begins) < n:
+        return None
+    begin = begins[n - 1]
+    end = next((t for t in ends if t >= begin), None)
+    if end is None or (n < len(begins) and end > begins[n]):
+        return None
+    return sum(1 for e in view.events(rank, group) if begin <= e.time <= end)
+
+
+def deferred_sync(view: RunView, event: CollectiveEvent, others) -> int | None:
+    """The backward pass (``n``, from 1, in the event's step) that issues ``event`` on its rank when
+    every rank of ``others`` ran that same pass to its end without issuing any collective on the
+    group, and the job's earlier steps show that habit (a backward pass without a collective on the
+    group, then one with): the ranks disagree on which backward pass synchronises gradients (DDP's
+    ``no_sync``, FSDP2's ``set_requires_gradient_sync``), i.e. on which micro-batch is the last. None
+    otherwise (a job that syncs in every backward pass and skipped it once had its reductions held
+    back, e.g. buckets waiting for a gradient that never came: something else)."""
+    if event.phase != "backward" or not others:
+        return None
+    n = sum(1 for b in view.evidence(event.rank, "backward_begin", event.step) if b.time <= event.time)
+    group = event.group.name
+    if not all(backward_collectives(view, r, group, event.step, n) == 0 for r in others):
+        return None
+    for rank in (event.rank, *others):
+        for step in sorted({b.step for b in view.evidence(rank, "backward_begin") if b.step < event.step}):
+            counts = [
+                backward_collectives(view, rank, group, step, k + 1)
+                for k in range(len(view.evidence(rank, "backward_begin", step)))
+            ]
+            if any(c == 0 and any(later for later in counts[i + 1 :]) for i, c in enumerate(counts)):
+                return n
+    return None
+
+
 @dataclass(frozen=True)
 class LoopExit:
     """Ranks that loop over items with one collective call site, a different number of times: at the

@@ -118,13 +118,16 @@ class _ParamCheck:
 
     def _index(self, ptr: int) -> int | None:
         """The registered parameter whose data starts at ``ptr``; the map is rebuilt when parameters
-        were registered since, or once for an unknown pointer (a moved parameter)."""
+        were registered since, or once for an unknown pointer (a moved or replaced parameter)."""
         found = self.by_ptr.get(ptr)
         if found is not None or (self.indexed == len(self.registered) and ptr in self.misses):
             return found
         self.by_ptr = {}
-        for i, (_, _, pref) in enumerate(self.registered):
-            p = pref()
+        for i, (mref, name, pref) in enumerate(self.registered):
+            m = mref()
+            # The module's current parameter: one assigned into ``_parameters`` directly (an "empty
+            # weights" loader) replaced the registered one without a registration hook.
+            p = m._parameters.get(name) if m is not None else pref()
             if p is not None and p.device.type != "meta":
                 self.by_ptr.setdefault(p.data_ptr(), i)
         if self.indexed != len(self.registered):

@@ -179,3 +179,50 @@ def test_a_bucket_broadcast_is_attributed_by_each_ranks_own_time():
                   cp(POINT_PREPARED, r, [tp("dense", 1.0), tp("experts", 5.0)])]
     (f,) = check_params(run, {0: a.events, 1: b.events}).findings
     assert f.overwrite is not None and f.overwrite.call_site == "train.py:77", f.overwrite
+
+
+def _empty_rank_load(experts_broadcast: bool):
+    """Rank 0 loads the checkpoint, rank 1 holds empty weights (zeros in the dense norm, garbage
+    elsewhere) and receives everything by broadcast; expert weights get no gradient averaging."""
+    out = {}
+    for r in (0, 1):
+        before = [bcast(r, 1.0 + 7 * r, "embed.weight"),
+                  tp("norm.bias", 0.0, constant=True, extra={"src": 0, "group": [0, 1], "time": 1000.0005})]
+        if experts_broadcast:
+            before.append(bcast(r, 5.0 + 7 * r, "moe.experts.0.w"))
+        expert = 5.0 if experts_broadcast else 5.0 + r
+        out[r] = [
+            cp(POINT_BEFORE_BROADCAST, r, before),
+            cp(POINT_PREPARED, r, [tp("embed.weight", 1.0), tp("norm.bias", 0.0, constant=True),
+                                   tp("moe.experts.0.w", expert)]),
+            cp(POINT_STEP, r, [tp("embed.weight", 1.5), tp("norm.bias", 0.2), tp("moe.experts.0.w", 6.0 + r)], step=1),
+        ]
+    return out
+
+
+def test_a_broadcast_parameter_that_the_job_then_leaves_out_of_sync_was_per_rank_and_overwritten():
+    check = check_params(_empty_rank_load(experts_broadcast=True), {})
+    (f,) = check.findings
+    assert (f.kind, f.name, f.point, f.confidence) == (SHARD_IDENTICAL, "moe.experts.0.w", "prepared", 0.6)
+    assert "different again at step 1 while 2 other broadcast parameter(s) are still identical" in f.evidence
+    assert f.overwrite is not None and f.overwrite.src == 0
+    assert check.pattern == PATTERN
+
+
+def test_the_same_job_with_its_experts_kept_out_of_the_broadcast_is_consistent():
+    """A zero tensor on the empty rank agreeing with rank 0's zeros is not a parameter that 'already
+    agreed': without that rule every broadcast parameter here would be claimed at 0.85."""
+    check = check_params(_empty_rank_load(experts_broadcast=False), {})
+    assert check.findings == [] and check.pattern is None
+
+
+def test_constant_parameters_beside_per_rank_ones_are_per_rank_too():
+    """A pipeline stage's LayerNorm is ones and zeros on every stage at first, then trains apart."""
+    run = {r: [cp(POINT_PREPARED, r, [tp("blocks.0.attn.w", 1.0 + r), tp("blocks.0.norm.weight", 1.0, constant=True),
+                                      tp("head.norm.weight", 1.0, constant=True)]),
+               cp(POINT_STEP, r, [tp("blocks.0.attn.w", 3.0 + r), tp("blocks.0.norm.weight", 2.0 + r),
+                                  tp("head.norm.weight", 2.0 + r)], step=1)] for r in (0, 1)}
+    check = check_params(run, {})
+    # head.norm shares no module with a per-rank parameter: still taken as replicated
+    assert [(f.kind, f.name) for f in check.findings] == [(REPLICATED_DIFFERS, "head.norm.weight")]
+    assert any("ones or zeros" in n for n in check.notes)

@@ -68,3 +68,20 @@ def test_fingerprint_is_chunk_independent_and_tells_a_permutation(monkeypatch):
     assert torch.allclose(whole[[0, 1, 3, 4]], shuffled[[0, 1, 3, 4]]) and not torch.isclose(whole[2], shuffled[2])
     ones = params.fingerprint(torch.ones(3, 4, dtype=torch.bfloat16))
     assert ones[3] == ones[4] == 1.0
+
+
+def test_a_parameter_replaced_in_place_of_the_registered_one_is_still_found(tmp_path):
+    """Empty-weights loaders assign into ``module._parameters`` (no registration hook): the print
+    taken before a broadcast must still find the module's current parameter."""
+    import torch
+
+    from moedoctor.recorder.params import _ParamCheck
+
+    check = _ParamCheck(tmp_path, 1)
+    layer = torch.nn.Linear(4, 4)
+    for name, p in layer.named_parameters():
+        check.on_register(layer, name, p)
+    check.before_broadcast([layer.weight], 0, [0, 1])  # indexes the registered parameters
+    layer._parameters["bias"] = torch.nn.Parameter(torch.empty_like(layer.bias))
+    check.before_broadcast([layer.bias], 0, [0, 1])
+    assert sorted(check.registered[i][1] for i in check.before) == ["bias", "weight"]

@@ -36,6 +36,7 @@ from collections import Counter
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb
 from moedoctor.analysis.source import calls_in, rank_guard, shared_loop
+from moedoctor.analysis.steps import deferred_sync
 
 #: A metric all-reduce moves a handful of scalars.
 SMALL = 64
@@ -89,6 +90,19 @@ def classify(ctx: Context) -> Finding | None:
     )
     if not any(t.module is not None or t.phase in ("forward", "backward") for t in theirs):
         return None  # nothing FSDP-issued or from forward/backward to be matched against: nothing in flight
+    for r in other:
+        e = ctx.event(r)
+        n = None if e is None else deferred_sync(view, e, small)
+        if n is not None:
+            return Finding(
+                0.1,
+                (
+                    f"rank {r}'s {e.op} is issued by its backward pass {n} of step {e.step}, which "
+                    f"{names(small)} ran to its end without any collective on group {div.group.label()}: "
+                    "the ranks disagree on which backward pass synchronises gradients (the last "
+                    "micro-batch), not on where a metric all_reduce lands",
+                ),
+            )
     score = 0.3 if history else 0.2
     evidence = [
         f"at #{div.seq} of group {div.group.label()} {names(small)} issued a {v.numel}-element all_reduce "

@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections import Counter
 
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb
 from moedoctor.analysis.source import calls_in, shared_loop
-from moedoctor.analysis.steps import RESTART, CLOSING
+from moedoctor.analysis.steps import CLOSING, RESTART, deferred_sync
 
 
 def _split(ctx: Context) -> tuple[list[int], list[int], str] | None:
@@ -103,6 +103,16 @@ def classify(ctx: Context) -> Finding | None:
             f"{'is' if len(in_loop) == 1 else 'are'} in another micro-batch "
             f"({', '.join(f'rank {r}: {backwards[r]}' for r in in_loop)} backward passes so far)"
         ]
+    synced = {r: n for r in moved_on if (e := ctx.event(r)) is not None and (n := deferred_sync(view, e, in_loop))}
+    if synced and len(synced) == len([r for r in moved_on if r in present]):
+        n = min(synced.values())
+        score += 0.15
+        evidence.append(
+            f"{names(sorted(synced))} {verb(sorted(synced), 'issues', 'issue')} its collective in backward pass {n} "
+            f"of step {step}, while {names(in_loop)} ran backward pass {n} to its end without any collective on "
+            f"group {div.group.label()} (gradient synchronisation deferred): the ranks disagree on which "
+            "micro-batch is the step's last"
+        )
     earlier = {r: Counter(e.step for e in view.evidence(r, "backward_begin") if e.step < step) for r in div.per_rank}
     common = set.intersection(*(set(c) for c in earlier.values())) if earlier else set()
     if common and all(len({earlier[r][s] for r in earlier}) == 1 for s in common):
@@ -113,7 +123,8 @@ def classify(ctx: Context) -> Finding | None:
     if loop is not None and not calls_in(loop.file, loop.line, "step"):
         score += 0.1
         evidence.append(
-            f"{names(in_loop)}' collective is issued inside the loop at {loop.short} ({loop.text}), "
+            f"{names(in_loop)}{_POSSESSIVE[len(in_loop) == 1]} collective is issued inside the loop at "
+            f"{loop.short} ({loop.text}), "
             "which runs the backward passes and no optimizer step: a micro-batch loop"
         )
     return Finding(
@@ -123,6 +134,8 @@ def classify(ctx: Context) -> Finding | None:
         suggestion=Suggestion(v.call_site, v.function, _ADVICE),
     )
 
+
+_POSSESSIVE = {True: "'s", False: "'"}
 
 _ADVICE = (
     "Make the number of micro-batches per step the same on every rank: all_reduce the local count with "
