@@ -107,6 +107,9 @@ def main() -> None:
         if args.kernel_clock and getattr(recorder, "_native", None) is not None:
             recorder._native.set_clock(True)
     times, toggled = [], {True: [], False: []}
+    # The training thread's CPU time per step, taken before the closing synchronize (which may spin):
+    # on a host-bound loop it is what the recorder adds to that thread, without the launch noise.
+    cpu_times, cpu_toggled = [], {True: [], False: []}
     blocks: dict[bool, list[float]] = {True: [], False: []}  # each block's median step, in order
     for step in range(args.warmup + args.steps):
         recording = bool(args.toggle) and (step // args.toggle) % 2 == 0
@@ -118,7 +121,7 @@ def main() -> None:
             else:
                 recorder.paused = not recording
         sync()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         checked = args.sync_debug and args.backend == "nccl" and step >= args.warmup
         if checked:
             torch.cuda.set_sync_debug_mode("error")
@@ -129,11 +132,14 @@ def main() -> None:
         optimizer.zero_grad()
         if checked:
             torch.cuda.set_sync_debug_mode("default")
+        cpu = time.thread_time() - cpu_start
         sync()
         all_times.append(time.perf_counter() - start)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
             toggled[recording].append(times[-1])
+            cpu_times.append(cpu)
+            cpu_toggled[recording].append(cpu)
             if args.toggle and (step + 1) % args.toggle == 0 and step + 1 - args.toggle >= args.warmup:
                 blocks[recording].append(statistics.median(times[-args.toggle:]))
     if dist.get_rank() == 0:
@@ -155,6 +161,9 @@ def main() -> None:
                   f"on {on * 1e3:.3f} ms, added {(on - off) / off * 100:+.2f}% "
                   f"({len(toggled[True])} + {len(toggled[False])} steps); blocks of {args.toggle} "
                   f"{paired_text(blocks[True], blocks[False])}")
+            con, coff = statistics.median(cpu_toggled[True]), statistics.median(cpu_toggled[False])
+            print(f"training thread CPU per step: off {coff * 1e3:.3f} ms, on {con * 1e3:.3f} ms, "
+                  f"added {(con - coff) / coff * 100:+.2f}%")
         if check is not None:
             spent = {name: round(seconds * 1e3, 3) for name, seconds in check.spent.items()}
             held = {0: all_times[0], args.check_params - 1: all_times[args.check_params - 1]}
@@ -163,7 +172,8 @@ def main() -> None:
                   + f"; median of the timed steps {statistics.median(times) * 1e3:.3f} ms")
         print(f"{recorded}: backend={args.backend} world={dist.get_world_size()} dim={args.dim} "
               f"layers={args.layers} tokens={args.tokens} median step {statistics.median(times) * 1e3:.3f} ms "
-              f"(min {min(times) * 1e3:.3f}) collectives/step {seq / (args.warmup + args.steps):.1f}")
+              f"(min {min(times) * 1e3:.3f}) collectives/step {seq / (args.warmup + args.steps):.1f} "
+              f"thread CPU {statistics.median(cpu_times) * 1e3:.3f} ms")
     dist.destroy_process_group()
 
 
