@@ -58,6 +58,10 @@ class Frame:
     line: int
     function: str
 
+    @property
+    def short(self) -> str:
+        return f"{self.file.rsplit('/', 1)[-1]}:{self.line}"
+
 
 def parse_frame(text: str) -> Frame | None:
     """``"/path/train.py:60 main"`` (the recorder's stack entry) -> ``Frame``."""
@@ -349,6 +353,29 @@ def calls_in(path: str, node_line: int, attribute: str) -> list[int]:
                         found.append(sub.lineno)
             return sorted(found)
     return []
+
+
+_EXIT_WORDS = ("break", "continue", "return", "raise")
+
+
+def on_the_way(there: tuple[str, ...], here: tuple[str, ...]) -> tuple[Frame, Frame, Enclosing] | None:
+    """Whether a rank whose stack is ``here`` will reach the call whose stack is ``there`` later in the
+    same pass of a loop: a frame of each in the same function of the same file, ``here``'s at an
+    earlier line, both inside the same innermost loop, and no ``break`` / ``continue`` / ``return`` /
+    ``raise`` on the lines between. Returns (the frame of ``here``, the frame of ``there``, the loop)."""
+    for ahead in frames(there):
+        for behind in frames(here):
+            if (ahead.file, ahead.function) != (behind.file, behind.function) or behind.line >= ahead.line:
+                continue
+            loops = [e for e in enclosing(ahead.file, ahead.line) if e.kind in ("for", "while")]
+            theirs = [e for e in enclosing(behind.file, behind.line) if e.kind in ("for", "while")]
+            if not loops or not theirs or loops[-1] != theirs[-1]:
+                continue
+            between = (line_text(ahead.file, n) or "" for n in range(behind.line + 1, ahead.line))
+            if any(text.split(" ", 1)[0].rstrip(":") in _EXIT_WORDS for text in between):
+                continue
+            return behind, ahead, loops[-1]
+    return None
 
 
 def shared_loop(stack: tuple[str, ...], attribute: str = "backward") -> Enclosing | None:

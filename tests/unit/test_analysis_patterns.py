@@ -183,3 +183,59 @@ def test_an_inversion_at_the_first_collective_names_the_rank_whose_own_branch_pu
     else:
         assert report.culprit_ranks == [0]
         assert any("rank 0 reached its collective through `if reader.starved()`" in e for e in report.evidence)
+
+
+_PREFETCH_LOOP = '''import torch.distributed as dist
+
+
+def broadcast_data(batch, group):
+    dist.broadcast(batch, src=0, group=group)
+    return batch
+
+
+def main(rank, model, batch, data_group):
+    is_source = rank == 0
+    batch = broadcast_data(batch, data_group)
+    for step in range(4):
+        prefetched = None
+        loss = model(batch)
+        if step + 1 < 4 and is_source:
+            prefetched = broadcast_data(batch, data_group)
+        loss.backward()
+        batch = prefetched if prefetched is not None else broadcast_data(batch, data_group)
+'''
+
+
+def test_an_inversion_at_the_first_step_where_the_awaited_rank_is_on_its_way_names_the_rank_branch():
+    """Rank 0 (the data source) prefetches the next batch over a data group under a branch on its rank,
+    before backward; rank 1 goes on to backward's gradient all_reduce and would receive the batch at the
+    top of its next iteration. Rank 0 never issued the gradient all_reduce (the first step), but its
+    stack shows it earlier in the same pass of the loop: a reordering, decided by rank 0's branch."""
+    import dataclasses
+    import tempfile
+    from pathlib import Path
+
+    from analysis_scenarios import DP
+    from event_factory import WORLD, ranks, run_of
+
+    from moedoctor.events import CallSite
+
+    source = Path(tempfile.mkdtemp()) / "prefetch.py"
+    source.write_text(_PREFETCH_LOOP)
+    path = str(source)
+
+    def call(line, *outer):
+        stack = (f"{path}:{line} broadcast_data",) + tuple(f"{path}:{o} main" for o in outer)
+        return CallSite(path, line, "broadcast_data", stack)
+
+    a, b = ranks(2)
+    for r in (a, b):
+        r.coll("broadcast", (4,), group=DP, file=path, line=5, function="broadcast_data", root=0)
+        r.events[-1] = dataclasses.replace(r.events[-1], call_site=call(5, 11))
+    a.coll("broadcast", (4,), group=DP, file=path, line=5, function="broadcast_data", root=0, done=False)
+    a.events[-1] = dataclasses.replace(a.events[-1], call_site=call(5, 16))
+    b.coll("all_reduce", (8,), group=WORLD, file=path, line=17, function="main", done=False)
+    report = analyze(run_of(a, b, hang=True))
+    assert report.pattern == "collective-order-inversion", [(c.pattern, c.score) for c in report.candidates]
+    assert report.culprit_ranks == [0]
+    assert any("earlier in the same pass of the loop" in e for e in report.evidence), report.evidence

@@ -22,7 +22,10 @@ Culprits: the ranks of the cycle that changed their own order (their last earlie
 the two call sites came the other way round), when some did and some kept theirs. With no habit (an
 inversion at the first iteration), the ranks that reached their blocked collective through an ``if``
 the other ranks' stacks show they did not take, when some, not all, did. Otherwise every rank of
-the cycle.
+the cycle. An awaited rank that never issued its call site but is blocked earlier in the same pass
+of the loop that reaches it (``source.on_the_way``) is on its way: the cycle is then a reordering
+(0.5), and where some ranks' blocked collectives sit under an ``if`` on the rank that the others
+passed, those ranks put theirs first (0.6, culprits; held-out corpus 21's data-source prefetch).
 
 Fix: issue the collectives of overlapping groups in one global order on every rank (or make one of
 them asynchronous and wait for both).
@@ -42,7 +45,7 @@ from __future__ import annotations
 
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
-from moedoctor.analysis.source import Branch, decision_branch, rank_guard
+from moedoctor.analysis.source import Branch, decision_branch, frames, on_the_way, rank_guard
 from moedoctor.analysis.steps import cycle_loop_exit
 
 
@@ -78,6 +81,33 @@ def classify(ctx: Context) -> Finding | None:
             "times closed the cycle, not a reordering"
         )
         return Finding(0.2, tuple(evidence), suggestion=Suggestion(site, fn, _ADVICE))
+    ahead = _on_the_way(ctx) if unknown else []
+    if unknown and ahead and len(ahead) == len(unknown):
+        # Every rank that never issued the awaited call site is on its way to it in this very pass;
+        # the other waits of the cycle are on call sites every rank has used: a reordering.
+        evidence.extend(line for line, _ in ahead)
+        blocked = _blocked(ctx)
+        on_rank = {
+            r: g
+            for r, (_g, _s, e) in blocked.items()
+            if (g := rank_guard(e.call_site.stack)) is not None and g.kind == "if"
+        }
+        guarded = sorted(on_rank)
+        passed = all(
+            any(f.file == g.file and f.line > g.line for f in frames(e.call_site.stack) for g in on_rank.values())
+            for r, (_g, _s, e) in blocked.items()
+            if r not in on_rank
+        )
+        if guarded and len(guarded) < len(blocked) and passed:
+            evidence.append(
+                f"{names(guarded)} put {'its' if len(guarded) == 1 else 'their'} collective first under a branch "
+                "on the rank, which the other ranks of the cycle passed without taking: "
+                f"{'its' if len(guarded) == 1 else 'their'} own order"
+            )
+            return Finding(0.6, tuple(evidence), culprits=tuple(guarded), suggestion=Suggestion(site, fn, _ADVICE))
+        deciders, lines = _decided(blocked)
+        evidence.extend(lines)
+        return Finding(0.5, tuple(evidence), culprits=tuple(deciders) or None, suggestion=Suggestion(site, fn, _ADVICE))
     if unknown:
         evidence.extend(unknown)
         guards = [
@@ -199,22 +229,47 @@ def _first_time(ctx: Context) -> list[str]:
     return found
 
 
-def _never_issued(ctx: Context) -> list[str]:
-    """For each wait of the cycle, the awaited ranks that never issued a collective from the call
-    site the waiting rank is blocked at, on that group, before."""
+def _unissued(ctx: Context):
+    """(edge, its waiting rank's event, an awaited rank) for each awaited rank of the cycle that never
+    issued a collective from the call site the waiting rank is blocked at, on that group, before."""
     view = ctx.view
-    found = []
     for edge in ctx.cycle:
         e = view.event(edge.rank, edge.group, edge.seq)
         if e is None or e.call_site is None:
             continue
         for m in edge.waits_for:
             if not view.issued_from(m, edge.group, e.call_site.where):
-                found.append(
+                yield edge, e, m
+
+
+def _on_the_way(ctx: Context) -> list[tuple[str, int]]:
+    """For each of ``_unissued``'s awaited ranks whose own blocked collective's stack shows it earlier in
+    the same pass of the loop that issues that call (``source.on_the_way``): (evidence line, rank)."""
+    view = ctx.view
+    found = []
+    for edge, e, m in _unissued(ctx):
+        theirs = view.last_event.get(m)
+        way = on_the_way(e.call_site.stack, theirs.call_site.stack) if theirs and theirs.call_site else None
+        if way is not None:
+            behind, ahead, loop = way
+            found.append(
+                (
                     f"rank {m} never issued a collective from {e.call_site.short} on group "
-                    f"{view.groups[edge.group].label()}, where rank {edge.rank} waits for it"
+                    f"{view.groups[edge.group].label()} before, but it is blocked at {behind.short}, earlier "
+                    f"in the same pass of the loop at {loop.short} that reaches it at {ahead.short}",
+                    m,
                 )
+            )
     return found
+
+
+def _never_issued(ctx: Context) -> list[str]:
+    """``_unissued``, as evidence lines."""
+    return [
+        f"rank {m} never issued a collective from {e.call_site.short} on group "
+        f"{ctx.view.groups[edge.group].label()}, where rank {edge.rank} waits for it"
+        for edge, e, m in _unissued(ctx)
+    ]
 
 
 _ADVICE = (

@@ -150,6 +150,14 @@ def classify(ctx: Context) -> Finding | None:
                 f"`if {branch.test}:` ({branch.short}), a rank-local test (an empty or pruned local "
                 "shard): the ranks filled it with different keys"
             )
+        elif exit_ is not None:
+            # A rank that left the loop shows no stack inside it: the branch is a candidate, not seen taken.
+            evidence.append(
+                f"the per-key loop has a rank-local skip, `if {branch.test}:` ({branch.short}): a rank that "
+                "took it on more keys leaves the loop with fewer collectives, as here, but no stack shows it "
+                "taken; the ranks' key lists may differ instead (then the fix's check 'ranks disagreed and "
+                "took one branch' stays unestablished and verify fails)"
+            )
         else:
             evidence.append(
                 f"the per-key decision is `if {branch.test}:` ({branch.short}): the ranks went different "
