@@ -707,6 +707,34 @@ def finite_side(branch: Branch) -> bool | None:
     return when_true if branch.runs_when else not when_true
 
 
+def overrides_method(path: str, owner: str, method: str) -> int | None:
+    """The line of a ``def method`` in a class of ``path`` that subclasses ``owner`` (a base named
+    ``owner`` or ``<...>.owner``) and does not call the base's (``super().method`` /
+    ``owner.method``): instances of that subclass never run the base class's method, or None."""
+    tree = _tree(path)
+    if tree is None:
+        return None
+    for cls in ast.walk(tree):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        if not any(_segment(base).rsplit(".", 1)[-1] == owner for base in cls.bases):
+            continue
+        for node in cls.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == method:
+                calls_base = any(
+                    isinstance(n, ast.Attribute)
+                    and n.attr == method
+                    and (
+                        (isinstance(n.value, ast.Call) and _segment(n.value.func) == "super")
+                        or _segment(n.value).rsplit(".", 1)[-1] == owner
+                    )
+                    for n in ast.walk(node)
+                )
+                if not calls_base:
+                    return node.lineno
+    return None
+
+
 def assigns_attribute(path: str, owner: str, attribute: str) -> int | None:
     """The line where ``path`` assigns ``<...>owner.attribute = ...`` unconditionally (at module level
     or in a function body outside any ``if``: a job replacing a library class's method after import,

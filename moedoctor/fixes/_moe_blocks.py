@@ -34,7 +34,10 @@ FIXTURE_BLOCK = "_lib.moe:TinyMoeSparseMoeBlock"
 # nn.Linear gate, softmax in float + topk(top_k) (+ renormalization when norm_topk_prob, always
 # for Mixtral), forward(hidden_states) -> (hidden_states, router_logits). Mixtral's training-time
 # router jitter is reproduced. In 5.x the same classes hold fused experts: refused there, the fused
-# experts are the target. Qwen2MoeSparseMoeBlock is left out: it adds a gated shared expert.
+# experts are the target. Qwen2MoeSparseMoeBlock also adds a gated shared expert
+# (``sigmoid(shared_expert_gate(x)) * shared_expert(x)``, after the routed sum), which the dense
+# forward adds the same way (``BlockSpec.shared_expert``).
+TRANSFORMERS4_SHARED_EXPERT_BLOCKS = ("transformers.models.qwen2_moe.modeling_qwen2_moe:Qwen2MoeSparseMoeBlock",)
 TRANSFORMERS4_BLOCKS = (
     "transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeSparseMoeBlock",
     "transformers.models.mixtral.modeling_mixtral:MixtralSparseMoeBlock",
@@ -120,6 +123,7 @@ class BlockSpec:
     route: str | None = None  # modulelist: a method returning (logits, weights, selected)
     note: str = ""
     transformers4: bool = False  # a transformers 4.x block: refused under transformers 5
+    shared_expert: bool = False  # adds sigmoid(shared_expert_gate(x)) * shared_expert(x) (Qwen2-MoE)
 
     @property
     def target(self) -> Target:
@@ -136,6 +140,10 @@ def builtin_specs() -> tuple[BlockSpec, ...]:
         *(
             BlockSpec(path, note="transformers 4.x (checked against 4.53.2)", transformers4=True)
             for path in TRANSFORMERS4_BLOCKS
+        ),
+        *(
+            BlockSpec(path, note="transformers 4.x (checked against 4.53.2)", transformers4=True, shared_expert=True)
+            for path in TRANSFORMERS4_SHARED_EXPERT_BLOCKS
         ),
         *(BlockSpec(path, kind=FUSED, note="transformers 5.x fused experts") for path in TRANSFORMERS5_FUSED_EXPERTS),
     )

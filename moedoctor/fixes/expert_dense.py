@@ -116,6 +116,8 @@ def _dense_block(block: Any, hidden_states: Any, spec: BlockSpec) -> tuple[Any, 
     out = torch.zeros_like(flat)
     for index, expert in enumerate(experts):  # the sparse loop's order: each token sums the same terms
         out = out + (expert(flat) * weights[:, index, None]).to(flat.dtype)
+    if spec.shared_expert:  # after the routed sum, as Qwen2-MoE's block adds it
+        out = out + torch.sigmoid(block.shared_expert_gate(flat)) * block.shared_expert(flat)
     return out.view(hidden_states.shape), router_logits, selected_experts
 
 

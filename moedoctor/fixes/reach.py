@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 from moedoctor.analysis.load import RunData
 from moedoctor.analysis.model import Report
-from moedoctor.analysis.source import assigns_attribute, defined_classes, frames
+from moedoctor.analysis.source import assigns_attribute, defined_classes, frames, overrides_method
 from moedoctor.fixes import FIXES
 
 
@@ -35,13 +35,19 @@ def script_of(command: list[str] | None) -> str | None:
 
 
 def run_frames(run: RunData) -> set[tuple[str, str]]:
-    """``(file, function)`` of every job frame the traces and stacks hold."""
+    """``(file, function)`` of every job frame the traces and stacks hold: collectives' call sites, the
+    frames of uncaught exceptions and the function ``torch.utils.checkpoint`` was running then, and
+    py-spy's stacks."""
     found: set[tuple[str, str]] = set()
     for trace in run.traces:
         for event in trace.events:
             if event.call_site is not None:
                 found.add((event.call_site.file, event.call_site.function))
                 found.update((f.file, f.function) for f in frames(event.call_site.stack))
+        for exc in trace.exceptions:
+            found.update((f.file, f.function) for f in exc.frames)
+            if exc.checkpointed is not None:  # the checkpointed forward, recomputed when the error was raised
+                found.add((exc.checkpointed.file, exc.checkpointed.function.rpartition(".")[2]))
     for dump in run.stacks.values():
         for thread in (dump.main_thread, *dump.threads.values()):
             found.update((frame.file, frame.function) for frame in thread)
@@ -80,12 +86,17 @@ def reached(paths: Iterable[str], seen: set[tuple[str, str]], script: str | None
 
 
 def _replaced_by_job(path: str, seen: set[tuple[str, str]]) -> bool:
-    """Does the job's own code (not an installed package) assign ``Class.method`` of the target?"""
+    """Does the job's own code (not an installed package) assign ``Class.method`` of the target, or
+    subclass the class with its own ``method`` that never calls the base's?"""
     owner, _, method = path.partition(":")[2].rpartition(".")
     if not owner:
         return False
+    name = owner.rsplit(".", 1)[-1]
     files = {f for f, _ in seen if "-packages" + os.sep not in f and os.sep + "moedoctor" + os.sep not in f}
-    return any(assigns_attribute(f, owner.rsplit(".", 1)[-1], method) is not None for f in sorted(files))
+    return any(
+        assigns_attribute(f, name, method) is not None or overrides_method(f, name, method) is not None
+        for f in sorted(files)
+    )
 
 
 def _defines(file: str, owner: str) -> bool:
@@ -110,8 +121,9 @@ def with_fix_reach(report: Report, run: RunData, command: list[str] | None = Non
         return report  # a fix with no built-in target, pointed at the job's code by the analysis
     seen = run_frames(run)
     hit = reached(paths, seen, script_of(command)) if paths else []
+    replaced = []
     if hit and all(_replaced_by_job(path, seen) for path in hit):
-        hit = []  # the job assigns its own method over the target after import: the patch would be lost
+        replaced, hit = hit, []  # the job assigns or overrides the target's method: the patch would be lost
     if not paths or hit:
         # The fix's own targets are this job's code: they, not settings derived from structure, apply.
         kept = {k: v for k, v in (report.fix_config or {}).items() if k != fix.name} or None
@@ -128,15 +140,17 @@ def with_fix_reach(report: Report, run: RunData, command: list[str] | None = Non
         )
     site = report.suggestion.call_site.rsplit("/", 1)[-1] if report.suggestion and report.suggestion.call_site else None
     shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-    note = (
-        f"No automatic fix for this code: {fix.name} patches {shown}, none of which this job ran (not in "
-        "the frames recorded with its collectives). "
-        + (
-            f"Change the code at {site} as suggested below, or point the fix at your own functions with "
-            f"--config (docs/fixes.md) and run: {report.verify_command} --config FILE"
-            if site
-            else f"Point the fix at your own functions with --config (docs/fixes.md) and run: "
-            f"{report.verify_command} --config FILE"
-        )
+    ran = (
+        f"this job replaces {', '.join(replaced)} with its own (an assignment, or a subclass whose method does not "
+        "call the base's), so the patch would never run"
+        if replaced
+        else "none of which this job ran (not in the frames recorded with its collectives)"
+    )
+    note = f"No automatic fix for this code: {fix.name} patches {shown}, {ran}. " + (
+        f"Change the code at {site} as suggested below, or point the fix at your own functions with "
+        f"--config (docs/fixes.md) and run: {report.verify_command} --config FILE"
+        if site
+        else f"Point the fix at your own functions with --config (docs/fixes.md) and run: "
+        f"{report.verify_command} --config FILE"
     )
     return dataclasses.replace(report, verify_command=None, fix_note=note)

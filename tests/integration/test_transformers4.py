@@ -166,6 +166,35 @@ def test_venv_has_transformers_4_and_moedoctor() -> None:
     assert Path(path).resolve() == (REPO / "moedoctor" / "__init__.py").resolve(), path
 
 
+QWEN2_DENSE_CHECK = """
+import torch
+from transformers.models.qwen2_moe.configuration_qwen2_moe import Qwen2MoeConfig
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+from moedoctor.fixes import _moe_blocks
+from moedoctor.fixes.expert_dense import _dense_block
+spec = next(s for s in _moe_blocks.builtin_specs() if s.name == "Qwen2MoeSparseMoeBlock")
+torch.manual_seed(0)
+config = Qwen2MoeConfig(hidden_size=16, moe_intermediate_size=8, shared_expert_intermediate_size=12,
+                        num_experts=6, num_experts_per_tok=2, norm_topk_prob=False)
+block = Qwen2MoeSparseMoeBlock(config)
+x = torch.randn(2, 5, 16)
+sparse, logits = block(x.clone())
+dense, dense_logits, _ = _dense_block(block, x.clone(), spec)
+without, _, _ = _dense_block(block, x.clone(), _moe_blocks.BlockSpec(spec.cls, transformers4=True))
+print((sparse - dense).abs().max().item(), torch.equal(logits, dense_logits), (sparse - without).abs().max().item())
+"""
+
+
+def test_qwen2moe_dense_forward_adds_the_gated_shared_expert() -> None:
+    """Qwen2MoeSparseMoeBlock adds sigmoid(shared_expert_gate(x)) * shared_expert(x) after the routed
+    sum: the dense forward equals the sparse one with it, and not without it."""
+    proc = subprocess.run([str(VENV_PYTHON), "-c", QWEN2_DENSE_CHECK], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diff, same_logits, without = proc.stdout.split()
+    assert float(diff) < 1e-6 and same_logits == "True" and float(without) > 1e-3, proc.stdout
+
+
 def test_qwen3_fails_by_itself_without_fix() -> None:
     result = run_command(venv_torchrun(QWEN3, "--pg-timeout", "10"), JOB_TIMEOUT)
     assert f"transformers {TRANSFORMERS_VERSION}, experts: ModuleList" in result.output, result.tail()

@@ -537,5 +537,6 @@ def test_registry_lists_both_for_the_pattern():
     names = [fix.name for fix in fixes_for_pattern("inactive-experts")]
     assert names[:2] == ["expert-dense", "expert-zero-term"]
     assert FIXTURE_TARGET in [t.path for t in expert_dense.FIX.targets]
-    assert len(expert_dense.FIX.targets) == 1 + 3 + len(TRANSFORMERS5_FUSED_EXPERTS)
-    assert len(expert_zero_term.FIX.targets) == 1 + 3  # the fused classes are only watched, to say "not needed"
+    # the fixture's block, three transformers 4.x blocks and Qwen2-MoE's (with its shared expert)
+    assert len(expert_dense.FIX.targets) == 1 + 3 + 1 + len(TRANSFORMERS5_FUSED_EXPERTS)
+    assert len(expert_zero_term.FIX.targets) == 1 + 3 + 1  # the fused classes are only watched, to say "not needed"

@@ -73,6 +73,38 @@ def test_a_job_that_replaces_the_target_method_itself_is_not_reached(tmp_path):
     assert not _replaced_by_job("lib.modeling:grad_norm", seen)             # a function target: not a method
 
 
+def test_a_job_subclass_that_overrides_the_target_method_without_calling_it_is_not_reached(tmp_path):
+    from moedoctor.fixes.reach import _replaced_by_job
+
+    job = tmp_path / "train.py"
+    job.write_text("from lib.modeling import MoeBlock, OtherBlock\n\n"
+                   "class Budgeted(MoeBlock):\n    def forward(self, x):\n        return x\n\n"
+                   "class Logged(OtherBlock):\n    def forward(self, x):\n        return super().forward(x)\n")
+    seen = {(str(job), "main")}
+    assert _replaced_by_job("lib.modeling:MoeBlock.forward", seen)        # its own forward: the patch never runs
+    assert not _replaced_by_job("lib.modeling:OtherBlock.forward", seen)  # calls the base's: the patch runs
+
+
+def test_the_checkpointed_function_of_an_exception_counts_as_code_the_job_ran():
+    """A recompute mismatch raises in backward; the MoE block issued no collective, but the function
+    torch.utils.checkpoint was recomputing names its module."""
+    import dataclasses
+
+    from moedoctor.events import CheckpointedFunction
+    from moedoctor.fixes.reach import run_frames
+
+    from event_factory import ranks, run_of
+
+    a, b = ranks(2)
+    for r in (a, b):
+        r.coll("all_reduce", (8,), line=30)
+    where = CheckpointedFunction("Qwen2MoeDecoderLayer.forward", "/site-packages/modeling_qwen2_moe.py", 660)
+    b.exc("torch.utils.checkpoint.CheckpointError", "different metadata", (("/job/train.py", 40, "main"),))
+    b.exceptions[0] = dataclasses.replace(b.exceptions[0], checkpointed=where)
+    seen = run_frames(run_of(a, b, hang=True))
+    assert ("/site-packages/modeling_qwen2_moe.py", "forward") in seen and ("/job/train.py", "main") in seen
+
+
 def test_metrics_in_code_of_no_known_function_get_the_up_front_gather_where_a_unit_was_gathered_lazily():
     """The other rank's collective is the forward all-gather of a unit the metric rank had not gathered
     yet this step: the report points `fsdp-gather-upfront` at the job by structure, and offers it when
