@@ -173,12 +173,9 @@ def silent_pattern(run_dir: Path, report: dict, expected: dict, alarm: bool,
     """A ``failure: silent`` variant (``overwritten-shards``) counts when ``moedoctor run --check-params``'s
     parameter check names the pattern with an overwrite at the expected call site and the job was not
     stopped; its culprits are the overwrites' source ranks."""
-    from moedoctor.analysis import load_run
-    from moedoctor.analysis.params import check_run_dir, has_params
-
-    if not has_params(run_dir):
+    check = params_check(run_dir)
+    if check is None:
         return report.get("pattern") or ("stopped" if alarm or exit_code not in (0, None) else None), []
-    check = check_run_dir(run_dir, {t.rank: t.events for t in load_run(run_dir).traces}).to_json()
     site = expected.get("call_site") or ""
     overwrites = [f["overwrite"] for f in check["findings"] if f.get("overwrite")]
     culprits = sorted({o["src"] for o in overwrites if str(o.get("call_site") or "").endswith(site)})
@@ -189,15 +186,20 @@ def silent_pattern(run_dir: Path, report: dict, expected: dict, alarm: bool,
     return check["pattern"] and f"{check['pattern']} at another call site", culprits
 
 
-def params_claim(run_dir: Path) -> str | None:
-    """What the parameter check found in a healthy job's run directory (None: nothing, or no check)."""
+def params_check(run_dir: Path) -> dict | None:
+    """The parameter check of a run directory, as ``params/check.json`` holds it (None: not run there)."""
     from moedoctor.analysis import load_run
     from moedoctor.analysis.params import check_run_dir, has_params
 
     if not has_params(run_dir):
         return None
-    check = check_run_dir(run_dir, {t.rank: t.events for t in load_run(run_dir).traces}).to_json()
-    if not check["findings"]:
+    return check_run_dir(run_dir, {t.rank: t.events for t in load_run(run_dir).traces}).to_json()
+
+
+def params_claim(run_dir: Path) -> str | None:
+    """What the parameter check found in a healthy job's run directory (None: nothing, or no check)."""
+    check = params_check(run_dir)
+    if check is None or not check["findings"]:
         return None
     kinds = Counter(f["kind"] for f in check["findings"])
     return ", ".join(f"{k} x{n}" for k, n in kinds.items())

@@ -195,11 +195,15 @@ def check_params(checkpoints: dict[int, list[Checkpoint]], events: dict[int, lis
             agreed_before += bool(live)
         elif len(live) >= 2 and not _all_same(live):
             overwritten[name] = prints
-    ctx = _Context(before, overwritten, agreed_before, _fsdp_sharded(points.get(POINT_PREPARED, {})), events)
-    ctx.prepared = points.get(POINT_PREPARED, {})
-    for label, at in points.items():
-        if label != POINT_PREPARED:
-            ctx.synced[label] = sum(1 for name in before if _kept_in_sync(name, at))
+    prepared = points.get(POINT_PREPARED, {})
+    synced = {
+        label: sum(1 for name in before if _kept_in_sync(_prints(at, name)))
+        for label, at in points.items()
+        if label != POINT_PREPARED
+    }
+    ctx = _Context(
+        before, overwritten, agreed_before, _fsdp_sharded(prepared), events, prepared=prepared, synced=synced
+    )
     reported: set[str] = set()
     for label in order:
         at = points[label]
@@ -207,7 +211,7 @@ def check_params(checkpoints: dict[int, list[Checkpoint]], events: dict[int, lis
         for name in names:
             if name in reported:
                 continue
-            prints = {r: cp.tensors[name] for r, cp in at.items() if name in cp.tensors}
+            prints = _prints(at, name)
             if len(prints) < 2:
                 continue
             finding = _compare(name, label, prints, at, ctx)
@@ -248,11 +252,16 @@ class _Context:
     beside: set[str] = field(default_factory=set)  # constants at first in modules holding per-rank parameters
 
 
-def _kept_in_sync(name: str, at: dict[int, Checkpoint]) -> bool:
+def _prints(at: dict[int, Checkpoint], name: str) -> dict[int, TensorPrint]:
+    """rank -> the parameter's print at this point, for the ranks that have one."""
+    return {r: cp.tensors[name] for r, cp in at.items() if name in cp.tensors}
+
+
+def _kept_in_sync(prints: dict[int, TensorPrint]) -> bool:
     """The parameter is identical across the ranks at this point and not a constant (ones, zeros): the
     job keeps it in sync."""
-    prints = [cp.tensors[name] for cp in at.values() if name in cp.tensors]
-    return len(prints) >= 2 and not all(p.constant for p in prints) and _all_same(prints)
+    values = list(prints.values())
+    return len(values) >= 2 and not all(p.constant for p in values) and _all_same(values)
 
 
 def _fsdp_sharded(at: dict[int, Checkpoint]) -> int:
@@ -356,7 +365,7 @@ def _constant_beside_per_rank(name: str, ctx: _Context) -> bool:
     which says nothing about being replicated."""
     if name in ctx.before:
         return False
-    first = [cp.tensors[name] for cp in ctx.prepared.values() if name in cp.tensors]
+    first = _prints(ctx.prepared, name).values()
     if not first or not all(p.constant for p in first):
         return False
     parts = name.split(".")[:-1]
@@ -373,7 +382,7 @@ def _left_out_of_sync(name: str, label: str, ctx: _Context) -> ParamFinding | No
         return None
     if _all_same(list(ctx.before[name].values())):
         return None  # the same on every rank before the broadcast: the broadcast changed nothing
-    at_prep = {r: cp.tensors[name] for r, cp in ctx.prepared.items() if name in cp.tensors}
+    at_prep = _prints(ctx.prepared, name)
     if len(at_prep) < 2 or not _all_same(list(at_prep.values())):
         return None
     src = next(iter(ctx.before[name].values())).extra.get("src")

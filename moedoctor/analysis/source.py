@@ -355,9 +355,6 @@ def calls_in(path: str, node_line: int, attribute: str) -> list[int]:
     return []
 
 
-_EXIT_WORDS = ("break", "continue", "return", "raise")
-
-
 def on_the_way(there: tuple[str, ...], here: tuple[str, ...]) -> tuple[Frame, Frame, Enclosing] | None:
     """Whether a rank whose stack is ``here`` will reach the call whose stack is ``there`` later in the
     same pass of a loop: a frame of each in the same function of the same file, ``here``'s at an
@@ -371,8 +368,10 @@ def on_the_way(there: tuple[str, ...], here: tuple[str, ...]) -> tuple[Frame, Fr
             theirs = [e for e in enclosing(behind.file, behind.line) if e.kind in ("for", "while")]
             if not loops or not theirs or loops[-1] != theirs[-1]:
                 continue
-            between = (line_text(ahead.file, n) or "" for n in range(behind.line + 1, ahead.line))
-            if any(text.split(" ", 1)[0].rstrip(":") in _EXIT_WORDS for text in between):
+            tree = _tree(ahead.file)
+            if tree is None or any(
+                isinstance(n, _EXITS) and behind.line < n.lineno < ahead.line for n in ast.walk(tree)
+            ):
                 continue
             return behind, ahead, loops[-1]
     return None

@@ -19,6 +19,7 @@ passes its ``backward`` hook. No names are read.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
 from moedoctor.analysis.view import RunView
@@ -45,18 +46,16 @@ def position(view: RunView, event: CollectiveEvent) -> str | None:
     return CLOSING
 
 
-def backward_collectives(view: RunView, rank: int, group: str, step: int, n: int) -> int | None:
-    """How many collectives ``rank`` issued on ``group`` during its ``n``-th (from 1) backward pass of
-    ``step``; None when that pass was not recorded whole (not begun, not ended, or overlapping the next)."""
+def _backward_windows(view: RunView, rank: int, step: int) -> list[tuple[float, float | None]]:
+    """(begin, end) of each backward pass of ``rank`` in ``step``, in order; ``end`` is None when the
+    pass was not recorded whole (not ended, or overlapping the next)."""
     begins = sorted(e.time for e in view.evidence(rank, "backward_begin", step))
     ends = sorted(e.time for e in view.evidence(rank, "backward_end", step))
-    if n < 1 or len(begins) < n:
-        return None
-    begin = begins[n - 1]
-    end = next((t for t in ends if t >= begin), None)
-    if end is None or (n < len(begins) and end > begins[n]):
-        return None
-    return sum(1 for e in view.events(rank, group) if begin <= e.time <= end)
+    windows: list[tuple[float, float | None]] = []
+    for i, begin in enumerate(begins):
+        end = next((t for t in ends if t >= begin), None)
+        windows.append((begin, None if end is None or (i + 1 < len(begins) and end > begins[i + 1]) else end))
+    return windows
 
 
 def deferred_sync(view: RunView, event: CollectiveEvent, others) -> int | None:
@@ -70,16 +69,26 @@ def deferred_sync(view: RunView, event: CollectiveEvent, others) -> int | None:
     if event.phase != "backward" or not others:
         return None
     n = sum(1 for b in view.evidence(event.rank, "backward_begin", event.step) if b.time <= event.time)
-    group = event.group.name
-    if not all(backward_collectives(view, r, group, event.step, n) == 0 for r in others):
+    if n < 1:
         return None
-    for rank in (event.rank, *others):
+    group = event.group.name
+    ranks = (event.rank, *others)
+    times = {r: sorted(e.time for e in view.events(r, group)) for r in ranks}  # once: view.events sorts
+
+    def per_pass(rank: int, step: int) -> list[int | None]:
+        """Collectives on the group in each backward pass of the step (None: not recorded whole)."""
+        t = times[rank]
+        return [
+            None if end is None else bisect_right(t, end) - bisect_left(t, begin)
+            for begin, end in _backward_windows(view, rank, step)
+        ]
+
+    if not all(len(c := per_pass(r, event.step)) >= n and c[n - 1] == 0 for r in others):
+        return None
+    for rank in ranks:
         for step in sorted({b.step for b in view.evidence(rank, "backward_begin") if b.step < event.step}):
-            counts = [
-                backward_collectives(view, rank, group, step, k + 1)
-                for k in range(len(view.evidence(rank, "backward_begin", step)))
-            ]
-            if any(c == 0 and any(later for later in counts[i + 1 :]) for i, c in enumerate(counts)):
+            counts = per_pass(rank, step)
+            if any(c == 0 and any(counts[i + 1 :]) for i, c in enumerate(counts)):
                 return n
     return None
 

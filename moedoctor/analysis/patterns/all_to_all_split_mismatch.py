@@ -30,6 +30,8 @@ peer when the classes were sorted by size).
 
 from __future__ import annotations
 
+import math
+
 from moedoctor.analysis.contracts import breaches
 from moedoctor.analysis.model import DivergenceKind, Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
@@ -100,7 +102,7 @@ def _counts_exchanged(ctx: Context, bad: tuple[int, ...]) -> str | None:
             and e.step == event.step
             and e.dtypes
             and e.dtypes[0] in _INTEGER
-            and sum(_numel(shape) for shape in e.in_shapes) <= 4096
+            and sum(math.prod(shape) for shape in e.in_shapes) <= 4096
         ]
         if not counts:
             return None
@@ -119,13 +121,6 @@ def _counts_exchanged(ctx: Context, bad: tuple[int, ...]) -> str | None:
         f"than it announced or rank {b.receiver} changed what it received; the counts' values are not "
         "recorded, so no culprit is named"
     )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 _ADVICE = (

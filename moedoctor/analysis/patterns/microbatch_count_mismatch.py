@@ -122,8 +122,9 @@ def classify(ctx: Context) -> Finding | None:
     loop = shared_loop(ctx.stack(in_loop[0]))
     if loop is not None and not calls_in(loop.file, loop.line, "step"):
         score += 0.1
+        whose = verb(in_loop, "'s", "'")
         evidence.append(
-            f"{names(in_loop)}{_POSSESSIVE[len(in_loop) == 1]} collective is issued inside the loop at "
+            f"{names(in_loop)}{whose} collective is issued inside the loop at "
             f"{loop.short} ({loop.text}), "
             "which runs the backward passes and no optimizer step: a micro-batch loop"
         )
@@ -134,8 +135,6 @@ def classify(ctx: Context) -> Finding | None:
         suggestion=Suggestion(v.call_site, v.function, _ADVICE),
     )
 
-
-_POSSESSIVE = {True: "'s", False: "'"}
 
 _ADVICE = (
     "Make the number of micro-batches per step the same on every rank: all_reduce the local count with "
