@@ -1,7 +1,9 @@
 """The healthy corpus under ``moedoctor run``: which jobs come out healthy, and the false alarms.
 
 Runs every ``fixtures/healthy_*/train.py`` under ``moedoctor run --hang-timeout H`` (rank count from
-its ``expected.yaml`` unless ``--nproc``; ``--backend`` is passed to the jobs), then
+its ``expected.yaml`` unless ``--nproc``; ``--backend`` is passed to the jobs; a job whose
+``expected.yaml`` has ``hang_timeout`` runs with that instead: the ``healthy_busy_*`` jobs stay silent
+longer than it, on purpose), then
 ``moedoctor analyze --json``, and prints one row per job: exit code, verdict, seconds, collectives
 recorded (all ranks), the coverage check (recorded counts against the backends' own counters), lag
 reports (a rank a step behind: a report, not an alarm) and moedoctor's alarm (its desync finding or
@@ -57,7 +59,9 @@ def run_job(job: Path, args: argparse.Namespace, root: Path) -> dict:
     nproc = args.nproc or expected["nproc"]
     run_dir = root / job.name
     job_args = ["--backend", args.backend, *expected.get("args", [])]
-    cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", str(args.hang_timeout),
+    # A busy job (healthy_busy_*) names its own short timeout, so that its busy phase outlasts it.
+    timeout = expected.get("hang_timeout", args.hang_timeout)
+    cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", str(timeout),
            "--", sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(job / "train.py"), *job_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")

@@ -69,6 +69,50 @@ def is_library_frame(frame: Frame) -> bool:
     return any(m in frame.file for m in _LIBRARY_MARKERS) or frame.file.startswith(_STDLIB)
 
 
+#: torch.distributed modules whose frames are a rank waiting on its peers: a collective, a Work's
+#: wait, a functional collective's wait, FSDP's unshard/reduce waits, a store or rendezvous.
+_COMMUNICATION = (
+    "/torch/distributed/distributed_c10d.py",
+    "/torch/distributed/c10d_logger.py",
+    "/torch/distributed/_functional_collectives",
+    "/torch/distributed/rendezvous.py",
+    "/torch/distributed/elastic/rendezvous/",
+    "/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py",
+    "/torch/distributed/algorithms/join.py",
+)
+#: torch.distributed modules that compute on local data: DTensor's dispatch, sharding propagation
+#: and local ops are arithmetic on this rank's shards, not a wait on a peer (a DTensor op that does
+#: communicate goes through the functional collectives above).
+_COMPUTATION = ("/torch/distributed/tensor/", "/torch/distributed/_tensor/")
+#: How deep into the main thread's machinery (frames before the job's own code) a wait is looked for.
+_WAIT_DEPTH = 12
+
+
+def is_distributed_frame(frame: Frame) -> bool:
+    """A frame inside torch.distributed's communication machinery (collectives, waits, stores,
+    process groups), not its local computation (DTensor dispatch)."""
+    file = frame.file
+    if not ("/torch/distributed/" in file or "c10d" in file):
+        return False
+    if any(m in file for m in _COMMUNICATION) or frame.function == "wait" or frame.function.startswith("wait_"):
+        return True
+    return not any(m in file for m in _COMPUTATION)
+
+
+def communication_frame(frames: tuple[Frame, ...]) -> Frame | None:
+    """The frame in which a main thread (innermost first) waits on its peers, or None when it is
+    computing or in the job's own code. Only the library frames above the job's innermost frame
+    count (a launcher's ``@record`` wrapper far out is not a wait), and in them the innermost frame
+    of torch.distributed's communication machinery (``is_distributed_frame``): DTensor's dispatch
+    (``torch/distributed/tensor``) is arithmetic on local shards, not a wait."""
+    for frame in frames[:_WAIT_DEPTH]:
+        if not is_library_frame(frame) or frame.function == "<module>":
+            return None  # the job's own code, or a module being imported (its top level runs)
+        if is_distributed_frame(frame):
+            return frame
+    return None
+
+
 def read_stack_dump(path: Path) -> StackDump:
     """Parse a ``stacks/rank-N.json`` written by ``runner.stacks.dump_stacks``."""
     return parse_stack_dump(json.loads(Path(path).read_text()), Path(path))
@@ -161,6 +205,45 @@ class HangRecord:
     finding: str | None = None
     detection_latency_s: float | None = None
     lags: list[str] = field(default_factory=list)
+    #: Why the silence was a hang (``rank_states.judge``): who waits in what, and why the ranks they
+    #: wait for cannot answer (waiting, stopped, dead, or no CPU, no I/O, no new stack); or, for the
+    #: ``max-busy`` trigger, what the ranks were doing when the user's limit ran out.
+    proof: str | None = None
+
+
+@dataclass
+class BusyRecord:
+    """A silence of the collectives that was not a hang (``rank_states``): ``kind`` ``busy`` (ranks
+    working, the waited-for ones progressing) or ``unproven`` (evidence missing), ``line`` the
+    account last seen, ``start`` (Unix time) when the last collective moved, ``seconds`` how long it
+    lasted, ``states`` each rank's state then, ``ended`` whether collectives moved again after it."""
+
+    start: float
+    seconds: float
+    kind: str
+    line: str
+    states: dict[str, str] = field(default_factory=dict)
+    ended: bool = False
+
+
+def busy_of(raw: object) -> list[BusyRecord]:
+    """The manifest's busy records, typed (malformed entries are left out)."""
+    out = []
+    for item in raw if isinstance(raw, list) else ():
+        try:
+            out.append(
+                BusyRecord(
+                    start=float(item["start"]),
+                    seconds=float(item["seconds"]),
+                    kind=str(item["kind"]),
+                    line=str(item["line"])[:2000],
+                    states={str(k): str(v) for k, v in dict(item.get("states") or {}).items()},
+                    ended=bool(item.get("ended")),
+                )
+            )
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+    return out
 
 
 def load_manifest(path: Path) -> dict:
@@ -182,6 +265,7 @@ def hang_of(manifest: dict) -> HangRecord | None:
         finding=raw.get("finding"),
         detection_latency_s=raw.get("detection_latency_s"),
         lags=list(raw.get("lags") or ()),
+        proof=raw.get("proof"),
     )
 
 

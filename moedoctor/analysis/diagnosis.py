@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import linecache
+from dataclasses import replace
 from collections.abc import Sequence
 import signal
 
@@ -131,7 +132,7 @@ def analyze(run: RunData) -> Report:
         fix_config = storm_fix
     verify = f"moedoctor verify --fix {fixes[0]} --run {run.path}" if fixes else None
     suggestion = _suggestion(pattern, finding, primary, culprit_ranks) if pattern else None
-    return Report(
+    report = Report(
         source=str(run.path),
         source_kind=run.kind,
         verdict=verdict,
@@ -159,6 +160,44 @@ def analyze(run: RunData) -> Report:
         collectives=_collective_count(run),
         completion=completion_stats(run.traces).to_dict(windowed=run.windowed),
         slow=slow,
+        busy=list(run.manifest.busy) if run.manifest is not None else [],
+    )
+    busy = _busy_at_end(run)
+    if busy is not None and report.verdict == Verdict.STUCK and report.pattern in (None, "straggler"):
+        return slow_not_stuck(report, busy)
+    return report
+
+
+def _busy_at_end(run: RunData) -> str | None:
+    """The run ended in a silence ``moedoctor run`` judged busy: stopped by ``--max-busy``, or
+    stopped by someone else (Ctrl-C, a kill) while it lasted. Its account, else None."""
+    m = run.manifest
+    if m is None:
+        return None
+    if m.hang is not None and m.hang.trigger == "max-busy" and m.hang.proof and "busy:" in m.hang.proof:
+        return m.hang.proof[m.hang.proof.index("busy:") :]
+    if m.hang is None and m.busy and not m.busy[-1].ended and m.busy[-1].kind == "busy" and m.status != "finished":
+        return m.busy[-1].line
+    return None
+
+
+def slow_not_stuck(report: Report, busy: str) -> Report:
+    """A stalled job whose waited-for ranks were working and progressing: slow, not a straggler hang
+    (``moedoctor.rank_states``). The report says which ranks worked where; no pattern, no fix."""
+    account = busy.removeprefix("busy: ")
+    return replace(
+        report,
+        verdict=Verdict.SLOW,
+        summary=f"Slow, not stuck: {account}.",
+        pattern=None,
+        pattern_title=None,
+        culprit_ranks=[],
+        culprit_reasoning="the ranks the others waited for were working and making progress (CPU, I/O, new stacks)",
+        evidence=[f"busy: {account}"] + [e for e in report.evidence if e != busy],
+        fixes=[],
+        verify_command=None,
+        suggestion=None,
+        fix_config=None,
     )
 
 

@@ -37,11 +37,9 @@ from moedoctor.analysis.model import RankSummary, Report, Verdict
 from moedoctor.analysis import patterns
 from moedoctor.analysis.patterns import names
 from moedoctor.process_state import FROZEN_STATES
-from moedoctor.run_records import Frame, StackDump, is_library_frame
+from moedoctor.run_records import Frame, StackDump, is_distributed_frame, is_library_frame
 
 SOURCE_KIND = "stacks"
-#: A frame in one of these is inside torch.distributed (a collective, a wait, a rendezvous).
-_DISTRIBUTED_MARKERS = ("/torch/distributed/", "c10d")
 _C10D = "/torch/distributed/distributed_c10d.py"
 #: Wrappers between the API the job called and the collective's implementation.
 _WRAPPERS = ("/torch/distributed/c10d_logger.py", "/torch/utils/_contextlib.py")
@@ -222,10 +220,6 @@ def _frozen(stacks: dict[int, StackDump], states: dict[int, str]) -> dict[int, s
 # ---- reading a stack ----------------------------------------------------------------------------
 
 
-def _is_distributed(frame: Frame) -> bool:
-    return any(m in frame.file for m in _DISTRIBUTED_MARKERS)
-
-
 def _collective(frames: tuple[Frame, ...]) -> tuple[str | None, str | None]:
     """Walk out from the innermost frame through library frames: the innermost torch.distributed
     frame met before the job's own code is the collective; the outermost distributed_c10d frame of
@@ -234,7 +228,7 @@ def _collective(frames: tuple[Frame, ...]) -> tuple[str | None, str | None]:
     for f in frames:
         if not is_library_frame(f):
             break
-        if not _is_distributed(f) or any(f.file.endswith(w) for w in _WRAPPERS):
+        if not is_distributed_frame(f) or any(f.file.endswith(w) for w in _WRAPPERS):
             continue
         if collective is None:
             collective = f.function

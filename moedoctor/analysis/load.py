@@ -23,9 +23,11 @@ from moedoctor.analysis.completion import fuse_flight_recorder
 from moedoctor.analysis.model import Verdict
 from moedoctor.errors import EXIT_USAGE, MoedoctorError, reading
 from moedoctor.run_records import (
+    BusyRecord,
     HangRecord,
     RankExit,
     StackDump,
+    busy_of,
     hang_of,
     load_manifest,
     read_stack_dump,
@@ -93,6 +95,8 @@ class ManifestInfo:
     coverage_gaps: list[str] = field(default_factory=list)
     launcher_exits: list[int | None] = field(default_factory=list)  # one per node
     command: list[str] | None = None  # the launch command (the job's script names its ``__main__``)
+    #: Silences of the collectives the supervisor judged not a hang (busy, or unproven).
+    busy: list[BusyRecord] = field(default_factory=list)
 
 
 @dataclass
@@ -185,6 +189,7 @@ def _merge_manifests(a: ManifestInfo | None, b: ManifestInfo | None) -> Manifest
         coverage_gaps=a.coverage_gaps + b.coverage_gaps,
         launcher_exits=a.launcher_exits + b.launcher_exits,
         command=a.command or b.command,
+        busy=sorted(a.busy + b.busy, key=lambda x: x.start),
     )
 
 
@@ -509,6 +514,7 @@ def _read_manifest(path: Path, incomplete: list[str]) -> ManifestInfo | None:
             "manifest.json says 'running' but no moedoctor holds the run directory any more: its "
             "supervisor was killed (kill -9?) before it could record how the run ended"
         )
+    info.busy = busy_of(raw.get("busy"))
     try:
         info.hang = hang_of(raw)
     except Exception as e:  # noqa: BLE001 - a damaged hang record leaves the rest usable

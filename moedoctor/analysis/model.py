@@ -11,6 +11,7 @@ from enum import Enum
 
 from moedoctor.analysis.timing import SlowReport
 from moedoctor.events import CollectiveEvent
+from moedoctor.run_records import BusyRecord
 
 #: Bumped when a field of the JSON report changes meaning or type, or is removed.
 SCHEMA_VERSION = 1
@@ -23,6 +24,7 @@ class Verdict(str, Enum):
     DESYNC = "desync"  # ranks of a group stopped issuing the same collectives
     STUCK = "stuck"  # the job hangs, but not because of a desync (straggler, hardware)
     CRASHED = "crashed"  # a rank died (non-zero exit or a signal); the pattern says why, if known
+    SLOW = "slow"  # silent collectives, but the ranks waited on were working and progressing: busy, not stuck
 
 
 class DivergenceKind(str, Enum):
@@ -229,7 +231,10 @@ class Report:
     fix_config: dict | None = None
     #: Storms of small collectives (slow, not stuck: ``moedoctor.analysis.timing``); None when none.
     slow: SlowReport | None = None
+    #: Silences of the collectives that ``moedoctor run`` judged busy (or could not prove a hang),
+    #: from the manifest (``moedoctor.rank_states``): the job was not stopped for them.
+    busy: list[BusyRecord] = field(default_factory=list)
 
     @property
     def problem_found(self) -> bool:
-        return self.verdict != Verdict.HEALTHY
+        return self.verdict not in (Verdict.HEALTHY, Verdict.SLOW)

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import json
 from pathlib import Path
 
@@ -75,6 +77,7 @@ def report_to_dict(report: Report) -> dict:
         "incomplete": report.incomplete,
         "completion": report.completion,
         "slow": slow_to_dict(report.slow),
+        "busy": [asdict(b) for b in report.busy],
     }
 
 

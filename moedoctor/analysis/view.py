@@ -13,11 +13,7 @@ from moedoctor.analysis.load import RunData
 from moedoctor.analysis.model import GroupRef
 from moedoctor.events import CollectiveEvent, Evidence, Phase, RankException, TracebackFrame
 from moedoctor.process_state import ProcessState
-from moedoctor.run_records import Frame, StackDump
-
-#: Frames of these files are where a rank waits in a collective (or initializes the process group).
-_DISTRIBUTED_MARKERS = ("/torch/distributed/", "/torch/_C/", "c10d")
-
+from moedoctor.run_records import Frame, StackDump, is_distributed_frame
 
 #: Frames of libraries, for the job's own frame of a traceback.
 _LIBRARY_MARKERS = ("/torch/", "/moedoctor/", "<frozen", "<string>")
@@ -185,7 +181,7 @@ class RunView:
         dump = self.stack(rank)
         if dump is None or not dump.main_thread:
             return None
-        return any(any(m in f.file for m in _DISTRIBUTED_MARKERS) for f in dump.main_thread[:6])
+        return any(is_distributed_frame(f) for f in dump.main_thread[:6])
 
     def process(self, rank: int) -> ProcessState | None:
         """The rank's process state read from /proc when the hang was diagnosed (None: not recorded)."""

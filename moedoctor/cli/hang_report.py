@@ -61,6 +61,9 @@ def report_after_hang(run_dir: Path, console: Console) -> None:
             highlight=False,
             soft_wrap=True,
         )
+        if hang.proof:
+            label = {"max-busy": "Stopped by --max-busy", "peer": "Proven on another node"}.get(hang.trigger, "Proof")
+            console.print(f"[bold]{label}[/]: {escape(hang.proof)}", highlight=False, soft_wrap=True)
     for lag in hang.lags[:5]:
         console.print(f"[yellow]Lag[/]: {escape(lag)}", highlight=False, soft_wrap=True)
     written = analysis_report(layout, console)

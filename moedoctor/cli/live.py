@@ -17,6 +17,7 @@ from moedoctor.cli.hang_report import report_after_hang
 from moedoctor.runner import Outcome, RunDir, RunObserver, RunStatus
 from moedoctor.runner.launch import RankStatus
 from moedoctor.runner.manifest import HangRecord
+from moedoctor.rank_states import Judgement
 from moedoctor.runner.online import Desync, Lag
 
 LOG_EVERY = 10.0
@@ -26,7 +27,8 @@ def status_table(status: RunStatus) -> Table:
     slow = slow_line(status).removesuffix(" | ")
     table = Table(
         title=f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.1f}s of {status.limit:.0f}s"
-        + (f"; {escape(slow)}" if slow else ""),
+        + (f"; {escape(slow)}" if slow else "")
+        + (f"; {escape(status.busy)}" if status.busy else ""),
         title_justify="left",
         expand=False,
     )
@@ -83,7 +85,11 @@ def status_line(status: RunStatus) -> str:
     if all(r.last is None for r in status.ranks):  # before the first collective: the start-up limit applies
         return f"moedoctor: {status.elapsed:.0f}s, no collective yet (start-up limit {status.limit:.0f}s) | {ranks}"
     slow = slow_line(status)
-    return f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.0f}s of {status.limit:.0f}s | {slow}{ranks}"
+    busy = f"{status.busy} | " if status.busy else ""
+    return (
+        f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.0f}s of {status.limit:.0f}s | "
+        f"{busy}{slow}{ranks}"
+    )
 
 
 def slow_line(status: RunStatus) -> str:
@@ -109,6 +115,7 @@ class ConsoleObserver(RunObserver):
         self.muted = False  # once the job is being stopped, its dying words go to job.log only
         self.desync: Desync | None = None
         self.storm: str | None = None  # the call site of the storm of small collectives said last
+        self.busy_said: str | None = None  # the busy account said last
         self.decoders = {
             1: codecs.getincrementaldecoder("utf-8")("replace"),
             2: codecs.getincrementaldecoder("utf-8")("replace"),
@@ -158,11 +165,12 @@ class ConsoleObserver(RunObserver):
             self.last_line = time.monotonic()
             self.console.print(status_line(status), highlight=False, markup=False, soft_wrap=True)
 
-    def hang_detected(self, status: RunStatus) -> None:
+    def hang_detected(self, status: RunStatus, proof: str | None = None) -> None:
         self._stop_live(status)
         self.console.print(
             f"[bold red]moedoctor: hang[/]: no rank issued or completed a collective for "
-            f"{status.idle_seconds:.1f}s; collecting stacks, GPU state and coverage...",
+            f"{status.idle_seconds:.1f}s" + (f": {escape(proof)}" if proof else "") + "; collecting stacks, GPU "
+            "state and coverage...",
             highlight=False,
             soft_wrap=True,
         )
@@ -177,6 +185,13 @@ class ConsoleObserver(RunObserver):
             highlight=False,
             soft_wrap=True,
         )
+
+    def busy(self, judgement: Judgement) -> None:
+        """Said once per silence (and again when what the ranks do changes); the status line keeps it."""
+        key = judgement.kind.value + judgement.line.split(" (", 1)[0]
+        if key != self.busy_said:
+            self.busy_said = key
+            self._say(f"[yellow]moedoctor: {escape(judgement.line)}[/] (not stuck: the job is not stopped)")
 
     def lag_detected(self, lag: Lag) -> None:
         self._say(f"[yellow]moedoctor: lag[/]: {escape(lag.line())} (a straggler or a desync; watching on)")

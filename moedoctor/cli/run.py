@@ -73,9 +73,24 @@ def run(
             "--hang-timeout",
             min=0.1,
             metavar="SECONDS",
-            help="Declare a hang when no rank issues or completes a collective for this long while the job is alive.",
+            help="A silence of the collectives this long is judged: it is a hang, and the job is stopped, only when "
+            "ranks are proven to wait on each other (some rank waits in a collective and every rank it waits for "
+            "waits too, is stopped or dead, or works with no CPU, no I/O and no new stack for this long). Ranks "
+            "that are busy (saving, evaluating, compiling) are reported, never stopped.",
         ),
     ] = 180.0,
+    max_busy: Annotated[
+        float | None,
+        typer.Option(
+            "--max-busy",
+            min=1.0,
+            metavar="SECONDS",
+            help="Off by default. Also stop (and diagnose) a job whose collectives stay silent this long although "
+            "its ranks are busy or the hang is not proven. Risk: a healthy but slow phase longer than this (a "
+            "checkpoint save, an evaluation, a first compile) is stopped.",
+            show_default=False,
+        ),
+    ] = None,
     startup_timeout: StartupTimeout = DEFAULT_STARTUP_TIMEOUT,
     keep_alive: Annotated[
         bool,
@@ -182,6 +197,7 @@ def run(
         run_dir=run_dir.resolve(),
         env=dict(os.environ),
         hang_timeout=hang_timeout,
+        max_busy=max_busy,
         startup_timeout=startup_timeout,
         keep_alive=keep_alive,
         online=online,

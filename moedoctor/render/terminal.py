@@ -14,7 +14,13 @@ from moedoctor.analysis.model import AlignedRow, DivergenceKind, OpView, Report,
 from moedoctor.analysis.timing import direct_call, megabytes
 from moedoctor.wording import rank_names
 
-_VERDICT_STYLE = {Verdict.HEALTHY: "green", Verdict.DESYNC: "red", Verdict.STUCK: "yellow", Verdict.CRASHED: "red"}
+_VERDICT_STYLE = {
+    Verdict.HEALTHY: "green",
+    Verdict.DESYNC: "red",
+    Verdict.STUCK: "yellow",
+    Verdict.CRASHED: "red",
+    Verdict.SLOW: "yellow",
+}
 _DTYPES = {
     "float32": "f32",
     "float16": "f16",
@@ -41,6 +47,7 @@ def render_report(report: Report, console: Console) -> None:
     )
     if report.verdict == Verdict.HEALTHY:
         render_slow(report, console)
+        render_busy(report, console)
         _incomplete(report, console)
         return
     head = Text()
@@ -83,7 +90,20 @@ def render_report(report: Report, console: Console) -> None:
         for d in others[:8]:
             console.print(Text(f"  {d.describe()} (classes {', '.join(_ranks(c) for c in d.classes)})"), soft_wrap=True)
     render_slow(report, console)
+    render_busy(report, console)
     _incomplete(report, console)
+
+
+def render_busy(report: Report, console: Console) -> None:
+    """The "Busy, not stuck" section: silences of the collectives that were not hangs, and why."""
+    if not report.busy:
+        return
+    console.print(Text("Busy, not stuck (the job was not stopped for these)", style="bold yellow"))
+    for b in report.busy[:8]:
+        state = "" if b.ended else " (still so when the run ended)"
+        console.print(Text(f"  • {b.seconds:.0f} s without a collective{state}: {b.line}"), soft_wrap=True)
+    if len(report.busy) > 8:
+        console.print(Text(f"  ... {len(report.busy) - 8} more (see --json)", style="dim"))
 
 
 def render_slow(report: Report, console: Console) -> None:

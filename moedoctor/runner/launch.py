@@ -25,9 +25,13 @@ from moedoctor.errors import EXIT_HANG, EXIT_INTERRUPTED, MoedoctorError, cannot
 from moedoctor.events import CollectiveEvent
 from moedoctor.fixes.runtime import ENV_FIX_CHECKS, ENV_FIX_CONFIG, ENV_FIXES
 from moedoctor.recorder.install import ENV_MAX_EVENTS, ENV_RUN_DIR
+from moedoctor.rank_states import Judgement, Pending, RankEvidence, RankState, Silence, judge
+from moedoctor.run_records import communication_frame
 from moedoctor.runner import procs
+from moedoctor.runner.activity import Activity, sample_stacks
 from moedoctor.runner.gpu import write_gpu_snapshot
 from moedoctor.runner.manifest import (
+    BusyRecord,
     CoverageCheck,
     HangRecord,
     LastCollective,
@@ -44,7 +48,7 @@ from moedoctor.runner.exchange import Exchange, store_of
 from moedoctor.runner.online import Desync, DesyncDetector, Lag
 from moedoctor.runner.progress import ProgressTracker, RankProgress
 from moedoctor.runner.rundir import RunDir
-from moedoctor.runner.stacks import StackDump, StackTarget, dump_stacks
+from moedoctor.runner.stacks import StackDump, StackTarget, dump_stacks, find_py_spy
 from moedoctor.trace.format import recorder_markers
 from moedoctor.trace.params_format import ENV_CHECK_PARAMS
 
@@ -65,7 +69,8 @@ class RunConfig:
     command: list[str]
     run_dir: Path
     env: Mapping[str, str]  # the environment to start the job in
-    hang_timeout: float = 180.0  # no progress on any rank this long = hang
+    hang_timeout: float = 180.0  # ranks proven to wait on each other with no progress this long = hang
+    max_busy: float | None = None  # --max-busy: stop a silence this long even when the ranks are busy
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT  # allowance before any rank has opened its trace
     keep_alive: bool = False
     online: bool = True  # online desync detection (a desync is diagnosed as a hang)
@@ -112,6 +117,8 @@ class RunStatus:
     idle_seconds: float
     limit: float  # the timeout idle_seconds is compared with now
     ranks: list[RankStatus]
+    #: Past the timeout without proof of a hang: ``busy: ...`` or ``not proven: ...`` (rank_states).
+    busy: str | None = None
 
 
 @dataclass
@@ -131,9 +138,10 @@ class RunObserver:
     def started(self, run_dir: RunDir, launcher_pid: int, joined: bool) -> None: ...
     def output(self, data: bytes, stream: int) -> None: ...  # stream: 1 stdout, 2 stderr
     def status(self, status: RunStatus) -> None: ...
-    def hang_detected(self, status: RunStatus) -> None: ...
+    def hang_detected(self, status: RunStatus, proof: str | None = None) -> None: ...
     def desync_detected(self, desync: Desync, status: RunStatus) -> None: ...  # diagnosis follows
     def lag_detected(self, lag: Lag) -> None: ...  # reported only; the run goes on
+    def busy(self, judgement: Judgement) -> None: ...  # silent past the timeout, not a hang: the run goes on
     def diagnosed(self, hang: HangRecord) -> None: ...  # stacks, GPU state, manifest written
     # moedoctor's own trouble, one line each, said once; the job goes on:
     def recording_stopped(self, line: str) -> None: ...  # a rank's recorder stopped (a failed write)
@@ -224,6 +232,16 @@ class _Run:
         self.started = time.monotonic()
         self.silence: str | None = None  # why the traces' silence is no hang (a rank stopped recording...)
         self._said: set[str] = set()  # the write failures already reported
+        # Busy is not stuck (rank_states): progress meters, stack samples, the current silence's account.
+        self.activity = Activity()
+        self.py_spy = find_py_spy() if config.stacks else None
+        self._stacks_at = 0.0  # when the ranks' stacks were last sampled
+        self._stacks: dict[int, StackDump] = {}
+        self._silence_of: float | None = None  # the tracker's last progress this silence started from
+        self._judgement: Judgement | None = None
+        self._judged_at = 0.0
+        self._busy_written = 0.0
+        self._trigger = "hang"  # what declared a hang that is not proven here: max-busy, or a peer's proof
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -329,9 +347,9 @@ class _Run:
                 self.exchange.close()  # told (or told the others): done before the job stops
             if desync is None and now >= next_scan:
                 self._scan()
+                self.activity.sample(self._local_pids())
                 next_scan = now + 1.0
             status = self._status(now)
-            self.observer.status(status)
             last = self.tracker.last_progress()
             if not armed and last != progress_at_hang:
                 armed = True  # progress again after a kept-alive hang: watch for the next one
@@ -343,8 +361,14 @@ class _Run:
                 # loading and rendezvous before the first process group can legitimately take that long.
                 no_trace_reported = True
                 self._diagnose(status, no_trace=True)
-            if desync is not None or (armed and not silent and status.idle_seconds >= status.limit):
-                hang = self._diagnose(status, desync)
+            # A hang is ranks proven to wait on each other (rank_states); before any trace, the
+            # startup allowance applies as it always did.
+            proof = last is None
+            if desync is None and armed and not silent and last is not None:
+                proof = self._watch_silence(status, now)
+            self.observer.status(status)
+            if desync is not None or (armed and not silent and status.idle_seconds >= status.limit and proof):
+                hang = self._diagnose(status, desync, judgement=self._judgement if desync is None else None)
                 if not self.config.keep_alive:
                     self.observer.stopping(Outcome.HANG)
                     self._stop()
@@ -352,6 +376,126 @@ class _Run:
                     return RunResult(Outcome.HANG, EXIT_HANG, None, self.dir, hang, self._coverage())
                 armed, progress_at_hang = False, last
             time.sleep(self.config.poll_interval)
+
+    # -- busy is not stuck -------------------------------------------------------------------------
+
+    def _local_pids(self) -> dict[int, int]:
+        """rank -> pid of every traced rank on this host (the trace header's pid)."""
+        return {r: t.pid for r, t in self.tracker.ranks.items() if t.host == self.config.host}
+
+    def _watch_silence(self, status: RunStatus, now: float) -> bool:
+        """Measure the ranks while the collectives are silent; past the timeout, judge the silence.
+        True when a hang is proven (or ``--max-busy`` ran out); a busy or unproven silence is
+        reported and recorded, and the job goes on."""
+        last = self.tracker.last_progress()
+        if last != self._silence_of:  # collectives moved: a new silence, judged on its own samples
+            if self._silence_of is not None:
+                self._close_busy()
+            self._silence_of = last
+            self.activity.new_silence()
+            self._stacks, self._judgement = {}, None
+        pids = self._local_pids()
+        timeout = self.config.hang_timeout
+        if status.idle_seconds >= timeout / 2 and self.py_spy is not None:
+            every = min(max(2.0, timeout / 4), 30.0)
+            if now - self._stacks_at >= every or (status.idle_seconds >= timeout and now - self._stacks_at >= 1.0):
+                self._stacks_at = now
+                self._stacks = sample_stacks(pids, self.py_spy)
+                for rank, dump in self._stacks.items():
+                    self.activity.note_stack(rank, dump.main_thread)
+        if status.idle_seconds < status.limit:
+            return False
+        if now - self._judged_at < 1.0 and self._judgement is not None:
+            return self._judgement.proven
+        self._judged_at = now
+        judgement = self._judgement = judge(
+            [self._evidence(rank, t, pids) for rank, t in sorted(self.tracker.ranks.items())],
+            timeout,
+            status.idle_seconds,
+            world=range(self._world_size() or 0),
+        )
+        status.busy = None if judgement.proven else judgement.line
+        if judgement.proven:
+            return True
+        if judgement.states and all(s == RankState.DEAD for s in judgement.states.values()):
+            status.busy = None
+            return False  # every rank has ended; the launcher has yet to: its teardown, not a silence
+        self._record_busy(judgement, status)
+        limit = self.config.max_busy
+        if limit is not None and status.idle_seconds >= limit:
+            judgement.line = f"--max-busy {limit:g} s ran out while {judgement.line}"
+            self._trigger = "max-busy"
+            return True
+        if self._peer_hang():
+            judgement.line = f"another node of this job proved a hang; here: {judgement.line}"
+            self._trigger = "peer"
+            return True
+        self.observer.busy(judgement)
+        return False
+
+    def _evidence(self, rank: int, t: RankProgress, pids: Mapping[int, int]) -> RankEvidence:
+        pending = None
+        if t.last is not None and not t.last_completed:
+            e = t.last
+            site = f"{os.path.basename(e.call_site.file)}:{e.call_site.line}" if e.call_site else None
+            pending = Pending(e.group.name, e.seq, e.op, tuple(e.group.ranks), site)
+        if rank not in pids:  # another host: only its trace speaks for it here
+            return RankEvidence(rank, alive=None, pending=pending, completion_tracked=t.pending_tracked)
+        pid = pids[rank]
+        st = procs.stat(pid)
+        if st is None or st[1] in "ZX":
+            return RankEvidence(rank, alive=False, pending=pending)
+        state = procs.process_state(pid, readings=3, interval=0.02)
+        dump = self._stacks.get(rank)
+        frames = dump.main_thread if dump is not None else ()
+        wait = communication_frame(frames) if frames else None
+        where = dump.user_frame if dump is not None else None
+        cpu, io = self.activity.account(rank)
+        return RankEvidence(
+            rank,
+            alive=True,
+            frozen=state.frozen,
+            pending=pending,
+            completion_tracked=t.pending_tracked,
+            stack_wait=wait.function if wait is not None else None,
+            stack_read=bool(frames),
+            stack_stable=self.activity.stable_stack(rank),
+            where=str(where or (frames[0] if frames else "")) or None,
+            quiet_s=self.activity.quiet(rank),
+            cpu_s=cpu,
+            io_bytes=io,
+        )
+
+    def _peer_hang(self) -> bool:
+        """Another node of this job, sharing the run directory, recorded a proven hang."""
+        return any(
+            name != self.node.node and node.get("hang") and (node["hang"].get("trigger") or "hang") != "no-trace"
+            for name, node in read_nodes(self.dir.manifest).items()
+        )
+
+    def _record_busy(self, judgement: Judgement, status: RunStatus) -> None:
+        """Keep a silence that is no proven hang in the manifest (written at most every 5 s)."""
+        start = time.time() - status.idle_seconds
+        record = BusyRecord(
+            start=round(start, 3),
+            seconds=round(status.idle_seconds, 1),
+            kind=judgement.kind.value,
+            line=judgement.line,
+            states={str(r): s.value for r, s in sorted(judgement.states.items())},
+        )
+        current = self.node.busy[-1] if self.node.busy else None
+        if current is not None and not current.ended and abs(current.start - record.start) < 1.0:
+            self.node.busy[-1] = record
+        elif len(self.node.busy) < 100:
+            self.node.busy.append(record)
+        if time.monotonic() - self._busy_written >= 5.0 or current is None or current.kind != record.kind:
+            self._busy_written = time.monotonic()
+            self._write_manifest()
+
+    def _close_busy(self) -> None:
+        if self.node.busy and not self.node.busy[-1].ended:
+            self.node.busy[-1].ended = True
+            self._write_manifest()
 
     def _ended(self, code: int, hang: HangRecord | None) -> RunResult:
         if procs.job_processes(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id)):
@@ -471,15 +615,22 @@ class _Run:
         if lags:
             self._write_manifest()
 
-    def _diagnose(self, status: RunStatus, desync: Desync | None = None, no_trace: bool = False) -> HangRecord:
+    def _diagnose(
+        self,
+        status: RunStatus,
+        desync: Desync | None = None,
+        no_trace: bool = False,
+        judgement: Judgement | None = None,
+    ) -> HangRecord:
         """Ask the ranks for coverage records, dump stacks and the GPUs in parallel, and return
         the hang as recorded in the manifest. ``desync``: declared by the online detector, not by
         the hang timeout. ``no_trace``: no rank has a trace after ``--hang-timeout``; diagnosed from
-        the stacks, the job left running until the startup timeout."""
+        the stacks, the job left running until the startup timeout. ``judgement``: the proof of a
+        hang (or the account when ``--max-busy`` ran out), recorded as the hang's ``proof``."""
         if desync is not None:
             self.observer.desync_detected(desync, status)
         else:
-            self.observer.hang_detected(status)
+            self.observer.hang_detected(status, judgement.line if judgement is not None else None)
         try:
             requested = self.dir.request_snapshot()
         except OSError as e:
@@ -534,6 +685,10 @@ class _Run:
         elif no_trace:
             hang.trigger = "no-trace"
             hang.finding = self._why_no_trace(sorted(targets))
+        elif judgement is not None:
+            hang.proof = judgement.line
+            if judgement.kind != Silence.HANG:
+                hang.trigger = self._trigger
         by_rank = {d.rank: d for d in dumps}
         now = time.monotonic()
         for rank in sorted(set(self.tracker.ranks) | set(targets)):

@@ -20,6 +20,7 @@ from moedoctor.run_records import (  # noqa: F401 - the records live below the r
     LastCollective,
     RankAtHang,
     RankExit,
+    BusyRecord,
     hang_of,
     load_manifest,
 )
@@ -87,6 +88,8 @@ class NodeRecord:
     ranks: list[RankExit] = field(default_factory=list)
     hang: HangRecord | None = None
     lags: list[str] = field(default_factory=list)  # online lag findings, one line each (at most 100)
+    #: Silences of the collectives that were not hangs (busy, or unproven), at most 100.
+    busy: list[BusyRecord] = field(default_factory=list)
     #: Ranks whose recorder stopped on a failed write (``rank 1 stopped recording: ...``), and
     #: moedoctor's own writes that failed (``cannot write stacks/rank-0.json: ...``), one line each.
     recording_stopped: list[str] = field(default_factory=list)
@@ -160,6 +163,7 @@ def write_node(
         doc["status"] = _overall_status([n["status"] for n in nodes])
         doc["ranks"] = _merge_ranks(nodes)
         doc["hang"] = _merge_hangs([n["hang"] for n in nodes if n["hang"]])
+        doc["busy"] = sorted((b for n in nodes for b in n.get("busy") or ()), key=lambda b: b["start"])[:100]
         if coverage is not None:
             doc["coverage"] = asdict(coverage)
         doc.setdefault("coverage", None)

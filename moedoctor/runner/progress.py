@@ -19,6 +19,10 @@ from moedoctor.trace.format import STOPPED, read_status, stopped_line
 from moedoctor.trace.reader import RECORD_ERRORS, Completion, TraceError, TraceFile, trace_paths
 
 
+#: Incomplete collectives whose group is remembered per rank (the oldest are forgotten).
+_OPEN_KEPT = 4096
+
+
 @dataclass
 class RankProgress:
     """What one rank's trace says so far."""
@@ -37,6 +41,22 @@ class RankProgress:
     problems: list[str] = field(default_factory=list)
     #: The run of one op and call site going on now ("slow, not stuck" in the status line).
     storm: StormWatch = field(default_factory=StormWatch)
+    #: Groups in which a collective was seen completing: there the recorder observes completions,
+    #: so an incomplete collective of the group is really pending (``rank_states``).
+    completed_groups: set[str] = field(default_factory=set)
+    #: The group of each collective issued and not seen completing yet (the most recent ones).
+    open_groups: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def pending_tracked(self) -> bool:
+        """The last collective did not complete, and completions of its group are observed."""
+        last = self.last
+        return (
+            last is not None
+            and not self.last_completed
+            and not last.raw_op.startswith("_c10d_functional")
+            and last.group.name in self.completed_groups
+        )
 
 
 class _Follower:
@@ -163,8 +183,15 @@ class ProgressTracker:
                 state.issued += 1
                 state.last, state.last_completed, state.last_progress = item, False, now
                 state.storm.feed(item)
+                state.open_groups[item.event_id] = item.group.name
+                if len(state.open_groups) > _OPEN_KEPT:
+                    del state.open_groups[next(iter(state.open_groups))]
             elif isinstance(item, Completion):
                 state.last_progress = now
+                for event_id in item.event_ids:
+                    group = state.open_groups.pop(event_id, None)
+                    if group is not None:
+                        state.completed_groups.add(group)
                 if state.last is not None and state.last.event_id in item.event_ids:
                     state.last_completed = True
             elif isinstance(item, Coverage):

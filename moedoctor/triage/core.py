@@ -10,6 +10,10 @@ stopping it.
    ``moedoctor run`` (``traces/``, after asking its recorders for a snapshot record).
 3. Analyze: the traces or the Flight Recorder dumps with the fresh stacks (``analyze``), else the
    stacks alone (``report_from_stacks``).
+4. Busy is not stuck (``moedoctor.rank_states``): over ``progress_window`` seconds (2 by default,
+   while the rest is collected) each rank's main-thread CPU, I/O and stack are read twice; when the
+   ranks the others wait for are working and progressing, the report says *slow*, with the phase
+   and the rank, not a straggler hang.
 
 Nothing is signalled. ``py-spy dump`` stops each rank for the few milliseconds it takes to read its
 stack (ptrace), as any ``py-spy dump`` does; ranks already stopped (state T) or stuck in the kernel
@@ -30,9 +34,13 @@ from pathlib import Path
 from moedoctor.analysis import analyze, load_runs
 from moedoctor.analysis.from_stacks import report_from_stacks
 from moedoctor.analysis.load import read_gpu_snapshots
+from moedoctor.analysis.diagnosis import slow_not_stuck
 from moedoctor.analysis.model import Report, Verdict
 from moedoctor.errors import EXIT_USAGE, MoedoctorError
+from moedoctor.rank_states import Judgement, RankEvidence, judge
+from moedoctor.run_records import communication_frame
 from moedoctor.runner import procs
+from moedoctor.runner.activity import Activity, sample_stacks
 from moedoctor.runner.gpu import write_gpu_snapshot
 from moedoctor.runner.rundir import RunDir
 from moedoctor.runner.stacks import StackDump, StackTarget, dump_stacks, find_py_spy
@@ -103,6 +111,7 @@ def triage(
     fr_wait: float = 5.0,
     snapshot_wait: float = 1.5,
     host: str | None = None,
+    progress_window: float = 2.0,
 ) -> TriageResult:
     """Examine the job PID belongs to; raise ``MoedoctorError`` when PID is no torch job or nothing
     could be read."""
@@ -115,6 +124,8 @@ def triage(
     notes: list[str] = []
     run_dir = _job_run_dir(ranks)
     requested = _request_snapshot(run_dir) if run_dir is not None else None
+    activity, watch_start = Activity(), time.monotonic()
+    activity.sample({r.rank: r.pid for r in ranks})
 
     stacks = _dump_all(ranks, out_dir / "stacks", host, native)
     if stacks and all(d.error for d in stacks.values()):
@@ -144,6 +155,11 @@ def triage(
             _await(requested, snapshot_wait)
         traces = _take_traces(run_dir, out_dir, notes)
     report, evidence = _report(out_dir, stacks, ranks, traces, fr, notes)
+    progress = _progress(ranks, stacks, activity, watch_start, progress_window)
+    if progress is not None:
+        notes.append(f"progress over {progress_window:g} s: {progress.line}")
+        if progress.kind.value == "busy" and report.verdict == Verdict.STUCK and report.pattern in (None, "straggler"):
+            report = slow_not_stuck(report, progress.line)
     if evidence == "traces" and report.verify_command and run_dir is not None:
         # verify replays the job's own run directory (its manifest holds the command), not this copy
         report.verify_command = report.verify_command.replace(str(out_dir), str(run_dir))
@@ -168,6 +184,45 @@ def triage(
 
 
 TRIAGE_FILE = "triage.json"
+
+
+def _progress(
+    ranks: list[RankProcess], stacks: dict[int, StackDump], activity: Activity, start: float, window: float
+) -> Judgement | None:
+    """Whether the ranks progress: main-thread CPU and I/O since ``start``, and a second stack sample
+    (``py-spy --nonblocking``) against the dump, over at least ``window`` seconds (None: no window)."""
+    if window <= 0 or not ranks:
+        return None
+    time.sleep(max(0.0, start + window - time.monotonic()))
+    pids = {r.rank: r.pid for r in ranks}
+    for rank, dump in stacks.items():
+        activity.note_stack(rank, dump.main_thread)
+    for rank, dump in sample_stacks(pids, find_py_spy()).items():
+        activity.note_stack(rank, dump.main_thread)
+    activity.sample(pids)
+    evidence = []
+    for r in ranks:
+        dump = stacks.get(r.rank)
+        frames = dump.main_thread if dump is not None else ()
+        wait = communication_frame(frames) if frames else None
+        where = dump.user_frame if dump is not None else None
+        cpu, io = activity.account(r.rank)
+        evidence.append(
+            RankEvidence(
+                r.rank,
+                alive=procs.stat(r.pid) is not None,
+                frozen=dump.frozen if dump is not None else None,
+                stack_wait=wait.function if wait is not None else None,
+                stack_read=bool(frames),
+                stack_stable=activity.stable_stack(r.rank),
+                where=str(where or (frames[0] if frames else "")) or None,
+                quiet_s=activity.quiet(r.rank),
+                cpu_s=cpu,
+                io_bytes=io,
+            )
+        )
+    elapsed = time.monotonic() - start
+    return judge(evidence, elapsed * 0.9, elapsed)
 
 
 def merge_triages(dirs: list[Path]) -> tuple[Report, str, list[str]]:

@@ -120,6 +120,24 @@ def test_triage_straggler_names_the_odd_rank(tmp_path):
         job.stop()
 
 
+def test_triage_rank0_saving_while_rank1_waits_is_slow_not_a_straggler(tmp_path):
+    """Busy is not stuck: rank 0 writes a checkpoint (progressing: CPU, bytes written) while rank 1
+    waits at the barrier. Triage reads both ranks twice over its progress window and says slow,
+    naming rank 0's function, not "straggler"."""
+    job = Job(torchrun_command(FIXTURES / "healthy_busy_rank0_save_barrier" / "train.py", 2, "--busy-seconds", "120",
+                               "--pg-timeout", "600"), tmp_path / "job.log")
+    try:
+        code, doc = triage_when(job, tmp_path, lambda d: d["ranks"].get("1", {}).get("in_collective") is True)
+        ranks = job.ranks()
+        assert doc["verdict"] == "slow" and code == 0, (doc["summary"], doc["triage"]["notes"])
+        assert doc["pattern"] is None and doc["culprit_ranks"] == []
+        assert "rank 0 working in save_checkpoints" in doc["summary"] and "progressing" in doc["summary"]
+        assert "rank 1 waits in barrier" in doc["summary"]
+        assert_still_running(job, ranks)
+    finally:
+        job.stop()
+
+
 def test_triage_job_under_moedoctor_run_gives_the_full_pattern(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", "600",

@@ -1,0 +1,58 @@
+"""Busy is not stuck, on real jobs under ``moedoctor run`` (Gloo, 2 ranks): a proven hang is stopped
+with its proof, a busy phase is stopped only by the explicit ``--max-busy`` limit, and then reported
+*slow*, not as a straggler. (The healthy ``healthy_busy_*`` jobs of the healthy corpus show that a busy
+phase of 2.5x the timeout is never stopped: ``test_healthy_corpus.py``.)"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from torchrun_util import FIXTURES, run_command, torchrun_command
+
+from moedoctor.errors import EXIT_HANG
+
+
+def _manifest(run_dir) -> dict:
+    return json.loads((run_dir / "manifest.json").read_text())
+
+
+def test_a_straggler_hang_is_stopped_with_its_proof(tmp_path):
+    """Rank 1 sleeps in its data loader (no CPU, no I/O, the same stack) while rank 0 waits in the
+    gradient all-reduce: proven after the timeout, stopped, and the proof says why."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", "6", "--",
+           *torchrun_command(FIXTURES / "straggler" / "train.py", 2, "--pg-timeout", "120")]
+    result = run_command(cmd, timeout=150)
+    assert result.returncode == EXIT_HANG, result.tail()
+    hang = _manifest(run_dir)["hang"]
+    assert hang["trigger"] == "hang", hang
+    proof = hang["proof"]
+    assert "rank 0 waits in all_reduce" in proof and "rank 1 outside any collective in" in proof, proof
+    assert "_read_shard" in proof and "no CPU, no I/O, no new stack" in proof, proof
+    assert "Proof:" in result.output, result.tail()
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["pattern"] == "straggler" and report["culprit_ranks"] == [1], report["summary"]
+
+
+def test_max_busy_stops_a_busy_job_and_the_report_says_slow(tmp_path):
+    """Rank 0 saves for a minute while rank 1 waits at the barrier: busy, so only ``--max-busy`` stops
+    it; the report is *slow* (rank 0 working, progressing), not a straggler hang with rank 0 to blame."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", "3",
+           "--max-busy", "25", "--",
+           *torchrun_command(FIXTURES / "healthy_busy_rank0_save_barrier" / "train.py", 2, "--busy-seconds", "150")]
+    result = run_command(cmd, timeout=150)
+    assert result.returncode == EXIT_HANG, result.tail()
+    assert "moedoctor: busy: rank 0 working in save_checkpoints" in result.output, result.tail()
+    manifest = _manifest(run_dir)
+    hang = manifest["hang"]
+    assert hang["trigger"] == "max-busy" and hang["idle_seconds"] >= 25, hang
+    assert "--max-busy 25 s ran out while busy: rank 0 working in save_checkpoints" in hang["proof"], hang
+    assert manifest["busy"] and manifest["busy"][-1]["kind"] == "busy", manifest["busy"]
+    assert manifest["busy"][-1]["states"] == {"0": "working", "1": "waiting"}, manifest["busy"]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["verdict"] == "slow" and report["pattern"] is None, report["summary"]
+    assert report["culprit_ranks"] == [] and report["fixes"] == [], report
+    assert report["summary"].startswith("Slow, not stuck: rank 0 working in save_checkpoints"), report["summary"]
+    assert "rank 1 waits in barrier" in report["summary"], report["summary"]
