@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +21,25 @@ from moedoctor.process_state import ProcessState
 # ---- stack dumps -------------------------------------------------------------------------------
 
 #: Frames in these folders are the machinery a rank waits in, not the place the job asked it to.
-_LIBRARY_MARKERS = ("/torch/", "/moedoctor/", "/site-packages/", "/dist-packages/")
+_LIBRARY_MARKERS = ("/torch/", "/site-packages/", "/dist-packages/")
 _STDLIB = sysconfig.get_paths()["stdlib"]
+#: moedoctor's own frames: this package where it is installed, or (stacks recorded on another
+#: machine) a path through a ``moedoctor/`` folder into one of the package's own modules. Not any
+#: path with ``/moedoctor/`` in it: a clone of the repository is a folder of that name too, and the
+#: fixtures and jobs in it are the job's own code.
+_PACKAGE = str(Path(__file__).resolve().parent) + os.sep
+_OWN_MODULES = sorted(
+    p.stem if p.suffix == ".py" else p.name
+    for p in Path(__file__).resolve().parent.iterdir()
+    if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()) or p.name == "_bootstrap")
+    and p.name != "__init__.py"
+)
+_OWN_PATH = re.compile(r"/moedoctor/(?:" + "|".join(map(re.escape, _OWN_MODULES)) + r"|__init__|__main__)(?:/|\.py$)")
+
+
+def is_own_frame(file: str) -> bool:
+    """A frame of moedoctor itself (the recorder, a fix, the bootstrap)."""
+    return file.startswith(_PACKAGE) or _OWN_PATH.search(file) is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +84,7 @@ class StackDump:
 def is_library_frame(frame: Frame) -> bool:
     """A frame of torch, moedoctor, another installed package or the standard library: the machinery
     a rank waits in, not the job's own code."""
-    return any(m in frame.file for m in _LIBRARY_MARKERS) or frame.file.startswith(_STDLIB)
+    return any(m in frame.file for m in _LIBRARY_MARKERS) or frame.file.startswith(_STDLIB) or is_own_frame(frame.file)
 
 
 #: torch.distributed modules whose frames are a rank waiting on its peers: a collective, a Work's

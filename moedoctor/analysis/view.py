@@ -13,10 +13,10 @@ from moedoctor.analysis.load import RunData
 from moedoctor.analysis.model import GroupRef
 from moedoctor.events import CollectiveEvent, Evidence, Phase, RankException, TracebackFrame
 from moedoctor.process_state import ProcessState
-from moedoctor.run_records import Frame, StackDump, is_distributed_frame
+from moedoctor.run_records import Frame, StackDump, is_distributed_frame, is_own_frame
 
 #: Frames of libraries, for the job's own frame of a traceback.
-_LIBRARY_MARKERS = ("/torch/", "/moedoctor/", "<frozen", "<string>")
+_LIBRARY_MARKERS = ("/torch/", "<frozen", "<string>")
 
 
 def user_frame(exc: RankException) -> TracebackFrame | None:
@@ -25,7 +25,7 @@ def user_frame(exc: RankException) -> TracebackFrame | None:
     for f in reversed(exc.frames):
         path = f.file.replace("\\", "/")
         stdlib = "/lib/python3" in path and "site-packages" not in path
-        if not stdlib and not any(m in path for m in _LIBRARY_MARKERS):
+        if not stdlib and not any(m in path for m in _LIBRARY_MARKERS) and not is_own_frame(path):
             return f
     return None
 

@@ -26,9 +26,12 @@ LOG_EVERY = 10.0
 def status_table(status: RunStatus) -> Table:
     slow = slow_line(status).removesuffix(" | ")
     table = Table(
-        title=f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.1f}s of {status.limit:.0f}s"
-        + (f"; {escape(slow)}" if slow else "")
-        + (f"; {escape(status.busy)}" if status.busy else ""),
+        title=(
+            f"moedoctor: {status.elapsed:.0f}s, silent {status.idle_seconds:.0f}s, {escape(status.busy)}"
+            if status.busy
+            else f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.1f}s of {status.limit:.0f}s"
+            + (f"; {escape(slow)}" if slow else "")
+        ),
         title_justify="left",
         expand=False,
     )
@@ -85,11 +88,9 @@ def status_line(status: RunStatus) -> str:
     if all(r.last is None for r in status.ranks):  # before the first collective: the start-up limit applies
         return f"moedoctor: {status.elapsed:.0f}s, no collective yet (start-up limit {status.limit:.0f}s) | {ranks}"
     slow = slow_line(status)
-    busy = f"{status.busy} | " if status.busy else ""
-    return (
-        f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.0f}s of {status.limit:.0f}s | "
-        f"{busy}{slow}{ranks}"
-    )
+    if status.busy:  # past the timeout, judged: not a hang
+        return f"moedoctor: {status.elapsed:.0f}s, silent {status.idle_seconds:.0f}s, {status.busy} | {ranks}"
+    return f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.0f}s of {status.limit:.0f}s | {slow}{ranks}"
 
 
 def slow_line(status: RunStatus) -> str:

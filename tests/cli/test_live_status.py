@@ -19,3 +19,11 @@ def test_after_the_first_collective_the_status_names_the_hang_timeout():
     a.coll("all_reduce", (4,))
     line = status_line(RunStatus(30, 12, 60, [RankStatus(0, 11, a.events[-1], True, 12)]))
     assert "idle 12s of 60s" in line and "all_reduce #1" in line
+
+
+def test_a_busy_silence_says_busy_not_idle_of_the_timeout():
+    a, = ranks(1)
+    a.coll("barrier", ())
+    busy = "busy: rank 0 working in save (train.py:88) (progressing: 3.2 s CPU), while rank 1 waits in barrier"
+    line = status_line(RunStatus(300, 240, 60, [RankStatus(0, 11, a.events[-1], True, 240)], busy=busy))
+    assert f"silent 240s, {busy}" in line and "idle 240s of 60s" not in line
