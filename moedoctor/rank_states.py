@@ -74,8 +74,12 @@ class RankEvidence:
     quiet_s: float | None = None  # seconds since it last progressed (CPU, I/O, new stack); None: not measured
     cpu_s: float = 0.0  # main-thread CPU seconds over the silence (for the account)
     io_bytes: int = 0  # bytes read and written over the silence (for the account)
+    #: The state its own node judged (a rank of another node, through the job's rendezvous store).
+    known: RankState | None = None
 
     def state(self, timeout: float) -> RankState:
+        if self.known is not None:
+            return self.known
         if self.alive is False:
             return RankState.DEAD
         if self.frozen:
@@ -95,6 +99,36 @@ class RankEvidence:
         if self.stack_read or self.quiet_s is not None:
             return RankState.WORKING
         return RankState.UNKNOWN
+
+    def to_dict(self, timeout: float) -> dict:
+        """What another node needs to judge with this rank (``from_dict``): its state as judged here."""
+        p = self.pending
+        return {
+            "state": self.state(timeout).value,
+            "quiet_s": self.quiet_s,
+            "where": self.where,
+            "stack_wait": self.stack_wait,
+            "pending": None if p is None else [p.group, p.seq, p.op, list(p.members), p.call_site],
+            "cpu_s": self.cpu_s,
+            "io_bytes": self.io_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, rank: int, doc: dict, age: float = 0.0) -> RankEvidence:
+        """A rank judged by its own node, ``age`` seconds ago (its quiet time grows by as much)."""
+        p = doc.get("pending")
+        quiet = doc.get("quiet_s")
+        return cls(
+            rank,
+            alive=None,
+            pending=None if not p else Pending(str(p[0]), int(p[1]), str(p[2]), tuple(int(m) for m in p[3]), p[4]),
+            stack_wait=doc.get("stack_wait"),
+            where=doc.get("where"),
+            quiet_s=None if quiet is None else float(quiet) + max(0.0, age),
+            cpu_s=float(doc.get("cpu_s") or 0.0),
+            io_bytes=int(doc.get("io_bytes") or 0),
+            known=RankState(doc["state"]),
+        )
 
     def progressing(self, timeout: float) -> bool | None:
         """Made progress within the timeout (None: not measured)."""

@@ -133,6 +133,20 @@ class Mailboxes:
             out.append((kind, sender, body))
         return out
 
+    def publish_states(self, node: int, doc: dict) -> None:
+        """This node's ranks as it judges them while the collectives are silent (busy is not stuck)."""
+        self.store.set(f"{self.prefix}states/{node}", json.dumps(doc).encode())
+
+    def states(self, but: int) -> dict[int, dict]:
+        """Every other node's last published states, by node number."""
+        count = int(self.store.add(self.prefix + "nodes", 0))
+        out = {}
+        for node in range(count):
+            key = f"{self.prefix}states/{node}"
+            if node != but and self.store.check([key]):
+                out[node] = json.loads(bytes(self.store.get(key)))
+        return out
+
     def publish_desync(self, d: Desync) -> None:
         if not self.store.check([self.prefix + "desync"]):
             self.store.set(self.prefix + "desync", desync_to_json(d).encode())
@@ -154,6 +168,11 @@ class Exchange:
         self.period = period
         #: {rank: RankProgress} of the local ranks (for lags), replaced whole by the watchdog's thread
         self.progress: Mapping[int, Any] | None = None
+        #: Busy is not stuck: {rank: RankEvidence.to_dict()} of the local ranks while the collectives are
+        #: silent (set by the watchdog's thread), published; the other nodes' ranks, read back with the
+        #: Unix time each was published: ``remote`` {rank: (time, doc)}.
+        self.local_states: Mapping[int, dict] | None = None
+        self.remote: dict[int, tuple[float, dict]] = {}
         self._connect = connect or self._tcp_store
         self.node: int | None = None
         self.digest: NodeDigest | None = None
@@ -261,5 +280,13 @@ class Exchange:
         if self._own is not None:
             boxes.publish_desync(self._own)
             self._own = None
+        states = self.local_states
+        if states is not None:
+            boxes.publish_states(self.node, {"t": time.time(), "ranks": {str(r): d for r, d in states.items()}})
+            remote = {}
+            for doc in boxes.states(but=self.node).values():
+                for rank, state in (doc.get("ranks") or {}).items():
+                    remote[int(rank)] = (float(doc.get("t") or 0.0), state)
+            self.remote = remote
         if self.desync is None:
             self.desync = boxes.desync()

@@ -394,6 +394,8 @@ class _Run:
             self._silence_of = last
             self.activity.new_silence()
             self._stacks, self._judgement = {}, None
+            if self.exchange is not None:
+                self.exchange.local_states = None
         pids = self._local_pids()
         timeout = self.config.hang_timeout
         if status.idle_seconds >= timeout / 2 and self.py_spy is not None:
@@ -403,16 +405,19 @@ class _Run:
                 self._stacks = sample_stacks(pids, self.py_spy)
                 for rank, dump in self._stacks.items():
                     self.activity.note_stack(rank, dump.main_thread)
+        if status.idle_seconds < min(status.limit, timeout / 2) or now - self._judged_at < 1.0:
+            return self._judgement is not None and self._judgement.proven and status.idle_seconds >= status.limit
+        self._judged_at = now
+        evidence = {rank: self._evidence(rank, t, pids) for rank, t in sorted(self.tracker.ranks.items())}
+        if self.exchange is not None:  # no shared run directory: the other nodes judge their own ranks
+            self.exchange.local_states = {r: e.to_dict(timeout) for r, e in evidence.items() if r in pids}
+            for rank, (published, doc) in self.exchange.remote.items():
+                if rank not in pids and time.time() - published < max(10.0, timeout / 2):
+                    evidence[rank] = RankEvidence.from_dict(rank, doc, age=time.time() - published)
         if status.idle_seconds < status.limit:
             return False
-        if now - self._judged_at < 1.0 and self._judgement is not None:
-            return self._judgement.proven
-        self._judged_at = now
         judgement = self._judgement = judge(
-            [self._evidence(rank, t, pids) for rank, t in sorted(self.tracker.ranks.items())],
-            timeout,
-            status.idle_seconds,
-            world=range(self._world_size() or 0),
+            list(evidence.values()), timeout, status.idle_seconds, world=range(self._world_size() or 0)
         )
         status.busy = None if judgement.proven else judgement.line
         if judgement.proven:

@@ -152,6 +152,26 @@ def test_two_nodes_one_run_dir_each(tmp_path, backend="gloo"):
         _assert_stopped_everywhere(run_dirs, results)
 
 
+def test_a_straggler_across_nodes_without_a_shared_run_dir_is_proven_and_stopped(tmp_path):
+    """Busy is not stuck, across nodes: rank 1 (node 1) sleeps in its data loader while rank 0 (node 0)
+    waits in the all-reduce. Neither node sees the other's rank; each publishes its own ranks' states
+    through the rendezvous store, so both prove the hang and stop their own rank."""
+    run_dirs = [tmp_path / "node0" / "run", tmp_path / "node1" / "run"]
+    for d in run_dirs:
+        d.parent.mkdir()
+    results = run_two_nodes(run_dirs, "--hang-timeout", "8", fixture=FIXTURES / "straggler" / "train.py")
+    try:
+        assert [c for c, _, _ in results] == [124, 124], _tails(results)
+        for d in run_dirs:
+            (node,) = json.loads((d / "manifest.json").read_text())["nodes"].values()
+            hang = node["hang"]
+            assert hang["trigger"] == "hang", (hang, _tails(results))
+            assert "rank 0 waits in all_reduce" in hang["proof"], (hang["proof"], _tails(results))
+            assert "rank 1 outside any collective in ShardReader._read_shard" in hang["proof"], hang["proof"]
+    finally:
+        _assert_stopped_everywhere(run_dirs, results)
+
+
 def test_a_healthy_two_node_job_is_left_alone(tmp_path):
     """Do no harm: the exchange between per-node run directories raises no alarm on a healthy job."""
     run_dirs = [tmp_path / "node0" / "run", tmp_path / "node1" / "run"]

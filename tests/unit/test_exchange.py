@@ -145,3 +145,33 @@ def test_lags_are_taken_once():
     assert node.take_lags() == [lag] and node.take_lags() == []
     node.lags.append(lag)
     assert node.take_lags() == [lag]
+
+
+def test_nodes_without_a_shared_directory_judge_a_straggler_together():
+    """Busy is not stuck across nodes: node 0's rank waits in the all-reduce, node 1's rank sits in
+    its data loader with no progress. Neither node can prove the hang from its own rank alone; with
+    the other node's judged states (through the store) both can."""
+    from moedoctor.rank_states import Pending, RankEvidence, RankState, judge
+
+    store = FakeStore()
+    nodes = [Exchange("h", 1, "job", period=0.05, connect=lambda h, p: store).start() for _ in range(2)]
+    try:
+        waiting = RankEvidence(0, pending=Pending("0", 3, "all_reduce", (0, 1), "ddp.py:15"), completion_tracked=True,
+                               stack_read=True, quiet_s=30.0)
+        stalled = RankEvidence(1, stack_read=True, where="_read_shard (train.py:44)", quiet_s=30.0)
+        assert judge([waiting], 20.0, 30.0, world=range(2)).kind.value == "unproven"  # node 0 alone
+        nodes[0].local_states = {0: waiting.to_dict(20.0)}
+        nodes[1].local_states = {1: stalled.to_dict(20.0)}
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not (1 in nodes[0].remote and 0 in nodes[1].remote):
+            time.sleep(0.05)
+        published, doc = nodes[0].remote[1]
+        remote = RankEvidence.from_dict(1, doc, age=time.time() - published)
+        assert remote.state(20.0) == RankState.WORKING and remote.quiet_s >= 30.0
+        j = judge([waiting, remote], 20.0, 30.0, world=range(2))
+        assert j.proven and "rank 1 outside any collective in _read_shard (train.py:44)" in j.line
+        _, doc = nodes[1].remote[0]
+        assert judge([stalled, RankEvidence.from_dict(0, doc)], 20.0, 30.0, world=range(2)).proven
+    finally:
+        for n in nodes:
+            n.close()
