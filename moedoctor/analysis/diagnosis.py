@@ -163,21 +163,29 @@ def analyze(run: RunData) -> Report:
         busy=list(run.manifest.busy) if run.manifest is not None else [],
     )
     busy = _busy_at_end(run)
-    if busy is not None and report.verdict == Verdict.STUCK and report.pattern in (None, "straggler"):
-        return slow_not_stuck(report, busy)
+    if busy is not None and not died:
+        line, working = busy
+        if report.verdict == Verdict.STUCK and report.pattern in (None, "straggler"):
+            return slow_not_stuck(report, line)
+        if primary is not None and primary.kind == DivergenceKind.MISSING and set(primary.missing) <= working:
+            # The ranks that "never issued" it were working when the run was stopped: on their way.
+            return slow_not_stuck(report, line)
     return report
 
 
-def _busy_at_end(run: RunData) -> str | None:
+def _busy_at_end(run: RunData) -> tuple[str, set[int]] | None:
     """The run ended in a silence ``moedoctor run`` judged busy: stopped by ``--max-busy``, or
-    stopped by someone else (Ctrl-C, a kill) while it lasted. Its account, else None."""
+    stopped by someone else (Ctrl-C, a kill, even of moedoctor) while it lasted. Its account and the
+    ranks that were working then, else None."""
     m = run.manifest
-    if m is None:
+    if m is None or not m.busy:
         return None
+    last = m.busy[-1]
+    working = {int(r) for r, state in last.states.items() if state == "working"}
     if m.hang is not None and m.hang.trigger == "max-busy" and m.hang.proof and "busy:" in m.hang.proof:
-        return m.hang.proof[m.hang.proof.index("busy:") :]
-    if m.hang is None and m.busy and not m.busy[-1].ended and m.busy[-1].kind == "busy" and m.status != "finished":
-        return m.busy[-1].line
+        return m.hang.proof[m.hang.proof.index("busy:") :], working
+    if m.hang is None and not last.ended and last.kind == "busy" and m.status != "finished":
+        return last.line, working
     return None
 
 

@@ -56,3 +56,39 @@ def test_max_busy_stops_a_busy_job_and_the_report_says_slow(tmp_path):
     assert report["culprit_ranks"] == [] and report["fixes"] == [], report
     assert report["summary"].startswith("Slow, not stuck: rank 0 working in save_checkpoints"), report["summary"]
     assert "rank 1 waits in barrier" in report["summary"], report["summary"]
+
+
+def test_a_run_killed_while_busy_reads_slow_not_a_desync(tmp_path):
+    """``kill -9`` of moedoctor while rank 0 saves and rank 1 waits at the barrier: the job dies with
+    it; the traces end raggedly (rank 1 issued barrier #9, rank 0 did not yet). The busy record says
+    rank 0 was working: ``analyze`` reads slow, not "rank 0 never issued the barrier"."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from torchrun_util import REPO, _kill_session, job_env
+
+    run_dir = tmp_path / "run"
+    log = tmp_path / "out.txt"
+    cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", "3", "--",
+           *torchrun_command(FIXTURES / "healthy_busy_rank0_save_barrier" / "train.py", 2, "--busy-seconds", "120")]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=job_env(),
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "moedoctor: busy: rank 0 working" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(1)
+        time.sleep(6)  # the busy record reaches the manifest (written every 5 s)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        _kill_session(proc.pid)
+    done = subprocess.run([sys.executable, "-m", "moedoctor", "analyze", str(run_dir), "--json"], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)
+    report = json.loads(done.stdout)
+    context = f"{report['summary']}\n{log.read_text()[-3000:]}"
+    assert report["verdict"] == "slow" and report["pattern"] is None and done.returncode == 0, context
+    assert "rank 0 working in save_checkpoints" in report["summary"], context
