@@ -372,7 +372,7 @@ def flight_recorder_inputs(draw) -> dict[str, bytes | None]:
     raw: dict[str, bytes | None] = {}
     for _ in range(draw(st.integers(1, 5))):
         op = draw(st.sampled_from(["field", "field", "field", "entries", "rename", "extra", "bytes", "malicious",
-                                   "drop"]))
+                                   "drop", "oversized"]))
         names = sorted(dumps_by_name)
         if not names:
             break
@@ -396,9 +396,24 @@ def flight_recorder_inputs(draw) -> dict[str, bytes | None]:
             raw[name] = draw(st.sampled_from(MALICIOUS))
         elif op == "drop":
             dumps_by_name.pop(name)
+        elif op == "oversized":
+            # A JSON dump whose one shape has millions of dimensions (a few MB of "1,"): refused while
+            # it is read, before the parser builds it (tests/cli/test_analyze_bounds.py measures 200 MB).
+            dumps_by_name.pop(name)
+            raw[name] = oversized_json_dump(draw(st.sampled_from([6_000_000, 8_000_000])))
     for name, dump in dumps_by_name.items():
         raw[name] = _encode(draw, dump, kind)
     return raw
+
+
+def oversized_json_dump(items: int) -> bytes:
+    """A Flight Recorder JSON dump, one entry, whose input shape has ``items`` dimensions (2 bytes each)."""
+    head = (b'{"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}}, '
+            b'"pg_status": {}, "entries": [{"record_id": 0, "pg_id": 0, "process_group": ["0", "default_pg"], '
+            b'"collective_seq_id": 1, "p2p_seq_id": 0, "op_id": 1, "profiling_name": "gloo:all_reduce", '
+            b'"time_created_ns": 1, "input_dtypes": ["Float"], "output_sizes": [[4]], "output_dtypes": ["Float"], '
+            b'"state": "completed", "input_sizes": [[')
+    return head + b"1," * (items - 1) + b"1]]}]}"
 
 
 def write_input(folder: Path, files: dict[str, bytes | None]) -> Path:
