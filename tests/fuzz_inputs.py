@@ -230,9 +230,9 @@ def trace_inputs(draw) -> dict[str, bytes | None]:
     prefix = "traces/" if "manifest.json" in files else ""
     for _ in range(draw(st.integers(1, 6))):
         op = draw(st.sampled_from(["record", "record", "header", "line", "bytes", "drop", "copy", "dir",
-                                   "status", "manifest", "stack", "gpu", "marker"]))
+                                   "status", "manifest", "stack", "gpu", "marker", "interrupted", "ragged"]))
         traces = _trace_names(files)
-        if op in ("record", "header", "line", "bytes", "drop", "copy") and not traces:
+        if op in ("record", "header", "line", "bytes", "drop", "copy", "ragged") and not traces:
             continue
         target = draw(st.sampled_from(traces)) if traces else None
         if op in ("record", "header"):
@@ -271,6 +271,25 @@ def trace_inputs(draw) -> dict[str, bytes | None]:
             files[f"gpu/{draw(st.sampled_from(['host', 'node-1']))}.json"] = dumps(draw(HOSTILE_JSON))
         elif op == "marker":
             files[f"control/recorder-rank-{draw(st.sampled_from([0, 1, 5, 10**7]))}"] = draw(st.binary(max_size=20))
+        elif op == "interrupted":
+            # The run ended without its supervisor saying how: Ctrl-C (``interrupted``), or kill -9
+            # (``running``, no one holding the lock); a node entry that lost its pid or host.
+            current = files.get("manifest.json")
+            doc = _loads(current) if current else {}
+            if isinstance(doc, dict):
+                doc["status"] = draw(st.sampled_from(["running", "interrupted"]))
+                doc["hang"] = None
+                for node in (doc.get("nodes") or {}).values() if isinstance(doc.get("nodes"), dict) else ():
+                    if isinstance(node, dict):
+                        node["status"], node["end"] = doc["status"], draw(st.sampled_from([None, 1.0, "x", 10**30]))
+                        if draw(st.booleans()):
+                            node[draw(st.sampled_from(["moedoctor_pid", "host"]))] = draw(HOSTILE_JSON)
+                files["manifest.json"] = dumps(doc)
+            files["supervisor-node0.lock"] = b"999999 gone\n"  # nobody holds it: a killed supervisor
+        elif op == "ragged":
+            # A trace cut a few collectives short, as a rank stopped mid-step leaves it.
+            lines = _lines(files[target])
+            files[target] = b"\n".join(lines[: max(1, len(lines) - draw(st.integers(1, 5)))]) + b"\n"
     return files
 
 

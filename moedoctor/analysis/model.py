@@ -23,6 +23,9 @@ class Verdict(str, Enum):
     DESYNC = "desync"  # ranks of a group stopped issuing the same collectives
     STUCK = "stuck"  # the job hangs, but not because of a desync (straggler, hardware)
     CRASHED = "crashed"  # a rank died (non-zero exit or a signal); the pattern says why, if known
+    #: The run was interrupted (moedoctor stopped by Ctrl-C, or killed: the job stopped with it) and the
+    #: traces show nothing wrong up to then: no verdict on the job (``analyze`` exits 2).
+    INTERRUPTED = "interrupted"
 
 
 class DivergenceKind(str, Enum):
@@ -232,4 +235,4 @@ class Report:
 
     @property
     def problem_found(self) -> bool:
-        return self.verdict != Verdict.HEALTHY
+        return self.verdict not in (Verdict.HEALTHY, Verdict.INTERRUPTED)

@@ -14,7 +14,13 @@ from moedoctor.analysis.model import AlignedRow, DivergenceKind, OpView, Report,
 from moedoctor.analysis.timing import direct_call, megabytes
 from moedoctor.wording import rank_names
 
-_VERDICT_STYLE = {Verdict.HEALTHY: "green", Verdict.DESYNC: "red", Verdict.STUCK: "yellow", Verdict.CRASHED: "red"}
+_VERDICT_STYLE = {
+    Verdict.HEALTHY: "green",
+    Verdict.DESYNC: "red",
+    Verdict.STUCK: "yellow",
+    Verdict.CRASHED: "red",
+    Verdict.INTERRUPTED: "yellow",
+}
 _DTYPES = {
     "float32": "f32",
     "float16": "f16",
@@ -39,7 +45,7 @@ def render_report(report: Report, console: Console) -> None:
             expand=True,
         )
     )
-    if report.verdict == Verdict.HEALTHY:
+    if report.verdict in (Verdict.HEALTHY, Verdict.INTERRUPTED):
         render_slow(report, console)
         _incomplete(report, console)
         return

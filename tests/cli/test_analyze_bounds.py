@@ -284,9 +284,22 @@ def test_a_stale_running_manifest_is_noted(tmp_path):
     shutil.copytree(GOLDEN / "healthy", run)
     manifest = json.loads((run / "manifest.json").read_text())
     manifest["status"] = "running"
+    for node in manifest["nodes"].values():
+        node["status"], node["end"] = "running", None
     (run / "manifest.json").write_text(json.dumps(manifest))
     (run / "supervisor-node0.lock").write_text("999999 gone\n")  # nobody holds it: killed supervisor
-    assert any("supervisor was killed" in line for line in load_run(run).incomplete)
+    from moedoctor.analysis import analyze as analyze_run
+    from moedoctor.analysis.model import Verdict
+
+    loaded = load_run(run)
+    assert loaded.manifest.lost_supervisors and loaded.manifest.interrupted
+    report = analyze_run(loaded)
+    assert report.verdict == Verdict.INTERRUPTED, report.summary
+    assert any("supervisor (moedoctor pid" in line and "died" in line for line in report.incomplete)
+    # The report is shown, then the one-line reason: no verdict on the job (exit 2, not 0 or 1).
+    code, out, seconds = analyze(run)
+    assert_bounded(code, out, seconds, allowed=(EXIT_BAD_INPUT,))
+    assert "moedoctor: INTERRUPTED" in out and "no verdict on the job" in out, out[-2000:]
 
 
 def test_the_report_is_bounded(tmp_path):
