@@ -112,6 +112,7 @@ class ManifestInfo:
 
         at = f" at about {time.strftime('%H:%M:%S %Z', time.localtime(self.stopped_at))}" if self.stopped_at else ""
         if self.lost_supervisors:
+            at += " (the run directory's last write)" if at else ""
             return (
                 f"the run was interrupted: its supervisor ({', '.join(self.lost_supervisors[:4])}) died{at} "
                 "without recording how the run ended (kill -9?), and the job was stopped with it"
