@@ -7,8 +7,9 @@ Exit statuses of ``moedoctor analyze`` / ``triage`` (and of the library's errors
 - ``EXIT_FINDING`` (1): a desync, a stuck job or a crashed rank was found (``moedoctor verify``:
   the fix was not verified).
 - ``EXIT_BAD_INPUT`` (2, also ``EXIT_USAGE``): the command line, the run directory or the input was
-  refused or cannot back a verdict (unreadable, foreign, too large, a rank's trace missing); nothing
-  was run. The reason is one line on stderr.
+  refused or cannot back a verdict (unreadable, foreign, too large, a rank's trace missing, a run
+  interrupted before it ended with nothing wrong up to then: verdict ``interrupted``, whose report is
+  printed first); nothing was run. The reason is one line on stderr.
 - ``EXIT_INTERNAL`` (3): an unexpected exception inside moedoctor itself; one line on stderr naming
   the exception and, when known, the file being read. Never a traceback (``MOEDOCTOR_DEBUG=1``
   re-raises it).

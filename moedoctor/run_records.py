@@ -175,6 +175,9 @@ class RankExit:
     local_rank: int | None
     exit_code: int | None
     source: str
+    #: torchrun named this rank's failure the root cause (its "first observed failure"): it failed
+    #: before the launcher stopped the others. False where unknown (older manifests too).
+    first_failure: bool = False
 
 
 @dataclass

@@ -230,9 +230,9 @@ def trace_inputs(draw) -> dict[str, bytes | None]:
     prefix = "traces/" if "manifest.json" in files else ""
     for _ in range(draw(st.integers(1, 6))):
         op = draw(st.sampled_from(["record", "record", "header", "line", "bytes", "drop", "copy", "dir",
-                                   "status", "manifest", "stack", "gpu", "marker"]))
+                                   "status", "manifest", "stack", "gpu", "marker", "interrupted", "ragged"]))
         traces = _trace_names(files)
-        if op in ("record", "header", "line", "bytes", "drop", "copy") and not traces:
+        if op in ("record", "header", "line", "bytes", "drop", "copy", "ragged") and not traces:
             continue
         target = draw(st.sampled_from(traces)) if traces else None
         if op in ("record", "header"):
@@ -271,6 +271,25 @@ def trace_inputs(draw) -> dict[str, bytes | None]:
             files[f"gpu/{draw(st.sampled_from(['host', 'node-1']))}.json"] = dumps(draw(HOSTILE_JSON))
         elif op == "marker":
             files[f"control/recorder-rank-{draw(st.sampled_from([0, 1, 5, 10**7]))}"] = draw(st.binary(max_size=20))
+        elif op == "interrupted":
+            # The run ended without its supervisor saying how: Ctrl-C (``interrupted``), or kill -9
+            # (``running``, no one holding the lock); a node entry that lost its pid or host.
+            current = files.get("manifest.json")
+            doc = _loads(current) if current else {}
+            if isinstance(doc, dict):
+                doc["status"] = draw(st.sampled_from(["running", "interrupted"]))
+                doc["hang"] = None
+                for node in (doc.get("nodes") or {}).values() if isinstance(doc.get("nodes"), dict) else ():
+                    if isinstance(node, dict):
+                        node["status"], node["end"] = doc["status"], draw(st.sampled_from([None, 1.0, "x", 10**30]))
+                        if draw(st.booleans()):
+                            node[draw(st.sampled_from(["moedoctor_pid", "host"]))] = draw(HOSTILE_JSON)
+                files["manifest.json"] = dumps(doc)
+            files["supervisor-node0.lock"] = b"999999 gone\n"  # nobody holds it: a killed supervisor
+        elif op == "ragged":
+            # A trace cut a few collectives short, as a rank stopped mid-step leaves it.
+            lines = _lines(files[target])
+            files[target] = b"\n".join(lines[: max(1, len(lines) - draw(st.integers(1, 5)))]) + b"\n"
     return files
 
 
@@ -372,7 +391,7 @@ def flight_recorder_inputs(draw) -> dict[str, bytes | None]:
     raw: dict[str, bytes | None] = {}
     for _ in range(draw(st.integers(1, 5))):
         op = draw(st.sampled_from(["field", "field", "field", "entries", "rename", "extra", "bytes", "malicious",
-                                   "drop"]))
+                                   "drop", "oversized"]))
         names = sorted(dumps_by_name)
         if not names:
             break
@@ -396,9 +415,24 @@ def flight_recorder_inputs(draw) -> dict[str, bytes | None]:
             raw[name] = draw(st.sampled_from(MALICIOUS))
         elif op == "drop":
             dumps_by_name.pop(name)
+        elif op == "oversized":
+            # A JSON dump whose one shape has millions of dimensions (a few MB of "1,"): refused while
+            # it is read, before the parser builds it (tests/cli/test_analyze_bounds.py measures 200 MB).
+            dumps_by_name.pop(name)
+            raw[name] = oversized_json_dump(draw(st.sampled_from([6_000_000, 8_000_000])))
     for name, dump in dumps_by_name.items():
         raw[name] = _encode(draw, dump, kind)
     return raw
+
+
+def oversized_json_dump(items: int) -> bytes:
+    """A Flight Recorder JSON dump, one entry, whose input shape has ``items`` dimensions (2 bytes each)."""
+    head = (b'{"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}}, '
+            b'"pg_status": {}, "entries": [{"record_id": 0, "pg_id": 0, "process_group": ["0", "default_pg"], '
+            b'"collective_seq_id": 1, "p2p_seq_id": 0, "op_id": 1, "profiling_name": "gloo:all_reduce", '
+            b'"time_created_ns": 1, "input_dtypes": ["Float"], "output_sizes": [[4]], "output_dtypes": ["Float"], '
+            b'"state": "completed", "input_sizes": [[')
+    return head + b"1," * (items - 1) + b"1]]}]}"
 
 
 def write_input(folder: Path, files: dict[str, bytes | None]) -> Path:

@@ -101,6 +101,22 @@ def _missing(view: RunView, div: Divergence, edges: list[WaitEdge]) -> Culprits:
         f"{_names(div.missing)} never issued {op.op} #{div.seq} of group {div.group.label()} that "
         f"{_names(present)} {'waits' if len(present) == 1 else 'wait'} in"
     )
+    went_past = [
+        (e := view.event(r, group, div.seq)) is not None
+        and e.completed is not None
+        and view.last_seq(r, group) > div.seq
+        for r in present
+    ]
+    if div.kind != DivergenceKind.P2P and all(went_past):
+        # The others completed it and went on to their next collective (a collective that failed is
+        # recorded completed too, but nothing follows it), so the missing ranks took part: their traces
+        # end before their last records were written (a rank stopped or killed within the native
+        # recorder's 2 ms buffer).
+        why = (
+            f"{_names(div.missing)}'s trace ends before {op.op} #{div.seq} of group {div.group.label()}, which "
+            f"{_names(present)} completed (so {_names(div.missing)} took part in it, its last records not "
+            f"written), and {_names(present)} then {'waits' if len(present) == 1 else 'wait'} for it"
+        )
     if lasts:
         why += " (" + "; ".join(lasts) + ")"
     if set(roots) != set(div.missing):

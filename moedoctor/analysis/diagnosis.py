@@ -36,7 +36,7 @@ from moedoctor.analysis.model import (
 )
 from moedoctor.analysis.patterns import THRESHOLD, TIE, Context, Finding, Pattern, by_id, classify_all, names
 from moedoctor.analysis.patterns.not_a_desync import not_established
-from moedoctor.analysis.patterns.rank_stopped import stopped_line
+from moedoctor.analysis.patterns.rank_stopped import stopped_line, waits_in
 from moedoctor.analysis.view import RunView
 from moedoctor.analysis.timing import slow_report, storm_fix_config
 from moedoctor.analysis.waitfor import chain_roots, find_cycle, roots, wait_edges
@@ -70,17 +70,21 @@ def analyze(run: RunData) -> Report:
                 "job finished cleanly (trace cut short)"
             )
             divs.remove(d)
-    in_flight = _in_flight_at_interrupt(view, divs, cycle)
-    if in_flight:
-        # Ctrl-C landed while every rank was still issuing collectives: a rank a few collectives
-        # ahead (a broadcast's root runs ahead of its receivers) is the moment of the stop, not a desync.
-        for d in in_flight:
+    interrupted = view.run.manifest is not None and view.run.manifest.interrupted
+    if interrupted:
+        incomplete.insert(0, view.run.manifest.interruption())
+    if _in_flight_at_interrupt(view, divs, cycle):
+        # The run was interrupted (Ctrl-C, or its supervisor killed) while every rank was still issuing
+        # collectives: a rank a few collectives ahead (a broadcast's root runs ahead of its receivers),
+        # or every rank inside the collective it was in at that moment, is the moment of the stop, not a
+        # desync nor a hang.
+        for d in divs:
             incomplete.append(
                 f"group {d.group.name}: {names(d.missing)}'s trace ends before #{d.seq}: the run was interrupted "
                 "while every rank was still issuing collectives (in flight at the stop, not a desync)"
             )
-            divs.remove(d)
-        stopped_groups = {d.group.name for d in in_flight}
+        stopped_groups = {d.group.name for d in divs}
+        divs = []
         edges = [e for e in edges if e.group not in stopped_groups]
         hang = bool(edges)
     primary = _primary(view, divs, edges, cycle, hang)
@@ -106,6 +110,8 @@ def analyze(run: RunData) -> Report:
     if verdict == Verdict.HEALTHY:
         pattern = finding = None
         culprit_ranks, reasoning = [], "no divergence between ranks"
+        if interrupted:  # nothing wrong up to the stop, but the run did not end: no verdict on the job
+            verdict = Verdict.INTERRUPTED
     evidence = list(finding.evidence) if finding else []
     if pattern is None and verdict != Verdict.HEALTHY and candidates:
         # Nothing named: what the best candidate saw and could not establish, then the others.
@@ -215,19 +221,19 @@ def slow_not_stuck(report: Report, busy: str) -> Report:
 IN_FLIGHT_SECONDS = 1.0
 
 
-def _in_flight_at_interrupt(view: RunView, divs: list[Divergence], cycle: list[WaitEdge] | None) -> list[Divergence]:
-    """The ``missing`` divergences of a run the user interrupted (manifest ``interrupted``, no hang
-    declared) while every rank was still issuing collectives: no mismatch or cycle anywhere, and every
-    rank's last collective within ``IN_FLIGHT_SECONDS`` of the latest one (a stuck rank's is older)."""
+def _in_flight_at_interrupt(view: RunView, divs: list[Divergence], cycle: list[WaitEdge] | None) -> bool:
+    """The run was interrupted (``ManifestInfo.interrupted``: Ctrl-C, or its supervisor killed; no
+    hang declared) while every rank was still issuing collectives: no mismatch or cycle anywhere, and
+    every rank's last collective within ``IN_FLIGHT_SECONDS`` of the latest one (a stuck rank's is
+    older). Its ragged trace ends (``missing`` divergences) and the collectives the ranks were in at
+    that moment are the stop, not a desync or a hang (none lasted the hang timeout: none was declared)."""
     m = view.run.manifest
-    if m is None or m.status != "interrupted" or m.hang is not None or cycle or not divs:
-        return []
+    if m is None or not m.interrupted or cycle:
+        return False
     if any(d.kind != DivergenceKind.MISSING for d in divs):
-        return []
+        return False
     last = [e.time for e in view.last_event.values() if e is not None]
-    if len(last) != len(view.ranks) or max(last) - min(last) > IN_FLIGHT_SECONDS:
-        return []
-    return list(divs)
+    return bool(last) and len(last) == len(view.ranks) and max(last) - min(last) <= IN_FLIGHT_SECONDS
 
 
 def _hang(view: RunView, edges: list[WaitEdge]) -> bool:
@@ -342,6 +348,9 @@ def _first_deaths(view: RunView, died: list[int]) -> list[int]:
     own = [r for r in died if (view.exit_code(r) or 0) < 0 and -view.exit_code(r) not in teardown]
     if own:
         return own
+    outside = _killed_from_outside(view, died)
+    if outside:
+        return outside
     # No signal of its own: the rank whose recorded exception came first raised it first (the others'
     # exceptions, "connection closed by peer", follow from it).
     raised = {r: exc.time for r in died if (exc := view.exception(r)) is not None}
@@ -351,8 +360,17 @@ def _first_deaths(view: RunView, died: list[int]) -> list[int]:
     return died
 
 
+def _killed_from_outside(view: RunView, died: list[int]) -> list[int]:
+    """The rank killed by SIGTERM or SIGKILL before the launcher stopped the others: the one torchrun
+    names as its root cause ("first observed failure") while it died of such a signal, which the
+    launcher sends only after a failure. Several such ranks (nodes that each name one): none."""
+    found = [r for r in died if view.first_failure(r) and -(view.exit_code(r) or 0) in (signal.SIGTERM, signal.SIGKILL)]
+    return found if len(found) == 1 else []
+
+
 def _death_evidence(view: RunView, died: list[int]) -> list[str]:
     out = []
+    outside = _killed_from_outside(view, died)
     for r in died:
         code = view.exit_code(r)
         sig = _signal_name(code)
@@ -361,6 +379,13 @@ def _death_evidence(view: RunView, died: list[int]) -> list[str]:
                 f"rank {r} died of SIGABRT (exit {code}): Gloo aborts a rank when the sizes of a collective "
                 "differ across ranks"
             )
+        elif sig in ("SIGTERM", "SIGKILL") and r in outside:
+            out.append(
+                f"rank {r} was killed with {sig} (exit {code}) from outside the job: the launcher saw it fail "
+                "first (torchrun's root cause), before it stopped any rank"
+            )
+        elif sig in ("SIGTERM", "SIGKILL") and outside:
+            out.append(f"rank {r} was killed with {sig} (exit {code}) by the launcher, after {names(outside)} failed")
         elif sig in ("SIGTERM", "SIGKILL"):
             out.append(f"rank {r} was killed with {sig} (exit {code}), as the launcher does once another rank failed")
         elif sig:
@@ -412,11 +437,26 @@ def _summary(
             f"Healthy: {_collective_count(view.run)} collectives on {len(view.groups)} group(s) agree across "
             f"{len(view.ranks)} rank(s) and nothing is stuck."
         )
+    if verdict == Verdict.INTERRUPTED:
+        why = view.run.manifest.interruption().removeprefix("the run was interrupted: ")
+        return (
+            f"Interrupted: {why}."
+            f" Up to then, {_collective_count(view.run)} collectives on {len(view.groups)} group(s) agree across "
+            f"{len(view.ranks)} rank(s) and no rank was stuck; the traces end where the stop found each rank (no "
+            "desync, no hang). Whether the rest of the job is healthy cannot be told."
+        )
     prefix = ""
     if died:
         first = _first_deaths(view, died)
         how = ", ".join(f"{_signal_name(view.exit_code(r)) or f'exit {view.exit_code(r)}'}" for r in first)
-        prefix = f"Crashed: {names(first)} died ({how}). "
+        if _killed_from_outside(view, died) == first:
+            how += ", killed from outside the job"
+        prefix = f"Crashed: {names(first)} died ({how})"
+        then = [r for r in died if r not in first]
+        if then and first != died:
+            signals = sorted({_signal_name(view.exit_code(r)) or f"exit {view.exit_code(r)}" for r in then})
+            prefix += f" first; {names(then)} then ended ({', '.join(signals)})"
+        prefix += ". "
     title = f"{pattern.title}: " if pattern else ""
     if pattern is not None and pattern.id == "rank-stopped":
         return prefix + title + _stopped_summary(view, div, culprits)
@@ -487,10 +527,10 @@ def _stopped_summary(view: RunView, div: Divergence | None, stopped: list[int]) 
     if div is not None:
         waiting = sorted(r for r, v in div.per_rank.items() if v is not None and r not in stopped)
         if waiting:
-            v = div.per_rank[waiting[0]]
-            site = f" ({v.short_site})" if v.short_site else ""
+            op, seq, short_site, _ = waits_in(view, div, waiting[0])
+            site = f" ({short_site})" if short_site else ""
             text += (
-                f", while {names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {v.op} #{div.seq} of "
+                f", while {names(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {op} #{seq} of "
                 f"group {div.group.label()}{site}"
             )
     return text + ". Not a code desync: no change to the collectives applies."

@@ -97,6 +97,31 @@ class ManifestInfo:
     command: list[str] | None = None  # the launch command (the job's script names its ``__main__``)
     #: Silences of the collectives the supervisor judged not a hang (busy, or unproven).
     busy: list[BusyRecord] = field(default_factory=list)
+    #: Supervisors that died without recording the run's end (``kill -9``): the manifest still says
+    #: ``running`` and no process holds the run directory's lock. One ``moedoctor pid N on HOST`` each.
+    lost_supervisors: list[str] = field(default_factory=list)
+    #: When the run was interrupted: the node's recorded end (Ctrl-C), or, for a lost supervisor, the
+    #: last write of anything in the run directory (its job was stopped with it within a second).
+    stopped_at: float | None = None
+
+    @property
+    def interrupted(self) -> bool:
+        """The run did not end by itself: moedoctor was interrupted (Ctrl-C, SIGTERM) and stopped the
+        job, or it was killed (the job was stopped with it), before any hang was declared."""
+        return self.hang is None and (self.status == "interrupted" or bool(self.lost_supervisors))
+
+    def interruption(self) -> str:
+        """``moedoctor (pid 12 on vm) died without recording how the run ended (kill -9?) ...``."""
+        import time
+
+        at = f" at about {time.strftime('%H:%M:%S %Z', time.localtime(self.stopped_at))}" if self.stopped_at else ""
+        if self.lost_supervisors:
+            at += " (the run directory's last write)" if at else ""
+            return (
+                f"the run was interrupted: its supervisor ({', '.join(self.lost_supervisors[:4])}) died{at} "
+                "without recording how the run ended (kill -9?), and the job was stopped with it"
+            )
+        return f"the run was interrupted: moedoctor was stopped (Ctrl-C or SIGTERM){at} and stopped the job"
 
 
 @dataclass
@@ -190,6 +215,8 @@ def _merge_manifests(a: ManifestInfo | None, b: ManifestInfo | None) -> Manifest
         launcher_exits=a.launcher_exits + b.launcher_exits,
         command=a.command or b.command,
         busy=sorted(a.busy + b.busy, key=lambda x: x.start),
+        lost_supervisors=a.lost_supervisors + b.lost_supervisors,
+        stopped_at=max((t for t in (a.stopped_at, b.stopped_at) if t is not None), default=None),
     )
 
 
@@ -509,12 +536,14 @@ def _read_manifest(path: Path, incomplete: list[str]) -> ManifestInfo | None:
             for n in list(nodes.values())[:1000]
             if isinstance(n, dict)
         ]
-    if info.status == "running" and supervisor_alive(path.parent) is False:
-        incomplete.append(
-            "manifest.json says 'running' but no moedoctor holds the run directory any more: its "
-            "supervisor was killed (kill -9?) before it could record how the run ended"
-        )
     info.busy = busy_of(raw.get("busy"))
+    if info.status == "running" and supervisor_alive(path.parent) is False:
+        # Said by the analysis (``ManifestInfo.interruption``): the run was interrupted.
+        info.lost_supervisors = _running_supervisors(nodes) or ["moedoctor, pid unknown"]
+        info.stopped_at = _last_write(path.parent)
+    elif info.status == "interrupted" and isinstance(nodes, dict):
+        ends = [n.get("end") for n in list(nodes.values())[:1000] if isinstance(n, dict)]
+        info.stopped_at = max((e for e in ends if isinstance(e, (int, float)) and 0 < e < 1e11), default=None)
     try:
         info.hang = hang_of(raw)
     except Exception as e:  # noqa: BLE001 - a damaged hang record leaves the rest usable
@@ -534,6 +563,31 @@ def _read_manifest(path: Path, incomplete: list[str]) -> ManifestInfo | None:
             if isinstance(gap, dict):
                 info.coverage_gaps.append(_gap_text(gap))
     return info
+
+
+def _running_supervisors(nodes: object) -> list[str]:
+    """``moedoctor pid N on HOST`` of each node the manifest still shows running."""
+    found = []
+    for node in list(nodes.values())[:1000] if isinstance(nodes, dict) else ():
+        if isinstance(node, dict) and node.get("status") == "running":
+            pid, host = node.get("moedoctor_pid"), node.get("host")
+            pid_text = f"pid {pid}" if _int(pid) else "pid unknown"
+            found.append(f"moedoctor {pid_text} on {_clip(host, 100) if isinstance(host, str) else 'an unknown host'}")
+    return found
+
+
+def _last_write(run_dir: Path) -> float | None:
+    """The latest modification time of the run directory's records (traces, logs, manifest): a
+    supervisor killed without a word died about then (its job is stopped with it, so the ranks' last
+    records are at most a second later)."""
+    times = []
+    for pattern in ("traces/rank-*.jsonl", "traces/rank-*.status", "job*.log", "manifest.json"):
+        for p in list(run_dir.glob(pattern))[:100_000]:
+            try:
+                times.append(p.stat().st_mtime)
+            except OSError:
+                pass
+    return max(times, default=None)
 
 
 def _gap_text(gap: dict) -> str:

@@ -25,6 +25,9 @@ class Verdict(str, Enum):
     STUCK = "stuck"  # the job hangs, but not because of a desync (straggler, hardware)
     CRASHED = "crashed"  # a rank died (non-zero exit or a signal); the pattern says why, if known
     SLOW = "slow"  # silent collectives, but the ranks waited on were working and progressing: busy, not stuck
+    #: The run was interrupted (moedoctor stopped by Ctrl-C, or killed: the job stopped with it) and the
+    #: traces show nothing wrong up to then: no verdict on the job (``analyze`` exits 2).
+    INTERRUPTED = "interrupted"
 
 
 class DivergenceKind(str, Enum):
@@ -237,4 +240,4 @@ class Report:
 
     @property
     def problem_found(self) -> bool:
-        return self.verdict not in (Verdict.HEALTHY, Verdict.SLOW)
+        return self.verdict not in (Verdict.HEALTHY, Verdict.SLOW, Verdict.INTERRUPTED)

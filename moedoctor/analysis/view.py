@@ -229,6 +229,12 @@ class RunView:
             return None
         return m.exits[rank].exit_code
 
+    def first_failure(self, rank: int) -> bool:
+        """The launcher (torchrun) named this rank's failure its root cause: it failed before the
+        launcher stopped the others."""
+        m = self.run.manifest
+        return m is not None and rank in m.exits and bool(m.exits[rank].first_failure)
+
     def died(self, rank: int) -> bool:
         """The rank's process ended with a failure of its own (not stopped by moedoctor)."""
         m = self.run.manifest

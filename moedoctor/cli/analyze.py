@@ -14,6 +14,7 @@ from moedoctor.cli.params import render_params_check, run_params_check
 from moedoctor.analysis import analyze as analyze_run
 from moedoctor.analysis import load_runs
 from moedoctor.analysis.load import verdict_problem
+from moedoctor.analysis.model import Verdict
 from moedoctor.analysis.params import has_params
 from moedoctor.errors import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_OK, MoedoctorError, reading
 from moedoctor.fixes.reach import with_fix_reach
@@ -109,4 +110,7 @@ def analyze(
         err.print(f"Perfetto trace: {write_perfetto(run, report, perfetto)}", highlight=False, soft_wrap=True)
     if html is not None:
         err.print(f"HTML report: {write_html(report, html)}", highlight=False, soft_wrap=True)
+    if report.verdict == Verdict.INTERRUPTED and not (check and check.problem_found):
+        # Nothing wrong up to the stop, but the run did not end: no verdict on the job (exit 2).
+        raise MoedoctorError(f"{report.summary.split('. ')[0]}: no verdict on the job", EXIT_BAD_INPUT)
     raise typer.Exit(EXIT_FINDING if report.problem_found or (check and check.problem_found) else EXIT_OK)

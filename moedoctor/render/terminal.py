@@ -20,6 +20,7 @@ _VERDICT_STYLE = {
     Verdict.STUCK: "yellow",
     Verdict.CRASHED: "red",
     Verdict.SLOW: "yellow",
+    Verdict.INTERRUPTED: "yellow",
 }
 _DTYPES = {
     "float32": "f32",
@@ -45,7 +46,7 @@ def render_report(report: Report, console: Console) -> None:
             expand=True,
         )
     )
-    if report.verdict == Verdict.HEALTHY:
+    if report.verdict in (Verdict.HEALTHY, Verdict.INTERRUPTED):
         render_slow(report, console)
         render_busy(report, console)
         _incomplete(report, console)

@@ -42,6 +42,7 @@ from moedoctor.runner.manifest import (
     coverage_check,
     read_nodes,
     relevant_env,
+    root_cause_rank,
     write_node,
 )
 from moedoctor.runner.exchange import Exchange, store_of
@@ -843,7 +844,8 @@ class _Run:
     def _rank_exits(self, status: str, launcher_exit: int | None) -> list[RankExit]:
         # This node's ranks: those seen under its launcher (other nodes may share the host).
         local = {rank: (p.pid, p.local_rank) for rank, p in self.seen.items()}
-        reported = _torchrun_failures(self._log_tail()) if launcher_exit not in (None, 0) else {}
+        log = self._log_tail() if launcher_exit not in (None, 0) else ""
+        reported, first = _torchrun_failures(log), root_cause_rank(log)
         exits = []
         for rank, (pid, local_rank) in sorted(local.items()):
             if launcher_exit is None:
@@ -854,7 +856,7 @@ class _Run:
                 code, source = reported[rank], "torchrun"
             else:
                 code, source = None, "unknown"
-            exits.append(RankExit(rank, self.config.host, pid, local_rank, code, source))
+            exits.append(RankExit(rank, self.config.host, pid, local_rank, code, source, rank == first))
         return exits
 
     def _log_tail(self, size: int = 1 << 20) -> str:

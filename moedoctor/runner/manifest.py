@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -177,6 +178,21 @@ def write_node(
             if e.errno not in NO_SPACE or not path.exists() or not rewrite_in_place(path, text.encode()):
                 raise
         return doc
+
+
+_ROOT_CAUSE = "Root Cause (first observed failure):"
+_RANK_LINE = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:", re.MULTILINE)
+
+
+def root_cause_rank(log: str) -> int | None:
+    """The rank torchrun's failure report names as the root cause ("first observed failure": it
+    had failed when the launcher looked, before it stopped the other ranks), from the job's output;
+    None without such a report."""
+    at = log.rfind(_ROOT_CAUSE)
+    if at < 0:
+        return None
+    m = _RANK_LINE.search(log, at, at + 2000)
+    return int(m.group(1)) if m else None
 
 
 def read_nodes(path: Path) -> dict[str, dict]:

@@ -38,6 +38,16 @@ MAX_DEPTH = 32
 MAX_ITEMS = 1 << 20
 MAX_TOTAL_ITEMS = 1 << 24
 MAX_DUMP_STRING = 1 << 20
+#: The memory a dump may take while it is parsed, estimated before parsing (``_parse_budget``): the
+#: file's bytes, its text (JSON), and per value the parser would build a slot and a small object
+#: (``_VALUE_BYTES``; a string its header, ``_STRING_BYTES``, and its characters). A dump over it is
+#: refused before anything is built, so any dump is read or refused within this plus the process.
+MAX_PARSE_BYTES = 320 << 20
+_VALUE_BYTES = 64
+_STRING_BYTES = 56
+_SCAN_CHUNK = 1 << 20
+#: A complete JSON string (escapes included); what is left after removing them is structure.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 
 #: Keys of a dump and of its entries; two of them in a file's first bytes mark it as a dump.
 _DUMP_TOKENS = (
@@ -236,12 +246,20 @@ def _load_dump(path: Path, rank: int) -> _Dump:
             raise TraceError(
                 f"{path}: {size} bytes is larger than a Flight Recorder dump can be (at most {safe_pickle.MAX_BYTES})"
             )
+        with open(path, "rb") as f:
+            pickled = f.read(1) == b"\x80"
+        if not pickled:
+            _check_json_budget(path, size)  # streamed: nothing is built before the estimate fits
+        elif 2 * size > MAX_PARSE_BYTES:
+            raise TraceError(_over_budget(path, size, "pickle", 2 * size))
         data = path.read_bytes()
     except OSError as e:
         raise TraceError(f"{path}: cannot read ({e.strerror or e})") from None
-    if data[:1] == b"\x80":
+    if pickled:
         encoding = "pickle"
-        raw = safe_pickle.loads(data, str(path))
+        # Each opcode that pushes a value costs a slot and an object: counted while the opcodes are
+        # checked, before the unpickler builds anything.
+        raw = safe_pickle.loads(data, str(path), max_values=(MAX_PARSE_BYTES - 2 * size) // _VALUE_BYTES)
     else:
         encoding = "json"
         try:
@@ -254,6 +272,49 @@ def _load_dump(path: Path, rank: int) -> _Dump:
         raise TraceError(f"{path}: not a Flight Recorder dump (no entries, pg_config or pg_status)")
     _check_bounds(raw, path)
     return _Dump(path, rank, encoding, raw, [])
+
+
+def _over_budget(path: Path, size: int, encoding: str, estimate: int, detail: str = "") -> str:
+    return (
+        f"{path}: over {MAX_PARSE_BYTES >> 20} MiB to parse, refused unparsed (about {estimate >> 20} MiB: a "
+        f"{encoding} dump of {size} bytes{detail}; larger than a Flight Recorder dump can be)"
+    )
+
+
+def _check_json_budget(path: Path, size: int) -> None:
+    """Refuse a JSON dump whose parse would take more than ``MAX_PARSE_BYTES``, reading it in chunks
+    of ``_SCAN_CHUNK`` (never whole): its bytes and its text, plus per value (a comma, ``[`` or ``{``
+    outside strings) and per string their cost. A string longer than ``MAX_DUMP_STRING`` characters is
+    refused there too. A 200 MB file of one 100M-item shape is refused on its size alone."""
+    floor = 3 * size  # the bytes, the text, and the strings' characters at least (ASCII)
+    if floor > MAX_PARSE_BYTES:
+        raise TraceError(_over_budget(path, size, "JSON", floor))
+    values = strings = 0
+    ascii_only = True
+    carry = b""
+    with open(path, "rb") as f:
+        while chunk := f.read(_SCAN_CHUNK):
+            ascii_only = ascii_only and chunk.isascii()
+            buf = carry + chunk
+            structure, n = _JSON_STRING.subn(b"S", buf)
+            strings += n
+            quote = structure.find(b'"')  # an unterminated string: it goes on in the next chunk
+            if quote >= 0:
+                carry = buf[len(buf) - (len(structure) - quote) :]
+                structure = structure[:quote]
+                if len(carry) > 6 * MAX_DUMP_STRING + 2:  # \uXXXX: six bytes per character at most
+                    raise TraceError(
+                        f"{path}: a string of more than {MAX_DUMP_STRING} characters: not a Flight Recorder dump"
+                    )
+            else:
+                carry = b""
+            values += structure.count(b",") + structure.count(b"[") + structure.count(b"{")
+            text = size if ascii_only else 4 * size
+            estimate = size + 2 * text + values * _VALUE_BYTES + strings * _STRING_BYTES
+            if estimate > MAX_PARSE_BYTES:
+                raise TraceError(
+                    _over_budget(path, size, "JSON", estimate, f" with at least {values} values and {strings} strings")
+                )
 
 
 def _check_bounds(raw: object, path: Path) -> None:

@@ -114,13 +114,25 @@ class _PlainUnpickler(pickle.Unpickler):
         raise PickleRefused("refused a persistent id")
 
 
-def check_opcodes(data: bytes, source: str = "pickle") -> None:
+#: Opcodes that build or push nothing new (stack and memo bookkeeping, containers filled in place).
+_NO_VALUE = frozenset({"PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"})
+
+
+def check_opcodes(data: bytes, source: str = "pickle", max_values: int | None = None) -> None:
     """Raise ``PickleRefused`` at the first opcode outside ``ALLOWED_OPCODES``, ``TraceError`` when
-    the stream is not a well-formed pickle. Builds nothing."""
-    memo_size = 0
+    the stream is not a well-formed pickle, or when it would push more than ``max_values`` values
+    (each a slot in a container and, but for a memo reference, an object). Builds nothing."""
+    memo_size = values = 0
     try:
         for opcode, arg, pos in pickletools.genops(io.BytesIO(data)):
             name = opcode.name
+            if name not in _NO_VALUE:
+                values += 1
+                if max_values is not None and values > max_values:
+                    raise TraceError(
+                        f"{source}: builds more than {max_values} values (at byte {pos}): larger than a Flight "
+                        "Recorder dump can be; refused before loading"
+                    )
             if name in _MEMO_PUTS:
                 # Picklers number memo slots 0, 1, 2, ... in order. A far larger index (a flipped
                 # byte) would make the C unpickler allocate and clear a memo table of that size.
@@ -142,11 +154,12 @@ def check_opcodes(data: bytes, source: str = "pickle") -> None:
         raise TraceError(f"{source}: not a readable pickle ({type(e).__name__}: {e})") from None
 
 
-def loads(data: bytes, source: str = "pickle") -> object:
-    """Plain data from a pickle, or ``TraceError`` (``PickleRefused`` for anything not plain)."""
+def loads(data: bytes, source: str = "pickle", max_values: int | None = None) -> object:
+    """Plain data from a pickle, or ``TraceError`` (``PickleRefused`` for anything not plain; more
+    than ``max_values`` values pushed, ``check_opcodes``)."""
     if len(data) > MAX_BYTES:
         raise TraceError(f"{source}: {len(data)} bytes is larger than a Flight Recorder dump can be")
-    check_opcodes(data, source)
+    check_opcodes(data, source, max_values)
     try:
         return _PlainUnpickler(io.BytesIO(data)).load()
     except PickleRefused as e:

@@ -231,6 +231,44 @@ def test_json_dump_over_the_size_cap_is_refused(tmp_path, monkeypatch):
     assert not run.traces and "larger than a Flight Recorder dump can be" in " ".join(run.incomplete)
 
 
+def peak_analyze(path: Path) -> tuple[int, str, float, float]:
+    """``moedoctor analyze`` as the only child of a fresh parent, which reports its peak resident set
+    (``RUSAGE_CHILDREN``'s ``ru_maxrss``): ``(exit status, output, peak MiB, seconds)``."""
+    code = ("import resource, subprocess, sys; "
+            "p = subprocess.run([sys.executable, '-m', 'moedoctor', 'analyze', sys.argv[1]], capture_output=True, "
+            "text=True); print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
+            "sys.stdout.write(p.stdout + p.stderr)")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env={**os.environ, "COLUMNS": "200"})
+    first, _, out = proc.stdout.partition("\n")
+    status, peak_kib = map(int, first.split())
+    return status, out + proc.stderr, peak_kib / 1024, time.monotonic() - start
+
+
+def test_an_oversized_json_dump_is_refused_within_512_mib(tmp_path):
+    """Issue 33: a 200 MB JSON dump whose one shape has 100M dimensions was refused only after
+    ``json.loads`` had built it (1,181 MiB peak, 21 s, measured before the fix); a 50 MB one of 25M
+    dimensions passes the size-first check and is refused by the streamed count of its values."""
+    from fuzz_inputs import oversized_json_dump
+
+    head = oversized_json_dump(1)[: -len(b"1]]}]}")]
+    for name, items in (("size-first", 100_000_000), ("streamed", 25_000_000)):
+        folder = tmp_path / name
+        folder.mkdir()
+        with open(folder / "fr_rank_0.json", "wb") as f:
+            f.write(head)
+            for _ in range(items // 1_000_000):
+                f.write(b"1," * 1_000_000)
+            f.write(b"1]]}]}")
+        code, out, peak_mib, seconds = peak_analyze(folder)
+        assert code == EXIT_BAD_INPUT, out[-2000:]
+        assert "over 320 MiB to parse, refused unparsed" in out and "Traceback" not in out, out[-2000:]
+        assert peak_mib < 512, f"{name}: {peak_mib:.0f} MiB peak"
+        assert seconds < 60, f"{name}: {seconds:.1f} s"
+        (folder / "fr_rank_0.json").unlink()
+
+
 def test_deeply_nested_json_record_costs_that_record_only(tmp_path):
     folder = healthy_traces(tmp_path)
     path = folder / "rank-00001.jsonl"
@@ -246,9 +284,22 @@ def test_a_stale_running_manifest_is_noted(tmp_path):
     shutil.copytree(GOLDEN / "healthy", run)
     manifest = json.loads((run / "manifest.json").read_text())
     manifest["status"] = "running"
+    for node in manifest["nodes"].values():
+        node["status"], node["end"] = "running", None
     (run / "manifest.json").write_text(json.dumps(manifest))
     (run / "supervisor-node0.lock").write_text("999999 gone\n")  # nobody holds it: killed supervisor
-    assert any("supervisor was killed" in line for line in load_run(run).incomplete)
+    from moedoctor.analysis import analyze as analyze_run
+    from moedoctor.analysis.model import Verdict
+
+    loaded = load_run(run)
+    assert loaded.manifest.lost_supervisors and loaded.manifest.interrupted
+    report = analyze_run(loaded)
+    assert report.verdict == Verdict.INTERRUPTED, report.summary
+    assert any("supervisor (moedoctor pid" in line and "died" in line for line in report.incomplete)
+    # The report is shown, then the one-line reason: no verdict on the job (exit 2, not 0 or 1).
+    code, out, seconds = analyze(run)
+    assert_bounded(code, out, seconds, allowed=(EXIT_BAD_INPUT,))
+    assert "moedoctor: INTERRUPTED" in out and "no verdict on the job" in out, out[-2000:]
 
 
 def test_the_report_is_bounded(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 from moedoctor.errors import EXIT_USAGE, MoedoctorError
 from moedoctor.runner.command import check_launcher, same_job
 from moedoctor.runner.launch import _torchrun_failures
+from moedoctor.runner.manifest import root_cause_rank
 from moedoctor.runner.rundir import default_run_dir, prepare_run_dir
 
 TORCHRUN = ["torchrun", "--nproc_per_node=2", "train.py"]
@@ -134,6 +135,8 @@ Root Cause (first observed failure):
   exitcode  : 3 (pid: 4241)
 """
     assert _torchrun_failures(log) == {3: -6, 2: 3}
+    assert root_cause_rank(log) == 2  # torchrun's "first observed failure"
+    assert root_cause_rank(log.split("Root Cause")[0]) is None
 
 
 def test_a_node_starting_at_the_same_moment_joins(tmp_path):

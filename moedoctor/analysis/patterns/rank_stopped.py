@@ -106,6 +106,23 @@ def stopped_line(view, rank: int, state: ProcessState) -> str:
     return f"rank {rank}'s process is {state.describe()} — {where}"
 
 
+def waits_in(view, div, rank: int) -> tuple[str, int, str | None, bool]:
+    """``(op, seq, short call site, moved)``: the collective of the divergence's group that ``rank``
+    waits in. The divergence's own collective, unless the rank's trace shows it completed: then the
+    awaited ranks took part in it though their traces end before it (a stopped rank's last records
+    may not be written yet: the native recorder writes every 2 ms), and the rank waits in the first
+    collective of the group after it that it did not complete (``moved``)."""
+    v = div.per_rank[rank]
+    group = div.group.name
+    e = view.event(rank, group, div.seq)
+    if e is not None and e.completed is not None:
+        later = [x for s, x in sorted(view.seq_map(rank, group).items()) if s > div.seq and x.completed is None]
+        if later:
+            x = later[0]
+            return x.op, x.seq, x.call_site.short if x.call_site else None, True
+    return v.op, div.seq, v.short_site, False
+
+
 def _waiting_line(ctx: Context, stopped: list[int]) -> str | None:
     div = ctx.div
     if div is None:
@@ -113,13 +130,21 @@ def _waiting_line(ctx: Context, stopped: list[int]) -> str | None:
     waiting = sorted(r for r, v in div.per_rank.items() if v is not None and r not in stopped)
     if not waiting:
         return None
-    v = div.per_rank[waiting[0]]
-    site = f" ({v.short_site})" if v.short_site else ""
+    op, seq, short_site, moved = waits_in(ctx.view, div, waiting[0])
+    site = f" ({short_site})" if short_site else ""
     verb = "waits" if len(waiting) == 1 else "wait"
-    return (
-        f"{names(waiting)} {verb} in {v.op} #{div.seq} of group {div.group.label()}{site} for "
+    line = (
+        f"{names(waiting)} {verb} in {op} #{seq} of group {div.group.label()}{site} for "
         f"{'it' if len(stopped) == 1 else 'them'}"
     )
+    if moved:
+        v = div.per_rank[waiting[0]]
+        line += (
+            f"; {names(waiting)} completed {v.op} #{div.seq}, so {names(stopped)} issued it too, though "
+            f"{'its trace ends' if len(stopped) == 1 else 'their traces end'} before it (the last records "
+            "were not written when the process stopped)"
+        )
+    return line
 
 
 def advice(state: ProcessState | None, rank: int | None = None, dump=None) -> str:
