@@ -293,7 +293,8 @@ COLLECTIVE = Record(
             "op",
             "op",
             STR,
-            doc="normalized: `all_reduce`, `all_gather`, `reduce_scatter`, `broadcast`, `barrier`, "
+            doc="canonical (`trace/op_names.py`: every backend's and API's spelling maps there): `all_reduce`, "
+            "`all_gather`, `reduce_scatter`, `broadcast`, `barrier`, "
             "`all_to_all`, `gather`, `scatter`, `reduce`, `send`, `recv`, `monitored_barrier`, "
             "`all_reduce_coalesced`, `all_gather_coalesced`, `reduce_scatter_coalesced`",
         ),
