@@ -67,3 +67,16 @@ def test_the_recorder_and_the_flight_recorder_reader_use_this_table():
     assert {s.op for s in ops.all_specs()} <= COLLECTIVE_OPS | P2P_OPS
     for base, canonical in op_names.PROFILING_NAMES.items():
         assert normalize_op(f"nccl:{base}")[0] == canonical
+
+
+def test_a_trace_record_with_a_raw_op_name_reads_as_the_canonical_op():
+    from moedoctor.events import CollectiveEvent, Group, Phase
+    from moedoctor.trace import schema
+
+    group = Group("0", "default_pg", (0, 1))
+    event = CollectiveEvent(rank=0, event_id=1, time=1.0, group=group, seq=1, op="_allgather_base_",
+                            raw_op="c10d::_allgather_base_", in_shapes=((4,),), out_shapes=((8,),),
+                            dtypes=("float32",), reduce_op=None, async_op=False, thread="MainThread",
+                            call_site=None, phase=Phase.FORWARD, step=0)
+    rec = schema.record_of(event, group_id=0, site_id=None)
+    assert schema.decode_collective(rec, 0, {0: group}, {}).op == "all_gather"
