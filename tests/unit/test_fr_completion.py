@@ -170,6 +170,51 @@ def test_a_p2p_batch_takes_its_coalesced_entrys_state_and_leaves_the_collective_
     assert [s[2] for s in states(run, 0)] == ["pending", "done", "done", "pending"]
 
 
+def test_single_p2p_entries_give_each_op_its_own_state_matched_per_peer(tmp_path):
+    """A blocking dist.send / dist.recv on NCCL: one Flight Recorder entry each, with its own CUDA
+    events; matched to the trace's p2p op by group, peer and per-peer order (FR counts per group)."""
+    b = TraceBuilder(0, 2)
+    b.p2p("send", 1, done=False).p2p("recv", 1, done=False).p2p("send", 1, done=False)
+    fr = [nccl_entry(0, 0, "nccl:send 0->1", state="completed", is_p2p=True, p2p_seq=1),
+          nccl_entry(1, 0, "nccl:recv 0<-1", state="completed", is_p2p=True, p2p_seq=2),
+          nccl_entry(2, 0, "nccl:send 0->1", state="started", is_p2p=True, p2p_seq=3)]
+    run = run_dir(tmp_path, [b], {0: dump_of(fr)})
+    assert [s[2] for s in states(run, 0)] == ["done", "done", "pending"]
+    stats = completion_stats(run.traces)
+    assert (stats.p2p, stats.p2p_observed) == (3, 2)
+    assert stats.to_dict()["p2p"] == {"events": 3, "observed": 2, "unknown": 1}
+
+
+def test_a_p2p_entry_of_another_op_or_a_wrapped_buffer_leaves_it_unknown(tmp_path):
+    b = TraceBuilder(0, 2)
+    b.p2p("send", 1, done=False)
+    fr = [nccl_entry(0, 0, "nccl:recv 0<-1", state="completed", is_p2p=True, p2p_seq=1)]  # not this op
+    run = run_dir(tmp_path / "other", [b], {0: dump_of(fr)})
+    assert [s[2] for s in states(run, 0)] == ["unknown"]
+    b = TraceBuilder(0, 2)
+    b.p2p("send", 1, done=False)
+    fr = [nccl_entry(5, 0, "nccl:send 0->1", state="completed", is_p2p=True, p2p_seq=1)]  # ring buffer wrapped
+    run = run_dir(tmp_path / "wrapped", [b], {0: dump_of(fr)})
+    assert [s[2] for s in states(run, 0)] == ["unknown"]
+
+
+def test_the_report_says_plainly_that_p2p_completion_is_unknown(tmp_path):
+    """No Work and no Flight Recorder for the p2p ops (NCCL's batch_isend_irecv seen live): the
+    completion summary says their completion is unknown, and implies nothing else."""
+    b = TraceBuilder(0, 2)
+    b.coll("all_reduce", (4,))
+    b.p2p("send", 1, done=False).p2p("recv", 1, done=False)
+    run = run_dir(tmp_path, [b], {})
+    summary = completion_stats(run.traces).to_dict()["summary"]
+    assert "p2p completion unknown for 2 of 2 send/recv ops" in summary, summary
+    assert "not that they did not" in summary, summary
+    b = TraceBuilder(0, 2)
+    b.coll("all_reduce", (4,))
+    b.p2p("send", 1)
+    run = run_dir(tmp_path / "seen", [b], {})
+    assert "p2p" not in completion_stats(run.traces).to_dict()["summary"]
+
+
 def test_the_wait_for_graph_uses_flight_recorder_states(tmp_path):
     """An order inversion on NCCL: both ranks' collectives look incomplete in the traces (no Work);
     the dumps show where each one is stuck."""
