@@ -592,3 +592,16 @@ def test_dense_check_fails_not_shown_when_no_expert_can_be_idle(install):
     check = runtime.checks[expert_dense.CHECK]
     assert check.passed is False and check.detail.startswith("not shown: 1 call compared"), check
     assert "routes one token to every expert" in check.detail, check.detail
+
+
+def test_zero_term_check_fails_when_the_fix_leaks_the_idle_experts_output(install, monkeypatch):
+    """The fix broken (the idle experts run on the real tokens and their output is added, scaled
+    down, instead of a zero term): the output changes and the bitwise check must fail."""
+    monkeypatch.setattr(expert_zero_term, "_no_tokens", lambda h: h.detach().reshape(-1, h.shape[-1]))
+    monkeypatch.setattr(expert_zero_term, "_ZERO", 1e-3)
+    model, block = fixture_block()
+    runtime = install(expert_zero_term)
+    with blocked_experts(model, {0: [3]}):
+        block(torch.randn(2, 8, TinyMoeConfig.hidden_size, requires_grad=True))
+    check = runtime.checks[expert_zero_term.CHECK]
+    assert check.passed is False and "CHANGED" in check.detail and check.worst > 0, check
