@@ -10,7 +10,8 @@
 #   OUT=/tmp/out bash benchmarks/seed_failures_nccl.sh [FIXTURE ...]
 #   BACKEND=gloo OUT=/tmp/out bash benchmarks/seed_failures_nccl.sh     # the same on CPU (dry run)
 #
-# Writes $OUT/nccl-seed-failures.md (the summary, also docs/nccl-seed-failures.md in this checkout),
+# Writes $OUT/$BACKEND-seed-failures.md (the summary; also docs/$BACKEND-seed-failures.md in this checkout:
+# bring the $OUT copy back into docs/),
 # $OUT/seed_failures.log (every step's output) and $OUT/seed-runs.tgz (each run's report.json,
 # verification.json, manifest.json and job.log).
 set -u
@@ -81,9 +82,9 @@ total=$(python3 -c "print(round($(now) - $t_start, 1))")
 cat "$runs"/*.log > "$out/seed_failures.log" 2>/dev/null
 
 python3 benchmarks/seed_failures_summary.py "$steps" "$runs/device.txt" "$backend" "$total" "$budget" \
-  > "$out/nccl-seed-failures.md"
-cp "$out/nccl-seed-failures.md" docs/nccl-seed-failures.md 2>/dev/null
+  > "$out/$backend-seed-failures.md"
+cp "$out/$backend-seed-failures.md" "docs/$backend-seed-failures.md" 2>/dev/null
 (cd / && tar czf "$out/seed-runs.tgz" $(cd / && ls -d "${runs#/}"/*/report.json "${runs#/}"/*/manifest.json \
   "${runs#/}"/*/job.log "${runs#/}"/*/verify-*/verification.json "${runs#/}"/*/verify-*/job.log \
   "${runs#/}"/*/params/check.json 2>/dev/null)) 2>/dev/null
-cat "$out/nccl-seed-failures.md"
+cat "$out/$backend-seed-failures.md"
