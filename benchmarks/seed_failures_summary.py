@@ -115,7 +115,8 @@ def main() -> None:
             ok, said = clean_params(Path(run))
             ok = ok and rc == "0"
         all_ok = all_ok and ok
-        rows.append(f"| {fixture} | {cell(step, 60)} | {rc} | {secs} | {'yes' if ok else '**no**'} | {cell(said, 400)} |")
+        mark = "yes" if ok else "**no**"
+        rows.append(f"| {fixture} | {cell(step, 60)} | {rc} | {secs} | {mark} | {cell(said, 400)} |")
     device = Path(device_txt).read_text().strip() if Path(device_txt).exists() else "?"
     print(f"# The seeds' four further failures on {backend.upper()} (`benchmarks/seed_failures_nccl.sh`)\n")
     print(f"{device}; 2 ranks; {len(fixtures)} fixtures in {total} s (budget {budget} s). Each fixture is "
