@@ -17,26 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-class Runtime:
-    checks_enabled = True
-
-    def __init__(self) -> None:
-        self.checks: list[tuple[str, bool | None, str]] = []
-        self.notes: list[str] = []
-
-    def check(self, name, passed, detail="", worst=None):
-        self.checks.append((name, passed, detail))
-
-    def note(self, message):
-        self.notes.append(message)
-
-    def write(self):
-        pass
-
-    def at_finish(self, callback):
-        pass
+from test_fix_recompute_cache import _Runtime as Runtime
 
 
 # -- two ranks -------------------------------------------------------------------------------------------

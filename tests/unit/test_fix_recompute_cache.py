@@ -89,12 +89,18 @@ def test_a_recompute_with_another_input_raises_instead_of_replaying():
     assert runtime.checks[-1][0] == CHECK and runtime.checks[-1][1] is False
 
 
-def _gather_stand_in(calls):
-    def all_gather_tensor_form(output_tensor, input_tensor, group=None, async_op=False):  # 2 ranks: x, x + 1
-        calls.append(input_tensor.clone())
-        output_tensor.copy_(torch.cat([input_tensor, input_tensor + 1]))
+def _gather_stand_in(calls, list_form: bool = False):
+    """A 2-rank all-gather that gives (x, x + 1): the tensor form, or the list form of dist.all_gather."""
 
-    return all_gather_tensor_form
+    def all_gather(out, tensor, group=None, async_op=False):
+        calls.append(tensor.clone())
+        if list_form:
+            out[0].copy_(tensor)
+            out[1].copy_(tensor + 1)
+        else:
+            out.copy_(torch.cat([tensor, tensor + 1]))
+
+    return all_gather
 
 
 def test_the_forms_of_one_gather_are_one_op():
@@ -138,7 +144,7 @@ def test_fsdps_own_gather_in_the_regions_forward_is_left_alone():
     cache = _Cache(runtime, TargetState(TARGET, ""))
     calls: list = []
     into_tensor = cache._wrap_c10d("all_gather_into_tensor", _gather_stand_in(calls))
-    job_gather = cache._wrap_c10d("all_gather", _list_gather_stand_in(calls))
+    job_gather = cache._wrap_c10d("all_gather", _gather_stand_in(calls, list_form=True))
     w = torch.ones(4, requires_grad=True)
     unsharded = {"done": False}
 
@@ -155,15 +161,6 @@ def test_fsdps_own_gather_in_the_regions_forward_is_left_alone():
     assert len(calls) == 2, "FSDP's gather and the job's, each once"
     assert runtime.checks[-1][:2] == (CHECK, True), runtime.checks
     assert w.grad.tolist() == [1.0, 1.0, 2.0, 2.0]
-
-
-def _list_gather_stand_in(calls):
-    def all_gather(tensor_list, tensor, group=None, async_op=False):
-        calls.append(tensor.clone())
-        tensor_list[0].copy_(tensor)
-        tensor_list[1].copy_(tensor + 1)
-
-    return all_gather
 
 
 def test_the_check_fails_when_the_fix_replays_another_collectives_result(monkeypatch):
