@@ -68,6 +68,9 @@ fixture() {  # the three steps of one fixture
 fixtures=${*:-"checkpoint_recompute_mismatch collective_in_checkpointed_region broadcast_storm overwritten_shards"}
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU')" \
   | tee "$runs/device.txt"
+# The native recorder built once, before the lanes (else the first job of each builds it, 30-50 s, inside
+# its own run); a failure here only means the jobs build it or fall back to the Python recorder.
+timeout 150 python3 -m moedoctor.recorder.native > "$runs/build.log" 2>&1 || echo "native recorder build: see $runs/build.log"
 if [ "$parallel" -ge 2 ]; then  # two lanes: fixtures 1, 3 and 2, 4 (each job uses both GPUs)
   set -- $fixtures
   lane1=""; lane2=""; i=0
