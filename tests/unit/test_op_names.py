@@ -82,3 +82,18 @@ def test_a_trace_record_with_a_raw_op_name_reads_as_the_canonical_op():
                             call_site=None, phase=Phase.FORWARD, step=0)
     rec = schema.record_of(event, group_id=0, site_id=None)
     assert schema.decode_collective(rec, 0, {0: group}, {}).op == "all_gather"
+
+
+def test_the_analysis_fast_scan_leaves_a_trace_with_raw_op_names_to_the_exact_load(tmp_path):
+    """The large-run scan compares op names as written: a trace spelling one otherwise (a raw
+    dispatcher name) goes to the exact load, which reads it as its canonical op."""
+    from event_factory import TraceBuilder, write_traces
+
+    from moedoctor.analysis.scan import scan_rank
+
+    plain, raw = TraceBuilder(0, 2), TraceBuilder(1, 2)
+    plain.coll("all_gather", (4,)).coll("all_reduce", (4,))
+    raw.coll("_allgather_base_", (4,)).coll("all_reduce", (4,))
+    folder = write_traces(tmp_path, plain, raw)
+    assert scan_rank(str(folder / "rank-00000.jsonl")).fallback is None
+    assert "_allgather_base_" in (scan_rank(str(folder / "rank-00001.jsonl")).fallback or "")
