@@ -103,8 +103,9 @@ class CompletionStats:
         text = f"completion observed for {self.observed} of {self.provable} collectives (source: {sources})"
         unseen = self.p2p - self.p2p_observed
         if unseen:
-            # On NCCL a send/recv inside batch_isend_irecv gets a null Work, and the live Flight Recorder
-            # reader follows collectives only: no completion is not evidence that it did not complete.
+            # On NCCL a send/recv inside batch_isend_irecv gets a null Work; the recorder decides it from a
+            # full Flight Recorder dump at its last poll, while the ring buffer can still match it. Where
+            # neither told, no completion is not evidence that it did not complete.
             text += (
                 f"; p2p completion unknown for {unseen} of {self.p2p} send/recv ops (neither their Work nor "
                 "Flight Recorder reported it: whether they completed is not known, not that they did not)"
