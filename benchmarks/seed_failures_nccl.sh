@@ -3,7 +3,8 @@
 # at most 10 minutes. For each fixture: diagnosed under `moedoctor run`, then the fix the report names
 # verified (`moedoctor verify --fix`; overwritten_shards has no fix module: its --apply-fix run under
 # --check-params must come back clean), then a wrong fix, which must be refused (NOT VERIFIED, exit 1).
-# Two lanes of two fixtures run side by side (PARALLEL=1: one after the other); every step has its own
+# Last, the completion the recorder observes on benchmarks/nccl_completion.py's mix (p2p included;
+# COMPLETION=0 leaves it out). Two lanes of two fixtures run side by side (PARALLEL=1: one after the other); every step has its own
 # timeout and the whole run a budget (BUDGET_S, default 480 s): a step that would start past it is
 # skipped and the summary says so. Arithmetic in python3 only: the GPU machine has no calculator tool.
 #
@@ -80,6 +81,12 @@ if [ "$parallel" -ge 2 ]; then  # two lanes: fixtures 1, 3 and 2, 4 (each job us
   wait
 else
   for f in $fixtures; do fixture "$f"; done
+fi
+# Then, within what is left of the budget: completion observed on a mix with p2p (batch_isend_irecv), whose
+# ops NCCL gives null Works (issue 30: decided from Flight Recorder at each rank's last poll).
+if [ "${COMPLETION:-1}" = 1 ]; then
+  step completion "moedoctor run nccl_completion.py" completion "$runs/completion" 120 \
+    $md run --run-dir "$runs/completion" --force -- $launch benchmarks/nccl_completion.py --backend "$backend"
 fi
 total=$(python3 -c "print(round($(now) - $t_start, 1))")
 cat "$runs"/*.log > "$out/seed_failures.log" 2>/dev/null
