@@ -3,8 +3,9 @@
 # raised), the fault fixtures whose verdict must match Gloo's (straggler, hardware_like), the new
 # ones (all_to_all split mismatch: caught online; collective order inversion: named as such), a job
 # set up by init_device_mesh alone (recorded, its desync diagnosed), and the fraction of collectives
-# whose completion the recorder observes. Summary in $OUT/summary.txt, every output beside it.
-# BACKEND=gloo runs the same on CPU.
+# whose completion the recorder observes. Summary in $OUT/summary.txt, every output beside it, and
+# as markdown in $OUT/$BACKEND-do-no-harm.md (also docs/$BACKEND-do-no-harm.md in this checkout: bring
+# the $OUT copy back into docs/). BACKEND=gloo runs the same on CPU.
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1
@@ -65,3 +66,13 @@ timeout 300 $md run --run-dir "$runs/completion" -- $launch benchmarks/nccl_comp
 echo "   moedoctor run exit $?"
 python3 benchmarks/nccl_completion.py --report "$runs/completion" 2>&1 | tail -15; pack
 } 2>&1 | tee "$out/summary.txt"
+python3 - "$out/summary.txt" "$backend" > "$out/$backend-do-no-harm.md" <<'PY'
+import sys
+text = open(sys.argv[1]).read().rstrip()
+print(f"# Do no harm on {sys.argv[2].upper()} (`benchmarks/nccl_do_no_harm.sh`)\n")
+print("2 ranks: the healthy corpus under `moedoctor run` (no alarm may be raised), the fault fixtures whose")
+print("verdict must match Gloo's, an `init_device_mesh`-only job, and the completion the recorder observed")
+print("(p2p ops counted apart). The script's own summary, as it printed it:\n")
+print("```\n" + text + "\n```")
+PY
+cp "$out/$backend-do-no-harm.md" "docs/$backend-do-no-harm.md" 2>/dev/null

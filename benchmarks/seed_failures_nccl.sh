@@ -1,64 +1,100 @@
 #!/usr/bin/env bash
-# Issue 15 on the GPU machine (2 GPUs, NCCL): the seeds' four further failures, each fixture run
-# under `moedoctor run` with its defaults, then `moedoctor verify` with the fix the report names and
-# with a wrong fix (which must fail), and the fixture's own --apply-fix for its time. Prints one line
-# per step: the verdict, pattern, culprits and call site from report.json, the exit status and the
-# wall time. Output in $OUT/seed_failures.log.
+# Issues 15 and 30 on the GPU machine (2 GPUs, NCCL): the seeds' four further failures in one call of
+# at most 10 minutes. For each fixture: diagnosed under `moedoctor run`, then the fix the report names
+# verified (`moedoctor verify --fix`; overwritten_shards has no fix module: its --apply-fix run under
+# --check-params must come back clean), then a wrong fix, which must be refused (NOT VERIFIED, exit 1).
+# Last, the completion the recorder observes on benchmarks/nccl_completion.py's mix (p2p included;
+# COMPLETION=0 leaves it out). Two lanes of two fixtures run side by side (PARALLEL=1: one after the other); every step has its own
+# timeout and the whole run a budget (BUDGET_S, default 480 s): a step that would start past it is
+# skipped and the summary says so. Arithmetic in python3 only: the GPU machine has no calculator tool.
+#
 #   OUT=/tmp/out bash benchmarks/seed_failures_nccl.sh [FIXTURE ...]
+#   BACKEND=gloo OUT=/tmp/out bash benchmarks/seed_failures_nccl.sh     # the same on CPU (dry run)
+#
+# Writes $OUT/$BACKEND-seed-failures.md (the summary; also docs/$BACKEND-seed-failures.md in this checkout:
+# bring the $OUT copy back into docs/),
+# $OUT/seed_failures.log (every step's output) and $OUT/seed-runs.tgz (each run's report.json,
+# verification.json, manifest.json and job.log).
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/_device_env.sh
-out=${OUT:-/tmp/out}; mkdir -p "$out"; log="$out/seed_failures.log"; : > "$log"
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+backend=${BACKEND:-nccl}; budget=${BUDGET_S:-480}; parallel=${PARALLEL:-2}
+runs=/tmp/moedoctor-seed-runs; rm -rf "$runs"; mkdir -p "$runs"
+steps="$runs/steps.tsv"; : > "$steps"  # fixture, step, exit, seconds, run dir, what was expected
 launch="python3 -m torch.distributed.run --standalone --nproc_per_node 2"
-md="python3 -m moedoctor"; backend=${BACKEND:-nccl}
+md="python3 -m moedoctor"
+now() { python3 -c 'import time; print(time.monotonic())'; }
+t_start=$(now)
 
-summary() {  # summary RUN_DIR: the report's verdict, pattern, culprits, call site (and the storm / params sections)
-  python3 - "$1" <<'EOF'
-import json, sys
-try:
-    r = json.load(open(sys.argv[1] + "/report.json"))
-except OSError as e:
-    print("no report:", e); sys.exit()
-div = r.get("divergence") or {}
-sites = sorted({str(v.get("call_site")) for v in (div.get("per_rank") or {}).values() if isinstance(v, dict) and v.get("call_site")})
-extra = ""
-if r.get("slow"):
-    extra += " slow: " + str(r["slow"].get("summary"))
-try:
-    check = json.load(open(sys.argv[1] + "/params/check.json"))
-    extra += " params: " + json.dumps(check)[:400]
-except OSError:
-    pass
-print(f"verdict={r.get('verdict')} pattern={r.get('pattern')} culprits={r.get('culprit_ranks')} sites={sites} fix={r.get('fixes')}{extra}")
-EOF
+step() {  # step FIXTURE NAME EXPECT RUN_DIR TIMEOUT COMMAND...: run it within the budget, record it
+  local fixture=$1 name=$2 expect=$3 dir=$4 limit=$5; shift 5
+  local left; left=$(python3 -c "print(int($budget - ($(now) - $t_start)))")
+  local log="$runs/$fixture.log"
+  if [ "$left" -le 20 ]; then
+    printf '%s\t%s\tskipped\t0\t%s\t%s\n' "$fixture" "$name" "$dir" "$expect" >> "$steps"
+    echo "== $fixture: $name: skipped, $left s of the budget left" >> "$log"; return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0; t0=$(now)
+  echo "== $fixture: $name (limit $limit s): $*" >> "$log"
+  timeout -k 10 "$limit" "$@" >> "$log" 2>&1; local rc=$?
+  local secs; secs=$(python3 -c "print(round($(now) - $t0, 1))")
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$fixture" "$name" "$rc" "$secs" "$dir" "$expect" >> "$steps"
+  printf '%-36s %-44s exit %3s in %6s s\n' "$fixture" "$name" "$rc" "$secs" | tee -a "$log"
 }
 
-step() {  # step NAME COMMAND...: run it, log it, print its status and time
-  local name=$1; shift
-  local start=$(date +%s.%N)
-  echo "== $name: $*" >> "$log"
-  "$@" >> "$log" 2>&1; local rc=$?
-  printf '%-58s exit %3s in %6.1f s\n' "$name" "$rc" "$(echo "$(date +%s.%N) - $start" | bc)" | tee -a "$log"
+fixture() {  # the three steps of one fixture
+  local f=$1 dir=$runs/$1 script=fixtures/$1/train.py opts="--hang-timeout 20" fix wrong args=""
+  case $f in
+    checkpoint_recompute_mismatch) fix=expert-dense; wrong=expert-zero-term ;;
+    collective_in_checkpointed_region) fix=recompute-cache-collective; wrong=expert-dense ;;
+    broadcast_storm) fix=coalesce-broadcasts; wrong=recompute-cache-collective; args="--layers 2 --experts 700" ;;
+    overwritten_shards) fix=""; wrong=expert-dense; opts="$opts --check-params" ;;
+    *) echo "unknown fixture $f" >&2; return ;;
+  esac
+  step "$f" "moedoctor run $opts" diagnose "$dir" 150 \
+    $md run --run-dir "$dir" --force $opts -- $launch "$script" --backend "$backend" --pg-timeout 60 $args
+  if [ -n "$fix" ]; then
+    step "$f" "verify --fix $fix" verified "$dir/verify-$fix" 150 \
+      $md verify --fix "$fix" --run "$dir" --hang-timeout 20
+  else
+    step "$f" "moedoctor run $opts, --apply-fix" clean "$dir-fixed" 150 \
+      $md run --run-dir "$dir-fixed" --force $opts -- $launch "$script" --backend "$backend" --pg-timeout 60 --apply-fix
+  fi
+  step "$f" "verify --fix $wrong (must be refused)" refused "$dir/verify-$wrong" 150 \
+    $md verify --fix "$wrong" --run "$dir" --hang-timeout 20
 }
 
 fixtures=${*:-"checkpoint_recompute_mismatch collective_in_checkpointed_region broadcast_storm overwritten_shards"}
-for f in $fixtures; do
-  dir=/tmp/seed-$f; script=fixtures/$f/train.py
-  case $f in
-    checkpoint_recompute_mismatch) opts="--hang-timeout 30"; fix=expert-dense; wrong=expert-zero-term ;;
-    collective_in_checkpointed_region) opts="--hang-timeout 30"; fix=recompute-cache-collective; wrong=expert-dense ;;
-    broadcast_storm) opts="--hang-timeout 30"; fix=coalesce-broadcasts; wrong="" ;;
-    overwritten_shards) opts="--check-params"; fix=""; wrong="" ;;
-  esac
-  step "$f: moedoctor run" $md run --run-dir "$dir" --force $opts -- $launch $script --backend $backend --pg-timeout 60
-  summary "$dir" | tee -a "$log"
-  [ -n "$fix" ] && step "$f: verify --fix $fix" $md verify --fix "$fix" --run "$dir"
-  [ -n "$wrong" ] && step "$f: verify --fix $wrong (must fail)" $md verify --fix "$wrong" --run "$dir"
-  if [ $f = overwritten_shards ]; then
-    step "$f: moedoctor run --check-params, --apply-fix" $md run --run-dir "$dir-fixed" --force $opts -- $launch $script --backend $backend --pg-timeout 60 --apply-fix
-    summary "$dir-fixed" | tee -a "$log"
-  else
-    step "$f: plain torchrun --apply-fix" $launch $script --backend $backend --pg-timeout 60 --apply-fix
-  fi
-  grep -E "VERIFIED|NOT VERIFIED|storm|loading|params identical|checksum" "$log" | tail -4
-done
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU')" \
+  | tee "$runs/device.txt"
+# The native recorder built once, before the lanes (else the first job of each builds it, 30-50 s, inside
+# its own run); a failure here only means the jobs build it or fall back to the Python recorder.
+timeout 150 python3 -m moedoctor.recorder.native > "$runs/build.log" 2>&1 || echo "native recorder build: see $runs/build.log"
+if [ "$parallel" -ge 2 ]; then  # two lanes: fixtures 1, 3 and 2, 4 (each job uses both GPUs)
+  set -- $fixtures
+  lane1=""; lane2=""; i=0
+  for f in "$@"; do if [ $((i % 2)) -eq 0 ]; then lane1="$lane1 $f"; else lane2="$lane2 $f"; fi; i=$((i + 1)); done
+  (for f in $lane1; do fixture "$f"; done) &
+  (for f in $lane2; do fixture "$f"; done) &
+  wait
+else
+  for f in $fixtures; do fixture "$f"; done
+fi
+# Then, within what is left of the budget: completion observed on a mix with p2p (batch_isend_irecv), whose
+# ops NCCL gives null Works (issue 30: decided from Flight Recorder at each rank's last poll).
+if [ "${COMPLETION:-1}" = 1 ]; then
+  step completion "moedoctor run nccl_completion.py" completion "$runs/completion" 120 \
+    $md run --run-dir "$runs/completion" --force -- $launch benchmarks/nccl_completion.py --backend "$backend"
+fi
+total=$(python3 -c "print(round($(now) - $t_start, 1))")
+cat "$runs"/*.log > "$out/seed_failures.log" 2>/dev/null
+
+python3 benchmarks/seed_failures_summary.py "$steps" "$runs/device.txt" "$backend" "$total" "$budget" \
+  > "$out/$backend-seed-failures.md"
+cp "$out/$backend-seed-failures.md" "docs/$backend-seed-failures.md" 2>/dev/null
+(cd / && tar czf "$out/seed-runs.tgz" $(cd / && ls -d "${runs#/}"/*/report.json "${runs#/}"/*/manifest.json \
+  "${runs#/}"/*/job.log "${runs#/}"/*/verify-*/verification.json "${runs#/}"/*/verify-*/job.log \
+  "${runs#/}"/*/params/check.json 2>/dev/null)) 2>/dev/null
+cat "$out/$backend-seed-failures.md"

@@ -92,13 +92,25 @@ class CompletionStats:
     by_source: dict[str, int] = field(default_factory=dict)
     pending: int = 0  # Flight Recorder showed them issued and not completed
     unknown: int = 0  # neither observed nor decided
+    p2p: int = 0  # send/recv ops among ``events``
+    p2p_observed: int = 0  # of which seen completing
 
     def fraction(self) -> float | None:
         return self.observed / self.provable if self.provable else None
 
     def sentence(self) -> str:
         sources = ", ".join(f"{k} {v}" for k, v in sorted(self.by_source.items(), key=lambda kv: -kv[1])) or "none"
-        return f"completion observed for {self.observed} of {self.provable} collectives (source: {sources})"
+        text = f"completion observed for {self.observed} of {self.provable} collectives (source: {sources})"
+        unseen = self.p2p - self.p2p_observed
+        if unseen:
+            # On NCCL a send/recv inside batch_isend_irecv gets a null Work; the recorder decides it from a
+            # full Flight Recorder dump at its last poll, while the ring buffer can still match it. Where
+            # neither told, no completion is not evidence that it did not complete.
+            text += (
+                f"; p2p completion unknown for {unseen} of {self.p2p} send/recv ops (neither their Work nor "
+                "Flight Recorder reported it: whether they completed is not known, not that they did not)"
+            )
+        return text
 
     def to_dict(self, windowed: bool = False) -> dict:
         """``windowed``: the traces were loaded only around the divergence (large runs), and so
@@ -111,6 +123,7 @@ class CompletionStats:
             "by_source": dict(sorted(self.by_source.items())),
             "pending": self.pending,
             "unknown": self.unknown,
+            "p2p": {"events": self.p2p, "observed": self.p2p_observed, "unknown": self.p2p - self.p2p_observed},
             "scope": "windows" if windowed else "all",
             "summary": self.sentence() + (" (in the windows loaded around the divergence)" if windowed else ""),
         }
@@ -131,8 +144,10 @@ def completion_stats(traces) -> CompletionStats:
                 latest_done[e.group.name] = max(e.seq, latest_done.get(e.group.name, 0))
         for e in trace.events:
             stats.events += 1
+            stats.p2p += e.is_p2p
             source = source_of(trace, e)
             if source is not None:
+                stats.p2p_observed += e.is_p2p
                 stats.observed += 1
                 stats.provable += 1
                 stats.by_source[source] = stats.by_source.get(source, 0) + 1

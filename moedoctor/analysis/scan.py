@@ -36,6 +36,7 @@ from pathlib import Path
 from moedoctor.analysis.load import RunData, TraceFolder, last_sequences, read_rank_trace
 from moedoctor.trace import schema
 from moedoctor.trace.reader import RankTrace, TraceError, TraceFile
+from moedoctor.trace.op_names import CANONICAL_OPS
 
 #: Sequence numbers per hash chunk.
 CHUNK = 256
@@ -119,8 +120,13 @@ def _scan(buf, scan: RankScan) -> None:
             scan.p2p[key] = max(scan.p2p.get(key, 0), int(pseq))
         rows = [r for r in rows if not r[1]]
     ids = set(map(getgid, rows)) - {b""}
-    if b"scatter" in set(map(itemgetter(2), rows)):
+    ops = set(map(itemgetter(2), rows)) - {b""}
+    if b"scatter" in ops:
         scan.fallback = "scatter ops (compared on their outputs)"
+        return
+    odd = sorted(op.decode("utf-8", "replace") for op in ops if op.decode("utf-8", "replace") not in CANONICAL_OPS)
+    if odd:  # compared as written here: the exact load reads them as their canonical ops
+        scan.fallback = f"op names outside the canonical ones ({', '.join(odd[:3])})"
         return
     for raw_gid in ids:
         gid = int(raw_gid)

@@ -37,6 +37,10 @@ forward runs after the dense one, under ``torch.no_grad()``, on a copy of the in
 random generators replayed and then restored (it sees Mixtral's router jitter as the dense forward
 did, and takes no random numbers from the job). The outputs must agree within a tolerance for the
 dtype (fp32: rtol 1e-4, atol 1e-5; bf16: rtol 2e-2, atol 1e-2); the largest difference is reported.
+The check proves the fix only on a forward where an expert got no token: where no checked call of a
+rank had one, it also compares the first token of a checked call alone (every expert outside that
+token's top-k gets none), and where even that has no idle expert (top-k = all experts) the check
+fails at the job's end, "not shown".
 Not checked when the experts are their own FSDP2 (or FSDP1, ZeRO-3) units: the sparse forward would
 all-gather only the experts this rank routes to, a collective its peers do not issue.
 
@@ -204,6 +208,7 @@ class _Budget:
     def __init__(self) -> None:
         self.checked = 0
         self.checked_idle = 0
+        self.forced = False  # a one-token comparison was run for it (no call of its had an idle expert)
         self.skip_reported = False
 
     def wanted(self) -> bool:
@@ -217,6 +222,12 @@ class _Budget:
         return False
 
 
+def _one_token(tensor: Any) -> Any:
+    """The first token of ``tensor`` ([..., hidden]), with as many dimensions."""
+    first = tensor.reshape(-1, tensor.shape[-1])[:1]
+    return first.reshape((1,) * (tensor.dim() - 1) + (tensor.shape[-1],)).clone()
+
+
 class _DenseChecks:
     """The dense output against the original sparse forward, on each instance's first calls and
     its first calls with an idle expert. The sparse forward runs after the dense one, on a copy of
@@ -227,8 +238,36 @@ class _DenseChecks:
         self.budgets = PerInstance(lambda module: _Budget())
         self.compared = 0  # calls compared on this rank, all instances
         self.compared_idle = 0  # of which with an idle expert
-        self.idle_example = ""  # e.g. "TinyMoeSparseMoeBlock expert(s) [3]"
+        self.idle_example = ""  # e.g. "TinyMoeSparseMoeBlock idle expert(s) [3]", from the job's own forward
+        self.forced_example = ""  # the same, from a one-token comparison the check forced
         self.worst = 0.0
+        self.unforceable = ""  # why no idle expert could be forced (every expert routed on one token)
+        runtime.at_finish(self._finish)
+
+    def _finish(self) -> None:
+        """The check proves the fix only on a forward where an expert got no token: fail it where this
+        rank compared forwards but none of them had one (``not shown``)."""
+        if self.compared and not self.compared_idle:
+            why = self.unforceable or "no compared call had one and none was forced"
+            self.runtime.check(
+                CHECK,
+                False,
+                f"not shown: {self.compared} call{'s' if self.compared > 1 else ''} compared, none with an idle "
+                f"expert ({why}); the check never compared the case the fix is for",
+            )
+
+    def _force_idle(self, budget: _Budget, name: str, run: Any) -> None:
+        """No checked call of this instance had an idle expert and none of this rank's did: compare
+        ``run() -> (dense, sparse, idle)`` on one token of the call, where every expert outside the
+        token's top-k gets none (once per instance)."""
+        if budget.forced or self.compared_idle:
+            return
+        budget.forced = True
+        dense, sparse, idle = run()
+        if not idle:
+            self.unforceable = f"{name} routes one token to every expert"
+            return
+        self._record(name, dense, sparse, idle, forced=True)
 
     def wanted(self, module: Any) -> bool:
         return self.budgets(module).wanted()
@@ -255,22 +294,48 @@ class _DenseChecks:
         idle = idle_experts(selected, len(experts))
         if budget.take(idle):
             with torch.no_grad(), replayed_rng(saved_input, saved_rng):
-                sparse = original(block, saved_input)
+                sparse = original(block, saved_input.clone())
             self._record(name, out, first_tensor(sparse), idle)
+            if not idle:
+                self._force_idle(budget, name, lambda: self._one_token_block(block, saved_input, original, spec))
         return out, router_logits
+
+    @staticmethod
+    def _one_token_block(block: Any, saved_input: Any, original, spec: BlockSpec) -> tuple[Any, Any, list[int]]:
+        import torch
+
+        one = _one_token(saved_input)
+        state = rng_state(one)
+        with torch.no_grad():
+            with replayed_rng(one, state):
+                dense, _logits, selected = _dense_block(block, one.clone(), spec)
+            with replayed_rng(one, state):
+                sparse = first_tensor(original(block, one.clone()))
+        return dense, sparse, idle_experts(selected, len(getattr(block, spec.experts)))
 
     def fused(self, experts: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any, original) -> Any:
         import torch
 
         dense = dense_experts_forward(experts, hidden_states, top_k_index, top_k_weights)
         idle = idle_experts(top_k_index, experts.num_experts)
-        if self.budgets(experts).take(idle):
+        budget, name = self.budgets(experts), type(experts).__name__
+        if budget.take(idle):
             with torch.no_grad():  # calls the function: no module hooks, so no collectives
                 sparse = original(experts, hidden_states.detach(), top_k_index, top_k_weights.detach())
-            self._record(type(experts).__name__, dense, sparse, idle)
+            self._record(name, dense, sparse, idle)
+            if not idle:
+
+                def one_token() -> tuple[Any, Any, list[int]]:
+                    index, weights = top_k_index[:1], top_k_weights[:1].detach()
+                    with torch.no_grad():
+                        one_dense = dense_experts_forward(experts, hidden_states[:1].detach(), index, weights)
+                        one_sparse = original(experts, hidden_states[:1].detach(), index, weights)
+                    return one_dense, one_sparse, idle_experts(index, experts.num_experts)
+
+                self._force_idle(budget, name, one_token)
         return dense
 
-    def _record(self, name: str, dense: Any, sparse: Any, idle: list[int]) -> None:
+    def _record(self, name: str, dense: Any, sparse: Any, idle: list[int], forced: bool = False) -> None:
         if dense.shape != sparse.shape:
             self.runtime.check(CHECK, False, f"{name}: dense output {tuple(dense.shape)}, sparse {tuple(sparse.shape)}")
             return
@@ -288,9 +353,15 @@ class _DenseChecks:
         self.worst = max(self.worst, worst)
         if idle:
             self.compared_idle += 1
-            self.idle_example = self.idle_example or f"{name} {idle_text}"
+            if forced:
+                self.forced_example = f"{name} {idle_text}"
+            else:
+                self.idle_example = self.idle_example or f"{name} {idle_text}"
+        shown = [self.idle_example] if self.idle_example else []
+        if self.forced_example:
+            shown.append(f"forced on one token of a checked call: {self.forced_example}")
         with_idle = (
-            f", {self.compared_idle} with an idle expert ({self.idle_example})"
+            f", {self.compared_idle} with an idle expert ({'; '.join(shown)})"
             if self.compared_idle
             else ", none with an idle expert"
         )

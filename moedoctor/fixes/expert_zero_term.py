@@ -68,6 +68,9 @@ from moedoctor.fixes.base import Fix, FixConfigError
 
 NAME = "expert-zero-term"
 CHECK = "output bitwise equal to sparse"
+#: What the idle experts' sum is multiplied by: -0.0, because x + (-0.0) is x for every float (x + 0.0
+#: would turn a -0.0 output into +0.0, which the check sees).
+_ZERO = -0.0
 NOT_NEEDED = "not needed: fused experts are one parameter"
 
 
@@ -158,8 +161,8 @@ def _zero_term_forward(runtime, spec: BlockSpec, original):
                 run.reported_nothing_to_check = True
                 runtime.check(CHECK, None, f"{name}: not checked yet: no call so far had an idle expert")
             return output
-        empty = hidden_states.detach().reshape(-1, hidden_states.shape[-1])[:0]
-        zero = sum(experts[index](empty).sum() for index in idle) * -0.0
+        empty = _no_tokens(hidden_states)
+        zero = sum(experts[index](empty).sum() for index in idle) * _ZERO
         hidden = first_tensor(output)
         fixed = hidden + zero.to(hidden.dtype)
         if runtime.checks_enabled and run.checked < CHECKED_CALLS:
@@ -168,6 +171,11 @@ def _zero_term_forward(runtime, spec: BlockSpec, original):
         return with_first_tensor(output, fixed)
 
     return forward
+
+
+def _no_tokens(hidden_states: Any) -> Any:
+    """The block input cut to zero tokens: what an idle expert runs on."""
+    return hidden_states.detach().reshape(-1, hidden_states.shape[-1])[:0]
 
 
 _SAME_WIDTH_INT = {

@@ -6,17 +6,27 @@ use_reentrant=False)``, ``checkpoint_wrapper(NO_REENTRANT)``, transformers' grad
 runs the region's function again in backward. A collective inside it is then issued a second time,
 and where one rank's recompute stops before it (early stop) or never runs, the ranks desync. This fix
 wraps the synchronous c10d collectives the job calls through ``torch.distributed`` (``all_reduce``,
-``all_gather``, ``all_gather_into_tensor``, ``broadcast``) and the functional ``all_gather_tensor``
-and ``all_reduce``. Called inside a checkpointed region's forward (torch's own ``checkpoint`` frame
+``all_gather``, ``all_gather_into_tensor``, ``all_gather_single``, ``broadcast``) and the functional
+``all_gather_tensor`` and ``all_reduce``; each is keyed by its canonical op
+(``moedoctor.trace.op_names``), so the list and the tensor forms of a gather are one op, whichever a
+backend or torch version lowers it to. Called inside a checkpointed region's forward (torch's own ``checkpoint`` frame
 on the stack, whose generator holds the region's ``_CheckpointFrame``), the collective runs and its
 input and result are kept, in order, for that region instance; called inside that region's recompute
 (the region's ``unpack_hook`` frame on the stack), the next kept result is written into the job's
 output tensors (or returned, for a functional collective) and nothing is issued. No rank issues the
 collective in backward, so whether its recompute reaches it no longer matters. Collectives outside
-checkpointed regions, ``async_op=True`` calls and results above ``MAX_ELEMENTS`` are left alone.
+checkpointed regions, ``async_op=True`` calls, results above ``MAX_ELEMENTS`` and FSDP's own
+collectives are left alone. FSDP's are issued by its pre-forward hook, which runs inside the region's
+forward, but FSDP does not issue them again in the recompute (its pre-backward hook has already
+unsharded the parameters): kept, they would stand first in the region's list and the recompute's
+first collective would be matched against FSDP's gather (this is what failed on NCCL with torch 2.11,
+whose FSDP2 gathers through ``dist.all_gather_into_tensor``: "collective 1 of the region is
+all_gather in the recompute, all_gather_into_tensor in forward"). A collective called while another
+wrapped one runs (a torch function that calls another) is the outer one's, not kept twice.
 
 Check (``moedoctor verify``): "replayed results are the forward's": each replay compares the
-recompute's input with the forward's, bitwise, with the op, group, shapes and dtypes; only then is
+recompute's input with the forward's, bitwise, with the canonical op, group, shapes and dtypes, and
+the recompute's output tensors with the kept results' shapes and dtypes; only then is
 the forward's result the one the collective would return. On a difference the fix raises (the job
 fails, the check fails): replaying a stale result would change the job's numbers silently.
 
@@ -36,6 +46,7 @@ from typing import Any
 
 from moedoctor.fixes.base import Fix, FixConfigError
 from moedoctor.fixes.runtime import TargetState
+from moedoctor.trace.op_names import canonical_op
 
 NAME = "recompute-cache-collective"
 TARGET = "torch.distributed collectives inside non-reentrant checkpointed regions (by structure)"
@@ -43,7 +54,9 @@ CHECK = "replayed results are the forward's"
 #: Results kept per collective at most (elements); larger collectives are issued as usual.
 MAX_ELEMENTS = 1 << 20
 _CKPT_FILE = "torch/utils/checkpoint.py"
-_C10D = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast")
+_C10D = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast")
+#: Where FSDP's own collectives are called from (FSDP1, FSDP2, and FSDP2's older home).
+_FSDP_FILES = ("torch/distributed/fsdp/", "torch/distributed/_composable/fsdp/")
 _FUNCOL = ("all_gather_tensor", "all_reduce")
 
 
@@ -82,6 +95,12 @@ def _region() -> tuple[str, Any] | None:
     return None
 
 
+def _called_by_fsdp() -> bool:
+    """The wrapped collective's caller is FSDP itself (its unshard or reshard)."""
+    caller = sys._getframe(2).f_code.co_filename.replace("\\", "/")
+    return any(part in caller for part in _FSDP_FILES)
+
+
 def _tensors(value: Any) -> list:
     import torch
 
@@ -100,6 +119,7 @@ class _Cache:
         self.kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.position: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.lock = threading.Lock()
+        self.local = threading.local()  # .busy: a wrapped collective runs in this thread
         self.replayed = 0
 
     def install(self) -> None:
@@ -126,8 +146,10 @@ class _Cache:
     def _wrap_c10d(self, name: str, original):
         cache = self
 
+        op = canonical_op(name) or name
+
         def wrapper(*args, **kwargs):
-            if kwargs.get("async_op") or (len(args) > 3 and args[3]):
+            if kwargs.get("async_op") or (len(args) > 3 and args[3]) or cache.busy() or _called_by_fsdp():
                 return original(*args, **kwargs)
             where = _region()
             if where is None:
@@ -136,18 +158,29 @@ class _Cache:
             outputs, inputs = cache._c10d_tensors(name, args, kwargs)
             if outputs is None or sum(t.numel() for t in outputs) > MAX_ELEMENTS:
                 return original(*args, **kwargs)
-            key = (name, id(kwargs.get("group", args[2] if len(args) > 2 else None)))
+            key = (op, id(kwargs.get("group", args[2] if len(args) > 2 else None)))
             if mode == "forward":
-                result = original(*args, **kwargs)
+                result = cache.issue(original, args, kwargs)
                 cache._keep(region, key, inputs, [t.detach().clone() for t in outputs])
                 return result
-            kept = cache._replay(region, key, inputs)
+            kept = cache._replay(region, key, inputs, outputs)
             for t, value in zip(outputs, kept):
                 t.copy_(value)
             return None
 
         wrapper.__wrapped__ = original  # type: ignore[attr-defined]
         return wrapper
+
+    def busy(self) -> bool:
+        """A wrapped collective is running in this thread: the one called now is part of it."""
+        return getattr(self.local, "busy", False)
+
+    def issue(self, original, args: tuple, kwargs: dict):
+        self.local.busy = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self.local.busy = False
 
     @staticmethod
     def _c10d_tensors(name: str, args: tuple, kwargs: dict) -> tuple[list | None, list]:
@@ -173,15 +206,19 @@ class _Cache:
     def _wrap_funcol(self, name: str, original):
         cache = self
 
+        op = "funcol." + (canonical_op(name) or name)
+
         def wrapper(*args, **kwargs):
+            if cache.busy() or _called_by_fsdp():
+                return original(*args, **kwargs)
             where = _region()
             if where is None:
                 return original(*args, **kwargs)
             mode, region = where
             inputs = [t.detach().clone() for t in _tensors(args[:1])]
-            key = ("funcol." + name, len(inputs))
+            key = (op, len(inputs))
             if mode == "forward":
-                result = original(*args, **kwargs)
+                result = cache.issue(original, args, kwargs)
                 kept = [t.detach().clone() for t in _tensors(result)]
                 if len(kept) != 1 or kept[0].numel() > MAX_ELEMENTS:
                     return result
@@ -200,7 +237,7 @@ class _Cache:
             self.kept.setdefault(region, []).append((key, inputs, outputs))
             self.position[region] = 0
 
-    def _replay(self, region: Any, key: tuple, inputs: list) -> list:
+    def _replay(self, region: Any, key: tuple, inputs: list, outputs: list | None = None) -> list:
         with self.lock:
             entries = self.kept.get(region, [])
             i = self.position.get(region, 0)
@@ -209,14 +246,23 @@ class _Cache:
         if i >= len(entries):
             problem = f"the recompute issues collective {i + 1} of its region, the forward issued {len(entries)}"
         else:
-            kept_key, kept_inputs, outputs = entries[i]
-            if kept_key != key:
+            kept_key, kept_inputs, kept = entries[i]
+            if kept_key[0] != key[0]:
                 problem = f"collective {i + 1} of the region is {key[0]} in the recompute, {kept_key[0]} in forward"
+            elif kept_key != key:
+                problem = f"collective {i + 1} of the region is {key[0]} in both, but on another group in forward"
             elif len(kept_inputs) != len(inputs) or any(
                 a.shape != b.shape or a.dtype != b.dtype or not bool((a == b).all())
                 for a, b in zip(kept_inputs, inputs)
             ):
                 problem = f"the input of {key[0]} (collective {i + 1} of the region) differs from the forward's"
+            elif outputs is not None and (
+                len(outputs) != len(kept)
+                or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(outputs, kept))
+            ):
+                problem = (
+                    f"the output tensors of {key[0]} (collective {i + 1} of the region) are not shaped as the forward's"
+                )
         if problem is not None:
             if self.runtime.checks_enabled:
                 self.runtime.check(CHECK, False, problem)
@@ -229,7 +275,7 @@ class _Cache:
             self.runtime.check(CHECK, True, done)
         if self.state.calls == 1:
             self.runtime.write()
-        return outputs
+        return kept
 
     def _finish(self) -> None:
         if not self.replayed:
@@ -241,7 +287,8 @@ FIX = Fix(
     patterns=("collective-in-checkpointed-region",),
     summary="replay a checkpointed region's collectives in its recompute instead of issuing them again",
     mechanism="Wraps torch.distributed's synchronous all_reduce / all_gather / all_gather_into_tensor / "
-    "broadcast and the functional all_gather_tensor / all_reduce: inside a non-reentrant checkpointed "
+    "all_gather_single / broadcast and the functional all_gather_tensor / all_reduce (FSDP's own left alone: "
+    "FSDP does not issue them again in the recompute), keyed by canonical op: inside a non-reentrant checkpointed "
     "region's forward (torch's checkpoint frame on the stack) each result is kept for that region "
     "instance; inside its recompute (the region's unpack hook on the stack) the kept result is written "
     "into the job's tensors in order and nothing is issued, so no rank issues the collective in backward.",
@@ -249,7 +296,8 @@ FIX = Fix(
     "backward. Raises, instead of replaying, when the recompute's collective or input differs from the "
     "forward's. Reads torch's private checkpoint frames (torch/utils/checkpoint.py).",
     cost="a Python stack walk per collective the job calls through torch.distributed while the fix is on",
-    check="each replay compares the recompute's input, op, shapes and dtypes with the forward's, bitwise; "
+    check="each replay compares the recompute's input, canonical op, shapes and dtypes with the forward's, bitwise, "
+    "and its output tensors' shapes with the kept results'; "
     "a difference fails the check and raises",
     targets=(),
     install=_install,

@@ -132,10 +132,11 @@ class FlightRecorderPoller:
         settled, self._settled = self._settled, tracker.last_event
         if final:
             settled = tracker.last_event
-        if not tracker.has_pending():
-            return
-        nccl = [g for g in tracker.pending if self._backend(g) == "nccl"]
-        other = [g for g in tracker.pending if g not in nccl]
+        if not tracker.has_pending() or (not tracker.pending and not final):
+            return  # p2p ops alone are decided at the last poll (a full dump), not from onlyActive ones
+        groups = tracker.pending_groups()
+        nccl = [g for g in groups if self._backend(g) == "nccl"]
+        other = [g for g in groups if g not in nccl]
         done: list[int] = []
         if nccl and self._dump_nccl is not None:
             tops = dict(tracker.top_seq)
@@ -145,12 +146,15 @@ class FlightRecorderPoller:
                     counts[group] = int(self._groups[group]._get_sequence_number_for_group())  # type: ignore[attr-defined]
                 except Exception:
                     continue
-            full = self._needs_full_dump(nccl, settled)
+            # p2p ops (batch_isend_irecv's get null Works) are decided from a full dump: the last one
+            # when the rank closes its groups, and any full dump taken anyway.
+            full = self._needs_full_dump(nccl, settled) or (final and tracker.has_p2p_pending(nccl))
             raw, only_active = _dump(self._dump_nccl, only_active=not full)
             self._read_tail()
             self._learn_pg_ids(raw)
             entries = entries_from_dump(raw)
             if not only_active:  # every entry, with its state (also: an old torch without onlyActive)
+                done += tracker.resolve_p2p(entries, nccl, launched=not final)
                 done += tracker.resolve_states(entries, nccl, launched=not final)
                 entries = [e for e in entries if e.done is None]  # what onlyActive lists
             status = _last_completed(raw.get("pg_status"))

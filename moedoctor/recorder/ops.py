@@ -9,46 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-#: c10d ops (what ``torch.distributed`` and C++ callers such as the DDP reducer dispatch to).
-C10D_OPS: dict[str, str] = {
-    "allreduce_": "all_reduce",
-    "allreduce_coalesced_": "all_reduce_coalesced",
-    "allgather_": "all_gather",
-    "_allgather_base_": "all_gather",
-    "allgather_coalesced_": "all_gather_coalesced",
-    "allgather_into_tensor_coalesced_": "all_gather_coalesced",
-    "reduce_scatter_": "reduce_scatter",
-    "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter_coalesced",
-    "broadcast_": "broadcast",
-    "barrier": "barrier",
-    "monitored_barrier_": "monitored_barrier",
-    "alltoall_": "all_to_all",
-    "alltoall_base_": "all_to_all",
-    "gather_": "gather",
-    "scatter_": "scatter",
-    "reduce_": "reduce",
-    "send": "send",
-    "recv_": "recv",
-    "recv_any_source_": "recv",
-}
+from moedoctor.trace.op_names import C10D_OPS, FUNCTIONAL_OPS
 
-#: Functional collectives (DTensor redistribution, FSDP2 helpers, clip_grad_norm_ on DTensors).
-FUNCTIONAL_OPS: dict[str, str] = {
-    "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce",
-    "all_reduce_coalesced": "all_reduce_coalesced",
-    "all_reduce_coalesced_": "all_reduce_coalesced",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_out": "all_gather",
-    "all_gather_into_tensor_coalesced": "all_gather_coalesced",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_out": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter_coalesced",
-    "all_to_all_single": "all_to_all",
-    "broadcast": "broadcast",
-    "broadcast_": "broadcast",
-}
+#: The dispatcher ops moedoctor hooks, under their canonical names (``moedoctor.trace.op_names``:
+#: the one table of op names the recorder, the Flight Recorder reader, the analysis and the fixes share).
+__all__ = ["C10D_OPS", "FUNCTIONAL_OPS", "OpSpec", "all_specs", "op_spec"]
 
 _INPUT_ARGS = ("input_tensors", "input_tensor", "input", "inputs", "tensors", "tensor", "self")
 _OUTPUT_ARGS = ("output_tensors", "output_tensor", "outputs", "out", "output")

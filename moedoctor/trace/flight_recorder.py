@@ -23,6 +23,7 @@ from pathlib import Path
 import moedoctor
 from moedoctor.events import CallSite, CollectiveEvent, Group, Phase, TraceHeader
 from moedoctor.trace import safe_pickle
+from moedoctor.trace.op_names import PROFILING_NAMES
 from moedoctor.trace.reader import RankTrace, TraceError, short
 from moedoctor.trace.schema import MAX_DIM, MAX_DIMS, MAX_STRING, MAX_TENSORS
 from moedoctor.wording import rank_numbers
@@ -63,35 +64,6 @@ _DUMP_TOKENS = (
 )
 _TOP_KEYS = frozenset({"entries", "pg_config", "pg_status", "nccl_comm_state"})
 
-#: Profiling-name bases (after ``nccl:`` / ``gloo:``) that differ from moedoctor's op names.
-#: Covers the names torchfrtrace knows (``flight_recorder/components/types.py``), lowercased.
-_OP_ALIASES = {
-    "allreduce": "all_reduce",
-    "allreduce_coalesced": "all_reduce_coalesced",
-    "all_reduce_barrier": "barrier",
-    "allgather": "all_gather",
-    "_allgather_base": "all_gather",
-    "_all_gather_base": "all_gather",
-    "all_gather_single": "all_gather",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_v": "all_gather",
-    "allgather_coalesced": "all_gather_coalesced",
-    "allgather_into_tensor_coalesced": "all_gather_coalesced",
-    "all_gather_into_tensor_coalesced": "all_gather_coalesced",
-    "_reduce_scatter_base": "reduce_scatter",
-    "reduce_scatter_single": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_v": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter_coalesced",
-    "alltoall": "all_to_all",
-    "alltoall_base": "all_to_all",
-    "all_to_all_single": "all_to_all",
-    "all_to_all_v_single": "all_to_all",
-    "_broadcast_oop": "broadcast",
-    "_reduce_oop": "reduce",
-    "recvanysource": "recv",
-    "recv_any_source": "recv",
-}
 _PEER = re.compile(r"(\d+)\s*(->|<-)\s*(\d+)")
 
 #: c10 ScalarType names as the dumps spell them -> torch dtype names as moedoctor's traces do.
@@ -567,7 +539,7 @@ def normalize_op(profiling_name: str) -> tuple[str, int | None]:
         base = base[: m.start()].strip()
     base = base.split()[0] if base.split() else base
     base = base.lower()
-    return _OP_ALIASES.get(base, base), peer
+    return PROFILING_NAMES.get(base, base), peer
 
 
 def _count(value, what: str) -> int:

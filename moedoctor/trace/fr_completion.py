@@ -380,23 +380,40 @@ class _Pending:
         return None if shapes is None else _numel(shapes)
 
 
+@dataclass(slots=True)
+class _PendingP2P:
+    group: str
+    peer: int  # the peer's rank in the group (Flight Recorder's profiling names count so)
+    pseq: int  # moedoctor's count of p2p ops with that peer in that group, from 1
+    op: str
+    thread: bytes | str
+
+
 class LiveTracker:
     """This rank's collectives whose completion has not been seen yet, read from its own trace as
     it grows, and the rules that prove them complete from Flight Recorder.
 
     ``wanted(group name, raw op)`` says which collectives to follow (the recorder follows every
     collective of an NCCL group, and only the functional ones elsewhere: the others report
-    completion through their ``Work``). p2p ops are not followed: their ``Work`` reports them."""
+    completion through their ``Work``). p2p ops of wanted groups are followed apart
+    (``p2p_pending``): on NCCL a send/recv inside ``batch_isend_irecv`` gets a null ``Work``;
+    ``resolve_p2p`` decides them from a full dump."""
 
     #: Flight Recorder entries one recorded op can make at most, for the ring-buffer bound (an
     #: uneven list all_gather on NCCL is a coalesced batch of broadcasts; a p2p batch adds one).
     ENTRIES_PER_OP = 4
+    #: p2p ops followed at most: past that many, Flight Recorder's ring buffer (2000 entries by default)
+    #: has wrapped and per-peer order can no longer be matched, so p2p ops stop being followed.
+    MAX_P2P = 4096
 
     def __init__(self, wanted: Callable[[str, str], bool], max_pending: int = 100_000):
         self._wanted = wanted
         self._max_pending = max_pending
         self._partial = b""
         self._groups: dict[int, str] = {}
+        self._group_ranks: dict[int, tuple[int, ...]] = {}
+        self.p2p_pending: dict[int, _PendingP2P] = {}  # event id -> the p2p op followed
+        self.p2p_followed = 0  # p2p ops followed so far (``MAX_P2P``)
         self.pending: dict[str, dict[int, _Pending]] = {}
         self._where: dict[int, tuple[str, int]] = {}
         self.top_seq: dict[str, int] = {}  # highest collective seq recorded per group
@@ -441,6 +458,7 @@ class LiveTracker:
             pos = stop + 1
         self.pending.clear()
         self._where.clear()
+        self.p2p_pending.clear()
 
     def _whole_lines(self, data: bytes) -> tuple[bytes, int]:
         """The held partial line and ``data`` joined, and where their last whole line ends (-1: none
@@ -454,6 +472,7 @@ class LiveTracker:
         try:
             rec = json.loads(line)
             self._groups[int(rec["id"])] = str(rec["name"])
+            self._group_ranks[int(rec["id"])] = tuple(int(r) for r in rec.get("ranks") or ())
         except (ValueError, KeyError, TypeError):
             self.parse_errors += 1
 
@@ -480,6 +499,8 @@ class LiveTracker:
             return
         if p2p:
             self.p2p_groups.add(name)
+            if self.p2p_followed <= self.MAX_P2P and self._wanted(name, raw):
+                self._follow_p2p(line, event_id, gid, name, op, thread)
             return
         self.top_seq[name] = max(seq, self.top_seq.get(name, 0))
         if not self._wanted(name, raw):
@@ -488,6 +509,20 @@ class LiveTracker:
         self._where[event_id] = (name, seq)
         if len(self._where) > self._max_pending:
             self._drop_oldest()
+
+    def _follow_p2p(self, line: bytes, event_id: int, gid: int, name: str, op: str, thread: bytes | str) -> None:
+        try:
+            rec = json.loads(line)
+            peer, pseq = int(rec["peer"]), int(rec["pseq"])
+            ranks = self._group_ranks.get(gid, ())
+            peer = ranks.index(peer) if ranks else peer
+        except (ValueError, KeyError, TypeError):
+            return  # completion stays unknown
+        self.p2p_followed += 1
+        if self.p2p_followed > self.MAX_P2P:
+            self.p2p_pending.clear()  # the ring buffer cannot match them any more: unknown
+            return
+        self.p2p_pending[event_id] = _PendingP2P(name, peer, pseq, op, thread)
 
     def _done(self, line: bytes) -> None:
         try:
@@ -499,6 +534,7 @@ class LiveTracker:
             self.forget(event_id)
 
     def forget(self, event_id) -> None:
+        self.p2p_pending.pop(event_id, None)
         where = self._where.pop(event_id, None)
         if where is not None:
             group = self.pending.get(where[0])
@@ -513,8 +549,17 @@ class LiveTracker:
 
     def has_pending(self, groups: Iterable[str] | None = None) -> bool:
         if groups is None:
-            return bool(self.pending)
-        return any(g in self.pending for g in groups)
+            return bool(self.pending) or bool(self.p2p_pending)
+        return any(g in self.pending for g in groups) or self.has_p2p_pending(groups)
+
+    def has_p2p_pending(self, groups: Iterable[str]) -> bool:
+        wanted = set(groups)
+        return any(p.group in wanted for p in self.p2p_pending.values())
+
+    def pending_groups(self) -> list[str]:
+        """Every group with a collective or p2p op followed, in a stable order."""
+        groups = list(self.pending)
+        return groups + sorted({p.group for p in self.p2p_pending.values()} - set(groups))
 
     # -- deciding -------------------------------------------------------------------------------
 
@@ -576,6 +621,34 @@ class LiveTracker:
             ]
             if done:
                 out += self._claim(group, max(done))
+        return out
+
+    def resolve_p2p(self, entries: list[FrEntry], groups: Iterable[str], launched: bool = False) -> list[int]:
+        """From a dump listing every entry with its state (a full dump): the followed p2p ops of
+        ``groups`` that Flight Recorder shows completed. A p2p op is matched as at analysis time
+        (``fuse``): per group and peer, in record order (moedoctor's ``pseq`` counts per peer,
+        Flight Recorder's ``p2p_seq_id`` per group), with the same op; a ``batch_isend_irecv``'s
+        sends and receives take its ``nccl:coalesced`` entry's state. Only while the ring buffer
+        still holds the group's first entries (record 0 is there): else the k-th is not known.
+        ``launched``: only ops whose thread has issued a later op (an entry read while its call is
+        still launching reads as completed)."""
+        if not entries or min(e.record_id for e in entries) > 0:
+            return []
+        wanted = set(groups)
+        index = _p2p_index(entries)
+        out: list[int] = []
+        for event_id, p in list(self.p2p_pending.items()):
+            if p.group not in wanted:
+                continue
+            if launched and self._thread_last.get(p.thread, -1) <= event_id:
+                continue
+            found = index.get((p.group, p.peer), [])
+            if not 0 < p.pseq <= len(found):
+                continue
+            entry = found[p.pseq - 1]
+            if entry.op == p.op and entry.done is not None:
+                out.append(event_id)
+                del self.p2p_pending[event_id]
         return out
 
     def resolve_active(

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moedoctor.events import CallSite, CollectiveEvent, Group, Phase
+from moedoctor.trace.op_names import CANONICAL_OPS, canonical_op
 
 FORMAT_NAME = "moedoctor-trace"
 FORMAT_VERSION = 1
@@ -293,7 +294,8 @@ COLLECTIVE = Record(
             "op",
             "op",
             STR,
-            doc="normalized: `all_reduce`, `all_gather`, `reduce_scatter`, `broadcast`, `barrier`, "
+            doc="canonical (`trace/op_names.py`: every backend's and API's spelling maps there): `all_reduce`, "
+            "`all_gather`, `reduce_scatter`, `broadcast`, `barrier`, "
             "`all_to_all`, `gather`, `scatter`, `reduce`, `send`, `recv`, `monitored_barrier`, "
             "`all_reduce_coalesced`, `all_gather_coalesced`, `reduce_scatter_coalesced`",
         ),
@@ -499,6 +501,8 @@ def decode_collective(rec: dict, rank: int, groups: dict[int, Group], sites: dic
             name, decode = decoder
             values[name] = decode(value)
     values["group"] = groups[values["group"]]
+    if values["op"] not in CANONICAL_OPS:  # a writer that spelled it otherwise (a raw dispatcher name)
+        values["op"] = canonical_op(values["op"]) or values["op"]
     site = values["call_site"]
     values["call_site"] = None if site is None else sites[site]
     splits = values.pop("splits", None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,7 +29,7 @@ from moedoctor.errors import MoedoctorError
 from moedoctor.fixes import get_fix
 from moedoctor.fixes.config import write_fix_config
 from moedoctor.fixes.rewrite import script_command
-from moedoctor.fixes.status import FixStatus, read_fix_status
+from moedoctor.fixes.status import CheckStatus, FixStatus, read_fix_status
 from moedoctor.analysis.report_json import write_json
 from moedoctor.runner import Outcome, RunConfig, RunObserver, RunResult, run_job
 from moedoctor.runner.manifest import HangRecord, hang_of, load_manifest
@@ -207,13 +208,56 @@ def _original_outcome(original: OriginalRun | None) -> str:
     hang = hang_of(m)
     if hang is not None:
         return _describe_hang(hang)
-    exits = [r.get("exit_code") for r in (m.get("ranks") or {}).values() if isinstance(r, dict)]
-    failed = [c for c in exits if c not in (0, None)]
     if m.get("status") == "interrupted":
         return "interrupted"
-    if failed:
-        return f"a rank exited {failed[0]}"
+    failure = first_failure(m.get("ranks"))
+    if failure is not None:
+        return failure
     return "finished" if m.get("status") == "finished" else str(m.get("status"))
+
+
+#: The signals a launcher sends the other ranks once one failed (torchrun: SIGTERM, then SIGKILL).
+_TEARDOWN = (signal.SIGTERM, signal.SIGKILL)
+
+
+def _how(code: int) -> str:
+    """``SIGABRT (exit -6)``, ``exit 1``: how a process ended, from its status (a signal is negative)."""
+    if code < 0:
+        try:
+            return f"{signal.Signals(-code).name} (exit {code})"
+        except ValueError:
+            return f"signal {-code} (exit {code})"
+    return f"exit {code}"
+
+
+def first_failure(ranks: object) -> str | None:
+    """Which rank failed first and how, from a manifest's ``ranks`` (``{rank: {exit_code, source}}``):
+    the ranks that ended by themselves (an exit status of their own, or a signal other than the
+    SIGTERM/SIGKILL a launcher sends the others once one failed), then those the launcher stopped.
+    None where no rank failed."""
+    if not isinstance(ranks, dict):
+        return None
+    failed: dict[int, int] = {}
+    for key, entry in ranks.items():
+        code = entry.get("exit_code") if isinstance(entry, dict) else None
+        if isinstance(code, int) and not isinstance(code, bool) and code != 0 and str(key).isdigit():
+            failed[int(key)] = code
+    if not failed:
+        return None
+    stopped = sorted(r for r, c in failed.items() if c < 0 and -c in _TEARDOWN)
+    own = sorted(r for r in failed if r not in stopped)
+    if not own:  # every failed rank was signalled from outside: who failed first is not in the statuses
+        return f"{_ranks(stopped)} stopped: " + ", ".join(_how(failed[r]) for r in stopped)
+    first = f"{_ranks(own)} failed first: " + ", ".join(_how(failed[r]) for r in own)
+    if len(own) > 1:
+        first = f"{_ranks(own)} failed: " + ", ".join(f"rank {r} {_how(failed[r])}" for r in own)
+    if stopped:
+        first += f"; then {_ranks(stopped)} stopped by the launcher: " + ", ".join(_how(failed[r]) for r in stopped)
+    return first
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _describe_hang(hang: HangRecord) -> str:
@@ -230,7 +274,13 @@ def _completion_check(result: RunResult, elapsed: float, original: OriginalRun |
         after = _describe_hang(result.hang) if result.hang else "hang"
         return Check("job completes", False, before, f"{after}; job stopped")
     if result.exit_code != 0:
-        return Check("job completes", False, before, f"exit {result.exit_code} after {elapsed:.1f} s")
+        try:
+            manifest = load_manifest(result.run_dir.manifest)
+        except (OSError, ValueError):
+            manifest = None
+        failure = first_failure(manifest.get("ranks")) if isinstance(manifest, dict) else None
+        how = f": {failure}" if failure else ""
+        return Check("job completes", False, before, f"exit {result.exit_code} after {elapsed:.1f} s{how}")
     return Check("job completes", True, before, f"exit 0 in {elapsed:.1f} s")
 
 
@@ -313,11 +363,29 @@ def _fix_checks(name: str, status: FixStatus, report: Report | None, result: Run
             why = unknown[0][1].detail if unknown else f"ran on ranks {ranks_ok} only"
             checks.append(Check(f"{name}: {check_name}", None, "-", f"could not be established: {why}"))
         else:
-            detail = per_rank[0][1].detail
             checks.append(
-                Check(f"{name}: {check_name}", True, "-", f"holds on all {len(per_rank)} ranks: {detail}{worst_text}")
+                Check(
+                    f"{name}: {check_name}",
+                    True,
+                    "-",
+                    f"holds on all {len(per_rank)} ranks: {_per_rank_details(per_rank)}{worst_text}",
+                )
             )
     return checks
+
+
+def _per_rank_details(per_rank: list[tuple[int, CheckStatus]]) -> str:
+    """The check's detail, once if every rank says the same, else each rank's: what one rank compared
+    (e.g. the forward with an idle expert) is not what every rank did."""
+    ranks_by_detail: dict[str, list[int]] = {}
+    for rank, c in per_rank:
+        ranks_by_detail.setdefault(c.detail, []).append(rank)
+    if len(ranks_by_detail) == 1:
+        return per_rank[0][1].detail
+    return "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {detail}"
+        for detail, ranks in ranks_by_detail.items()
+    )
 
 
 def _slow_check(original: OriginalRun | None, report: Report | None, statuses: list[FixStatus]) -> Check | None:

@@ -44,9 +44,13 @@ def test_expert_dense_completes_the_inactive_experts_job(tmp_path):
     checks = assert_fixed_run("expert-dense", CHECK, tmp_path / "run")
     for rank, check in checks.items():
         assert check.passed is True and check.worst is not None and check.worst < 1e-5, (rank, check)
-    # 2 layers: their first 2 calls, then on rank 1 the fault step, where expert 3 got no token
-    assert checks[1].runs == 2 * 2 + 2, checks[1]
-    assert "6 calls compared, 2 with an idle expert (TinyMoeSparseMoeBlock idle expert(s) [3])" in checks[1].detail
+    # 2 layers: their first 2 calls, one token of a checked call (no call had an idle expert yet: forced),
+    # then on rank 1 the fault step, where expert 3 got no token
+    assert checks[1].runs == 2 * 2 + 1 + 2, checks[1]
+    assert ("7 calls compared, 3 with an idle expert (TinyMoeSparseMoeBlock idle expert(s) [3]; forced on one "
+            "token of a checked call") in checks[1].detail, checks[1]
+    # rank 0 never idles an expert by itself: the forced comparison is its only one with an idle expert
+    assert "1 with an idle expert (forced on one token of a checked call" in checks[0].detail, checks[0]
 
 
 def test_expert_zero_term_completes_the_inactive_experts_job(tmp_path):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import yaml
-from torchrun_util import FIXTURES, REPO, run_command
+from torchrun_util import FIXTURES, REPO, run_command, torchrun_command
 
 # A job that is slow, not stuck (failure: slow): tests/integration/test_broadcast_storm.py verifies it.
 DESYNC_FIXTURES = sorted(p.parent.name for p in FIXTURES.glob("*/expected.yaml")
@@ -45,6 +45,9 @@ def test_fix_verifies(name, diagnosed_run):
     assert checks[f"{expected['fix']} applied"]["passed"], context
     numerical = [c for n, c in checks.items() if n.startswith(f"{expected['fix']}: ")]
     assert numerical and all(c["passed"] for c in numerical), context
+    if expected["fix"] == "expert-dense":  # the check compared the case the fix is for, on every rank
+        (dense,) = numerical
+        assert "with an idle expert" in dense["after"] and "none with an idle expert" not in dense["after"], context
     # Every fixture completes steps before it hangs: their losses must come back the same.
     assert checks["losses before the hang"]["passed"], context
     assert verification["losses"]["compared"] >= 4, context
@@ -62,3 +65,17 @@ def test_wrong_fix_fails_with_the_reason(diagnosed_run):
     assert checks["identical collective sequences"]["failed"], context
     assert "did not apply" in checks["expert-dense applied"]["after"], context
     assert "NOT VERIFIED" in result.output and "skipped-optimizer-step" in result.output, context
+
+
+def test_before_and_after_name_the_rank_that_failed_first(tmp_path):
+    """Rank 1 aborts (SIGABRT), torchrun then stops rank 0 (SIGTERM): the verify table says which
+    failed first and how, not "a rank exited -15" (NCCL, issue 30)."""
+    run_dir = tmp_path / "run"
+    job = REPO / "tests" / "jobs" / "abort_then_teardown.py"
+    ran = run_command([sys.executable, "-m", "moedoctor", "run", "--no-online", "--run-dir", str(run_dir),
+                       "--hang-timeout", "30", "--", *torchrun_command(job, 2)], 120, cwd=REPO)
+    assert ran.returncode == 1, ran.tail()
+    result = moedoctor_verify(run_dir, "expert-dense")
+    completes = {c["name"]: c for c in load_verification(result, run_dir, "expert-dense")["checks"]}["job completes"]
+    said = "rank 1 failed first: SIGABRT (exit -6); then rank 0 stopped by the launcher: SIGTERM (exit -15)"
+    assert completes["before"] == said and completes["after"].endswith(said), f"{completes}\n{result.tail()}"

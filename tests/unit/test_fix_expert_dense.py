@@ -540,3 +540,68 @@ def test_registry_lists_both_for_the_pattern():
     # the fixture's block, three transformers 4.x blocks and Qwen2-MoE's (with its shared expert)
     assert len(expert_dense.FIX.targets) == 1 + 3 + 1 + len(TRANSFORMERS5_FUSED_EXPERTS)
     assert len(expert_zero_term.FIX.targets) == 1 + 3 + 1  # the fused classes are only watched, to say "not needed"
+
+
+# -- the check compares the case the fix is for: a forward where an expert gets no token ----------------
+
+
+def finish(runtime):
+    for callback in runtime.finishers:  # what the job's end runs (a rank; here no process group)
+        callback()
+
+
+def test_dense_check_forces_an_idle_expert_when_no_call_has_one(install):
+    _model, block = fixture_block()
+    runtime = install(expert_dense)
+    hidden = torch.randn(4, 16, TinyMoeConfig.hidden_size)
+    with torch.no_grad():
+        assert not expert_dense.idle_experts(block.route(hidden.view(-1, hidden.shape[-1]))[2], 4), "pick busier input"
+    block(hidden)
+    block(hidden)
+    finish(runtime)
+    check = runtime.checks[expert_dense.CHECK]
+    assert check.passed is True, check
+    assert "1 with an idle expert" in check.detail and "forced on one token of a checked call" in check.detail, check.detail
+
+
+def test_dense_check_fails_when_the_fix_leaks_an_unrouted_expert(install, monkeypatch):
+    """The fix broken where it matters (an expert a token was not routed to adds a little to it):
+    the check, comparing a forward with an idle expert, must fail."""
+    dense_weights = expert_dense.dense_weights
+
+    def leaky(selected, weights, num_experts):
+        return dense_weights(selected, weights, num_experts) + 1e-2
+
+    monkeypatch.setattr(expert_dense, "dense_weights", leaky)
+    model, block = fixture_block()
+    runtime = install(expert_dense)
+    with blocked_experts(model, {0: [3]}):
+        block(torch.randn(2, 8, TinyMoeConfig.hidden_size))
+    check = runtime.checks[expert_dense.CHECK]
+    assert check.passed is False and "idle expert(s) [3]" in check.detail, check
+
+
+def test_dense_check_fails_not_shown_when_no_expert_can_be_idle(install):
+    """Every expert on every token (top_k == num_experts): no compared forward can have an idle
+    expert, so the check has not shown the fix's case and fails, saying so."""
+    _model, block = fixture_block()
+    block.top_k = len(block.experts)
+    runtime = install(expert_dense)
+    block(torch.randn(2, 8, TinyMoeConfig.hidden_size))
+    finish(runtime)
+    check = runtime.checks[expert_dense.CHECK]
+    assert check.passed is False and check.detail.startswith("not shown: 1 call compared"), check
+    assert "routes one token to every expert" in check.detail, check.detail
+
+
+def test_zero_term_check_fails_when_the_fix_leaks_the_idle_experts_output(install, monkeypatch):
+    """The fix broken (the idle experts run on the real tokens and their output is added, scaled
+    down, instead of a zero term): the output changes and the bitwise check must fail."""
+    monkeypatch.setattr(expert_zero_term, "_no_tokens", lambda h: h.detach().reshape(-1, h.shape[-1]))
+    monkeypatch.setattr(expert_zero_term, "_ZERO", 1e-3)
+    model, block = fixture_block()
+    runtime = install(expert_zero_term)
+    with blocked_experts(model, {0: [3]}):
+        block(torch.randn(2, 8, TinyMoeConfig.hidden_size, requires_grad=True))
+    check = runtime.checks[expert_zero_term.CHECK]
+    assert check.passed is False and "CHANGED" in check.detail and check.worst > 0, check

@@ -93,3 +93,19 @@ def test_a_loop_out_of_index_order_fails_the_check(installed):
     block(torch.randn(6, 4), torch.tensor([0, 1, 2, 3, 0, 1]))
     assert any(name.startswith("members run once") and passed is False and "out of index order" in detail
                for name, passed, detail in runtime.checks)
+
+
+def test_the_check_fails_when_the_fix_runs_an_idle_member_twice(installed, monkeypatch):
+    """The fix broken (each idle member filled in twice): the check, every member once per forward,
+    must fail."""
+    runtime, lists = installed
+    fill = type(lists)._fill
+
+    def twice(self, call, name, index, template):
+        fill(self, call, name, index, template)
+        fill(self, call, name, index, template)
+
+    monkeypatch.setattr(type(lists), "_fill", twice)
+    Block()(torch.randn(6, 4), torch.tensor([0, 1, 0, 1, 0, 1]))
+    assert any(name.startswith("members run once") and passed is False and "ran twice" in detail
+               for name, passed, detail in runtime.checks), runtime.checks

@@ -170,6 +170,51 @@ def test_a_p2p_batch_takes_its_coalesced_entrys_state_and_leaves_the_collective_
     assert [s[2] for s in states(run, 0)] == ["pending", "done", "done", "pending"]
 
 
+def test_single_p2p_entries_give_each_op_its_own_state_matched_per_peer(tmp_path):
+    """A blocking dist.send / dist.recv on NCCL: one Flight Recorder entry each, with its own CUDA
+    events; matched to the trace's p2p op by group, peer and per-peer order (FR counts per group)."""
+    b = TraceBuilder(0, 2)
+    b.p2p("send", 1, done=False).p2p("recv", 1, done=False).p2p("send", 1, done=False)
+    fr = [nccl_entry(0, 0, "nccl:send 0->1", state="completed", is_p2p=True, p2p_seq=1),
+          nccl_entry(1, 0, "nccl:recv 0<-1", state="completed", is_p2p=True, p2p_seq=2),
+          nccl_entry(2, 0, "nccl:send 0->1", state="started", is_p2p=True, p2p_seq=3)]
+    run = run_dir(tmp_path, [b], {0: dump_of(fr)})
+    assert [s[2] for s in states(run, 0)] == ["done", "done", "pending"]
+    stats = completion_stats(run.traces)
+    assert (stats.p2p, stats.p2p_observed) == (3, 2)
+    assert stats.to_dict()["p2p"] == {"events": 3, "observed": 2, "unknown": 1}
+
+
+def test_a_p2p_entry_of_another_op_or_a_wrapped_buffer_leaves_it_unknown(tmp_path):
+    b = TraceBuilder(0, 2)
+    b.p2p("send", 1, done=False)
+    fr = [nccl_entry(0, 0, "nccl:recv 0<-1", state="completed", is_p2p=True, p2p_seq=1)]  # not this op
+    run = run_dir(tmp_path / "other", [b], {0: dump_of(fr)})
+    assert [s[2] for s in states(run, 0)] == ["unknown"]
+    b = TraceBuilder(0, 2)
+    b.p2p("send", 1, done=False)
+    fr = [nccl_entry(5, 0, "nccl:send 0->1", state="completed", is_p2p=True, p2p_seq=1)]  # ring buffer wrapped
+    run = run_dir(tmp_path / "wrapped", [b], {0: dump_of(fr)})
+    assert [s[2] for s in states(run, 0)] == ["unknown"]
+
+
+def test_the_report_says_plainly_that_p2p_completion_is_unknown(tmp_path):
+    """No Work and no Flight Recorder for the p2p ops (NCCL's batch_isend_irecv seen live): the
+    completion summary says their completion is unknown, and implies nothing else."""
+    b = TraceBuilder(0, 2)
+    b.coll("all_reduce", (4,))
+    b.p2p("send", 1, done=False).p2p("recv", 1, done=False)
+    run = run_dir(tmp_path, [b], {})
+    summary = completion_stats(run.traces).to_dict()["summary"]
+    assert "p2p completion unknown for 2 of 2 send/recv ops" in summary, summary
+    assert "not that they did not" in summary, summary
+    b = TraceBuilder(0, 2)
+    b.coll("all_reduce", (4,))
+    b.p2p("send", 1)
+    run = run_dir(tmp_path / "seen", [b], {})
+    assert "p2p" not in completion_stats(run.traces).to_dict()["summary"]
+
+
 def test_the_wait_for_graph_uses_flight_recorder_states(tmp_path):
     """An order inversion on NCCL: both ranks' collectives look incomplete in the traces (no Work);
     the dumps show where each one is stuck."""
@@ -449,3 +494,75 @@ def test_poller_follows_only_the_tail_of_a_long_backlog(tmp_path):
     assert max(followed) == 20_000 and poller.tracker.top_seq["1"] == 20_000
     assert poller.tracker.last_event == 19_999 and poller.tracker.skipped > 19_000
     assert poller._offset == trace.stat().st_size
+
+
+# ------------------------------------------------------------------------------ run time: p2p ops
+
+
+def p2p_record(i: int, seq: int, op: str, peer: int, pseq: int, thread: str = "MainThread") -> bytes:
+    raw = "c10d::send" if op == "send" else "c10d::recv_"
+    return (f'{{"k":"c","i":{i},"g":0,"seq":{seq},"pseq":{pseq},"s":0,"t":1.0,"op":"{op}","raw":"{raw}",'
+            f'"in":[[4]],"out":[],"dt":["float32"],"async":true,"th":"{thread}","ph":"other","step":0,'
+            f'"peer":{peer}}}\n').encode()
+
+
+def batch_dump(*, first_record: int = 0, state: str = "completed") -> dict:
+    """Rank 0's Flight Recorder after an all_reduce and one batch_isend_irecv with rank 1."""
+    return dump_of([
+        nccl_entry(first_record, 1, "nccl:all_reduce", state="completed"),
+        nccl_entry(first_record + 1, 1, "nccl:send 0->1", state="scheduled", is_p2p=True, p2p_seq=1),
+        nccl_entry(first_record + 2, 1, "nccl:recv 0<-1", state="scheduled", is_p2p=True, p2p_seq=1),
+        nccl_entry(first_record + 3, 1, "nccl:coalesced", state=state, p2p_seq=1, sizes=()),
+    ])
+
+
+def test_tracker_follows_p2p_ops_and_a_full_dump_proves_a_batch_complete():
+    """NCCL's batch_isend_irecv: each send/recv has a null Work, so the recorder never sees it
+    complete; the batch's coalesced entry in a full dump does."""
+    t = tracker()
+    t.feed(record(0, 0, 1) + p2p_record(1, 1, "send", 1, 1) + p2p_record(2, 1, "recv", 1, 2))
+    assert sorted(t.p2p_pending) == [1, 2] and t.p2p_pending[1].peer == 1 and t.has_pending(["0"])
+    assert t.resolve_p2p(entries_from_dump(batch_dump(state="started")), ["0"]) == []  # not yet
+    assert sorted(t.resolve_p2p(entries_from_dump(batch_dump()), ["0"])) == [1, 2]
+    assert not t.p2p_pending
+
+
+def test_p2p_ops_stay_unknown_past_the_ring_buffer_or_under_another_op():
+    t = tracker()
+    t.feed(record(0, 0, 1) + p2p_record(1, 1, "send", 1, 1) + p2p_record(2, 1, "recv", 1, 2))
+    assert t.resolve_p2p(entries_from_dump(batch_dump(first_record=2000)), ["0"]) == []  # wrapped
+    swapped = batch_dump()
+    swapped["entries"][1]["profiling_name"], swapped["entries"][2]["profiling_name"] = "nccl:recv 0<-1", "nccl:send 0->1"
+    assert t.resolve_p2p(entries_from_dump(swapped), ["0"]) == []
+    assert sorted(t.p2p_pending) == [1, 2]
+    # while the job runs: only an op whose thread issued a later one (the recv, the thread's last, waits)
+    assert t.resolve_p2p(entries_from_dump(batch_dump()), ["0"], launched=True) == [1]
+    assert sorted(t.p2p_pending) == [2]
+
+
+def test_poller_decides_p2p_ops_at_its_last_poll_from_a_full_dump(tmp_path):
+    import pickle
+
+    from moedoctor.recorder import fr_poller
+
+    (tmp_path / "traces").mkdir()
+    trace = tmp_path / "traces" / "rank-00000.jsonl"
+    trace.write_bytes(b'{"format":"moedoctor-trace","version":1}\n' + GROUPS + record(0, 0, 1)
+                      + b'{"k":"d","t":2.0,"i":[0]}\n' + p2p_record(1, 1, "send", 1, 1) + p2p_record(2, 1, "recv", 1, 2))
+    recorder = _FakeRecorder(tmp_path, {"0": _FakeGroup(1)})
+    dumps = []
+
+    def dump(includeCollectives=True, includeStackTraces=True, onlyActive=False):
+        dumps.append(onlyActive)
+        return pickle.dumps(batch_dump())
+
+    poller = fr_poller.FlightRecorderPoller(recorder)
+    poller._backends.update({"0": "nccl"})
+    poller._groups.update(recorder.groups)
+    poller._dump_nccl, poller._dump_generic = dump, None
+    poller.off = False
+    poller.poll()
+    assert dumps == [] and not recorder.written, "p2p ops alone: no dump until the last poll"
+    poller.poll(final=True)
+    assert dumps == [False]
+    assert json.loads(recorder.written[0])["i"] == [1, 2] and not poller.tracker.p2p_pending
