@@ -8,9 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from moedoctor.analysis.timing import SlowReport
 from moedoctor.events import CollectiveEvent
+
+if TYPE_CHECKING:
+    from moedoctor.analysis.mechanism import MechanismFinding
 
 #: Bumped when a field of the JSON report changes meaning or type, or is removed.
 SCHEMA_VERSION = 1
@@ -229,6 +233,12 @@ class Report:
     fix_config: dict | None = None
     #: Storms of small collectives (slow, not stuck: ``moedoctor.analysis.timing``); None when none.
     slow: SlowReport | None = None
+    #: Level 1: what the traces show happened at the divergence (``analysis.mechanism``); None
+    #: where there is no divergence.
+    mechanism: MechanismFinding | None = None
+    #: Level 2's gate: per candidate pattern that was not named, what it lacked (its declaration in
+    #: ``analysis.declarations``: a mechanism it does not refine, or evidence it requires).
+    not_named: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def problem_found(self) -> bool:
