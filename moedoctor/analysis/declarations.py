@@ -318,7 +318,7 @@ def missing(pattern: str, ctx, mech: MechanismFinding | None) -> list[str]:
     if decl is None:
         return [f"{pattern} declares nothing"]
     if mech is not None and mech.mechanism not in decl.refines:
-        return [f"the mechanism, {mech.mechanism.value}, is not one {pattern} refines"]
+        return [f"a mechanism it refines (this one is {mech.mechanism.value})"]
     return [r.name for r in decl.requires if not r.holds(ctx, mech)]
 
 

@@ -113,7 +113,7 @@ def analyze(run: RunData) -> Report:
     if verdict == Verdict.HEALTHY:
         mechanism, not_named = None, {}
     if mechanism is not None:
-        evidence.extend(f"not named {p}: missing {'; '.join(m)}" for p, m in not_named.items())
+        evidence.extend(f"{p} not named: it needs {'; '.join(m)}" for p, m in not_named.items())
     if pattern is None and verdict != Verdict.HEALTHY and candidates:
         # Nothing named: what the best candidate saw and could not establish, then the others.
         evidence.extend(candidates[0].evidence)
