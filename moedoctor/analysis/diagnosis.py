@@ -113,7 +113,8 @@ def analyze(run: RunData) -> Report:
     if verdict == Verdict.HEALTHY:
         mechanism, not_named = None, {}
     if mechanism is not None:
-        evidence.extend(f"{p} not named: it needs {'; '.join(m)}" for p, m in not_named.items())
+        stopped = {c.pattern for c in candidates if c.score >= THRESHOLD}  # those the declarations held back
+        evidence.extend(f"{p} not named: it needs {'; '.join(m)}" for p, m in not_named.items() if p in stopped)
     if pattern is None and verdict != Verdict.HEALTHY and candidates:
         # Nothing named: what the best candidate saw and could not establish, then the others.
         evidence.extend(candidates[0].evidence)
@@ -288,6 +289,10 @@ def _choose(
     candidates = [Candidate(p.id, f.score, f.evidence) for p, f in ranked]
     named = [(p, f) for p, f in ranked if p.id != "unknown-desync" and f.score >= THRESHOLD]
     named = _admitted(named, ctx, mechanism, not_named)
+    # Every other candidate's missing evidence too, for the report's not_named.
+    _admitted(
+        [(p, f) for p, f in ranked if p.id != "unknown-desync" and f.score < THRESHOLD], ctx, mechanism, not_named
+    )
     if ctx.view.run.kind == SourceKind.FLIGHT_RECORDER:
         # A Flight Recorder dump has no phases, steps or evidence: only patterns that the
         # collectives' own structure proves may be named; the others stay candidates.
