@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pytest
 from analysis_scenarios import SCENARIOS
+from pathlib import Path
+
 from event_factory import ranks, run_of
 
-from moedoctor.analysis import analyze
+from moedoctor.analysis import analyze, load_run
 from moedoctor.analysis.culprits import find_culprits
 from moedoctor.analysis.declarations import DECLARATIONS, EXCEPTION, EXITS, PROCESS, STACKS, STEPS, missing
 from moedoctor.analysis.diagnosis import _hang, _primary
@@ -24,6 +26,16 @@ from moedoctor.analysis.waitfor import find_cycle, wait_edges
 from moedoctor.events import Phase
 
 DOMAIN = STACKS | PROCESS | EXCEPTION | EXITS | STEPS
+#: Runs recorded by ``moedoctor run`` from the fixtures (``tests/golden``), beside the factory scenarios.
+GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+RECORDED = sorted(p.name for p in GOLDEN.iterdir() if (p / "manifest.json").exists())
+
+
+def _run(name: str):
+    return load_run(GOLDEN / name[len("golden:") :]) if name.startswith("golden:") else SCENARIOS[name][0]()
+
+
+RUNS = sorted(SCENARIOS) + [f"golden:{n}" for n in RECORDED]
 
 
 class RecordingView:
@@ -58,10 +70,10 @@ def test_every_pattern_declares_itself():
         assert decl.refines, decl.pattern
 
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("scenario", RUNS)
 @pytest.mark.parametrize("pattern", [p.id for p in registry()])
 def test_a_classifier_reads_only_what_it_declares(scenario, pattern):
-    run = SCENARIOS[scenario][0]()
+    run = _run(scenario)
     recording = RecordingView(RunView(run))
     ctx, mech = _context(run, recording)
     next(p for p in registry() if p.id == pattern).classify(ctx)
@@ -69,10 +81,10 @@ def test_a_classifier_reads_only_what_it_declares(scenario, pattern):
     assert not undeclared, f"{pattern} read {sorted(undeclared)} on {scenario}, not in its declaration"
 
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("scenario", RUNS)
 @pytest.mark.parametrize("pattern", sorted(DECLARATIONS))
 def test_a_requirement_reads_only_its_patterns_declaration(scenario, pattern):
-    run = SCENARIOS[scenario][0]()
+    run = _run(scenario)
     recording = RecordingView(RunView(run))
     ctx, mech = _context(run, recording)
     for req in DECLARATIONS[pattern].requires:
@@ -99,6 +111,25 @@ def test_each_scenario_has_its_mechanism_and_keeps_its_pattern(scenario):
     report = analyze(build())
     assert report.mechanism is not None and report.mechanism.mechanism == EXPECTED[scenario], report.mechanism
     assert report.pattern == scenario and report.culprit_ranks == culprits, report.not_named
+
+
+RECORDED_MECHANISMS = {
+    "hardware_like": (Mechanism.TRANSPORT_HANG, "rank-stopped"),  # stopped inside the collective
+    "inactive_experts": (Mechanism.DIFFERENT_SHAPE, "inactive-experts"),
+    "inflight_metric_allreduce": (Mechanism.LOOP_TRIP_COUNT, "inflight-metric-allreduce"),  # a unit loop
+    "skipped_optimizer_step": (Mechanism.LOOP_TRIP_COUNT, "skipped-optimizer-step"),  # restart vs closing
+    "straggler": (Mechanism.RANK_OUTSIDE, "straggler"),
+    "uneven_dtensor_allgather": (Mechanism.EXTRA_COLLECTIVE, "uneven-dtensor-allgather"),  # the save's next one
+    "healthy": (None, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED_MECHANISMS))
+def test_recorded_runs_keep_their_pattern_and_show_their_mechanism(name):
+    report = analyze(load_run(GOLDEN / name))
+    mech, pattern = RECORDED_MECHANISMS[name]
+    assert (report.mechanism.mechanism if report.mechanism else None) == mech, report.mechanism
+    assert report.pattern == pattern, report.not_named
 
 
 def _per_microbatch_loop(counts: dict[int, int], checkpoint: bool = False):
