@@ -168,3 +168,36 @@ def test_the_checkpoint_pattern_names_the_same_loop_inside_a_save():
     ctx, mech = _context(_per_microbatch_loop({0: 15, 1: 16}))
     (lacks,) = missing("uneven-dtensor-allgather", ctx, mech)
     assert lacks.startswith("a checkpoint save or load") and "gathers outside the training passes" in lacks
+
+
+def _unit_loop(skip_unit_on_rank1: bool, phase=Phase.FORWARD, module: bool = True):
+    """Per-expert units gathered one by one at moe.py:83 (4 experts); at step 1 rank 1 skips expert 3
+    (idle) and goes on to the head's gather at moe.py:90, while rank 0 gathers expert 3."""
+    a, b = ranks(2)
+    for step in range(2):
+        for r in (a, b):
+            for e in range(4):
+                if step == 1 and r.rank == 1 and e == 3 and skip_unit_on_rank1:
+                    continue
+                last = step == 1 and r.rank == 0 and e == 3
+                r.coll("all_gather", (64,), phase=phase, step=step, line=83, file="/job/moe.py",
+                       module=f"layers.0.experts.{e}" if module else None, done=not last)
+            if step == 0 or r.rank == 1:
+                r.coll("all_gather", (32,), phase=phase, step=step, line=90, file="/job/moe.py",
+                       module="head" if module else None, done=step == 0)
+    return run_of(a, b, hang=True)
+
+
+def test_an_idle_expert_unit_left_out_of_a_gather_loop_is_never_a_checkpoint_pattern():
+    report = analyze(_unit_loop(True))
+    assert report.mechanism.mechanism == Mechanism.LOOP_TRIP_COUNT, report.mechanism
+    assert report.pattern != "uneven-dtensor-allgather"
+    assert "uneven-dtensor-allgather" in report.not_named or all(
+        c.pattern != "uneven-dtensor-allgather" for c in report.candidates
+    )
+
+
+def test_a_gather_loop_outside_the_passes_of_no_unit_is_the_checkpoint_patterns_to_claim():
+    ctx, mech = _context(_unit_loop(True, phase=Phase.OTHER, module=False))
+    assert mech.mechanism == Mechanism.LOOP_TRIP_COUNT
+    assert missing("uneven-dtensor-allgather", ctx, mech) == []
