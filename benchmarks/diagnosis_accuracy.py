@@ -5,11 +5,15 @@ says the true pattern, ranks, culprits, call site and fix) and every healthy job
 ``fixtures/healthy_*`` and ``fixtures/variants/healthy/healthy_*`` under ``moedoctor run``
 (``--backend`` passed to the jobs), reads each ``report.json``, then runs the ``moedoctor verify``
 command the report printed where the variant has a fix. Prints a confusion matrix (true pattern x
-reported pattern), culprit accuracy, the
+reported pattern), the mechanism (level 1, ``moedoctor.analysis.mechanism``: right when it is one of
+those ``MECHANISMS`` lists for the true pattern, or the yaml's ``mechanism``), culprit accuracy, the
 confident wrong calls (a named pattern that is not the true one; ``unknown-desync`` and "no pattern"
-are not confident), the verify results, the false alarms on the healthy jobs, and last, one line:
+are not confident), the verify results, the false alarms on the healthy jobs, then the same for
+the runs' own Flight Recorder dumps (``RUN_DIR/flight_recorder/``, written when the hang watchdog
+asked the ranks for a snapshot: analysed alone, as ``moedoctor analyze DIR`` reads them), and for
+their py-spy stacks alone (``moedoctor triage``'s reading: mechanism and pattern), and last, one line:
 
-    accuracy: pattern N/M, culprit N/M, wrong-confident N, verify-passed N/K, false-alarms N/H
+    accuracy: mechanism N/M, pattern N/M, culprit N/M, wrong-confident N, verify-passed N/K, false-alarms N/H
 
     python benchmarks/diagnosis_accuracy.py [--backend gloo|nccl] [--only PATTERN[,PATTERN]] [--no-verify]
         [--no-healthy] [--keep DIR] [--jobs N] [--variants DIR] [--healthy-dir DIR] [--reanalyze DIR]
@@ -55,6 +59,33 @@ FIXTURES = REPO / "fixtures"
 ALARMS = ("moedoctor: desync", "moedoctor: hang", "Desync detected while the job ran", "No trace after")
 #: Patterns that claim nothing specific: never a confident call.
 UNNAMED = (None, "unknown-desync")
+#: The mechanisms each pattern produces in the traces (the catalogue's account of the pattern, read
+#: structurally): a variant's mechanism is right when it is one of these (or the yaml's ``mechanism``).
+#: Patterns that do not hang (``failure: slow`` / ``silent``) have none.
+MECHANISMS = {
+    "all-to-all-split-mismatch": {"different-splits", "different-shape"},
+    "checkpoint-recompute-mismatch": {"rank-outside-collective"},  # the recomputing rank raised
+    "collective-in-checkpointed-region": {"skipped-collective", "extra-collective", "different-op", "wait-cycle"},
+    "collective-order-inversion": {"wait-cycle", "different-op"},
+    # An idle expert shortens a per-expert loop of FSDP unit collectives (loop-trip-count); DDP's
+    # reducer raises on the idle rank (rank-outside-collective, crashed).
+    "inactive-experts": {"different-shape", "different-op", "skipped-collective", "extra-collective",
+                         "loop-trip-count", "rank-outside-collective"},
+    # The metric meets a collective that varies per rank: an idle expert's FSDP unit left out of a
+    # per-expert loop, another micro-batch's collective.
+    "inflight-metric-allreduce": {"extra-collective", "different-op", "different-shape", "loop-trip-count",
+                                  "wait-cycle"},
+    # Without backward hooks to show the restart, a different count is a different op at one position.
+    "microbatch-count-mismatch": {"loop-trip-count", "skipped-collective", "extra-collective", "different-op"},
+    "rank-conditional-collective": {"extra-collective", "skipped-collective", "different-op", "wait-cycle"},
+    "shape-mismatch": {"different-shape", "different-dtype", "different-reduce-op"},
+    "skipped-optimizer-step": {"skipped-collective", "loop-trip-count", "different-op", "wait-cycle"},
+    "straggler": {"rank-outside-collective"},
+    # The rank with fewer keys leaves the per-key loop (loop-trip-count) into the save's next
+    # collective, which the others have not issued yet (extra-collective, where no loop run shows).
+    "uneven-dtensor-allgather": {"loop-trip-count", "extra-collective", "skipped-collective", "different-op",
+                                 "wait-cycle"},
+}
 #: The interpreter of the environment a yaml's ``requires`` names.
 ENVIRONMENTS = {"transformers4": REPO / ".venv-tf4" / "bin" / "python"}
 
@@ -76,6 +107,17 @@ class Case:
     params: str | None = None      # healthy job run with --check-params: what the parameter check claimed
     error: str | None = None
     skipped: str | None = None     # why it did not run (its environment is missing)
+    mechanism: str | None = None   # level 1, as the report names it
+    #: The same run's Flight Recorder dumps analysed alone, and its stacks alone:
+    #: {"pattern", "culprits", "mechanism"} (None: the run left none).
+    fr: dict | None = None
+    stacks: dict | None = None
+
+    def expected_mechanisms(self) -> set[str] | None:
+        """The mechanisms that count as right (None: the pattern has none, e.g. a slow job)."""
+        if self.expected.get("mechanism"):
+            return {self.expected["mechanism"]}
+        return MECHANISMS.get(self.expected["pattern"])
 
 
 def discover(only: set[str] | None, healthy: bool, variants: Path = VARIANTS,
@@ -142,6 +184,9 @@ def diagnose(case: Case, args: argparse.Namespace, keep: Path) -> Case:
     if case.expected.get("failure") == "slow":  # slow, not stuck: named by the report's "slow" section
         case.reported = slow_pattern(report, case.expected, case.alarm, case.exit_code)
     case.culprits = report.get("culprit_ranks") or []
+    case.mechanism = (report.get("mechanism") or {}).get("mechanism")
+    if not case.healthy:
+        case.fr, case.stacks = flight_recorder_alone(run_dir), stacks_alone(run_dir)
     if silent:  # named by the parameter check (params/check.json), the overwrite's source as culprit
         case.reported, case.culprits = silent_pattern(run_dir, report, case.expected, case.alarm, case.exit_code)
     if case.healthy and args.params_on_healthy:
@@ -222,6 +267,56 @@ def reanalyze(run_dir: Path, write: bool = False) -> dict | None:
     return report_to_dict(result)
 
 
+def flight_recorder_alone(run_dir: Path) -> dict | None:
+    """The run's own Flight Recorder dumps (written at the hang's snapshot) analysed alone."""
+    folder = run_dir / "flight_recorder"
+    if not folder.is_dir() or not any(folder.glob("fr_rank_*")):
+        return None
+    from moedoctor.analysis import analyze, load_run
+
+    try:
+        report = analyze(load_run(folder))
+    except Exception as e:  # a dump the reader refuses: counted as no answer
+        return {"pattern": None, "culprits": [], "mechanism": None, "error": type(e).__name__}
+    return {"pattern": report.pattern, "culprits": report.culprit_ranks,
+            "mechanism": m.mechanism.value if (m := getattr(report, "mechanism", None)) else None}
+
+
+def stacks_alone(run_dir: Path) -> dict | None:
+    """The run's py-spy stacks read alone (``moedoctor triage``'s reading, no traces)."""
+    if not (run_dir / "stacks").is_dir():
+        return None
+    from moedoctor.analysis import load_run
+    from moedoctor.analysis.from_stacks import report_from_stacks
+
+    run = load_run(run_dir)
+    if not any(d.error is None for d in run.stacks.values()):
+        return None
+    report = report_from_stacks(run.stacks, source=str(run_dir), world_size=run.world_size)
+    return {"pattern": report.pattern, "culprits": report.culprit_ranks,
+            "mechanism": m.mechanism.value if (m := getattr(report, "mechanism", None)) else None}
+
+
+def _level_lines(label: str, faults: list[Case], get) -> list[str]:
+    """Mechanism, pattern, culprit and confident-wrong counts over the cases ``get`` has an answer for."""
+    rows = [(c, get(c)) for c in faults if get(c) is not None]
+    if not rows:
+        return [f"{label}: none"]
+    with_mech = [(c, a) for c, a in rows if c.expected_mechanisms()]
+    mech_ok = sum(a["mechanism"] in c.expected_mechanisms() for c, a in with_mech)
+    pattern_ok = sum(a["pattern"] == c.expected["pattern"] for c, a in rows)
+    with_culprit = [(c, a) for c, a in rows if c.expected.get("culprit_ranks")]
+    culprit_ok = sum(sorted(a["culprits"]) == sorted(c.expected["culprit_ranks"]) for c, a in with_culprit)
+    wrong = [c.name + " -> " + str(a["pattern"]) for c, a in rows
+             if a["pattern"] not in UNNAMED and a["pattern"] != c.expected["pattern"]]
+    lines = [f"{label}: mechanism {mech_ok}/{len(with_mech)}, pattern {pattern_ok}/{len(rows)}, culprit "
+             f"{culprit_ok}/{len(with_culprit)}, wrong-confident {len(wrong)}"]
+    lines += [f"  wrong-confident: {w}" for w in wrong]
+    lines += [f"  mechanism {a['mechanism']} not one of {sorted(c.expected_mechanisms())}: {c.name}"
+              for c, a in with_mech if a["mechanism"] not in c.expected_mechanisms()]
+    return lines
+
+
 def report(cases: list[Case]) -> str:
     faults = [c for c in cases if not c.healthy and not c.skipped]
     healthy = [c for c in cases if c.healthy and not c.skipped]
@@ -240,6 +335,7 @@ def report(cases: list[Case]) -> str:
         ok = c.reported == c.expected["pattern"]
         want = sorted(c.expected.get("culprit_ranks") or [])
         lines.append(f"{'ok ' if ok else 'BAD'} {c.name:<60} {c.seconds:5.0f}s exit {c.exit_code} -> {c.reported} "
+                     f"[{c.mechanism}] "
                      f"culprit {c.culprits} (want {want})" + (f" verify {'passed' if c.verified else 'FAILED'}"
                                                               if c.verified is not None else "")
                      + (f" [{c.error}]" if c.error else ""))
@@ -262,8 +358,14 @@ def report(cases: list[Case]) -> str:
     for c in faults:
         by_pattern[c.expected["pattern"]].append(c.reported == c.expected["pattern"])
     lines.append("")
+    lines += _level_lines("flight recorder dumps alone", faults, lambda c: c.fr)
+    lines += _level_lines("stacks alone", faults, lambda c: c.stacks)
+    lines += _level_lines("traces", faults, lambda c: None if c.error else
+                          {"pattern": c.reported, "culprits": c.culprits, "mechanism": c.mechanism})
+    with_mech = [c for c in faults if c.expected_mechanisms()]
+    mech_ok = sum(c.mechanism in c.expected_mechanisms() for c in with_mech)
     lines.append("per pattern: " + ", ".join(f"{p} {sum(v)}/{len(v)}" for p, v in sorted(by_pattern.items())))
-    lines.append(f"accuracy: pattern {pattern_ok}/{len(faults)}, culprit {culprit_ok}/{len(with_culprit)}, "
+    lines.append(f"accuracy: mechanism {mech_ok}/{len(with_mech)}, pattern {pattern_ok}/{len(faults)}, culprit {culprit_ok}/{len(with_culprit)}, "
                  f"wrong-confident {wrong_confident}, verify-passed {verified}/{len(fixable)}, "
                  f"false-alarms {false_alarms}/{len(healthy)}")
     return "\n".join(lines)

@@ -19,9 +19,11 @@ import signal
 
 from moedoctor.analysis.completion import completion_stats
 from moedoctor.analysis.culprits import Culprits, find_culprits
+from moedoctor.analysis.declarations import missing as missing_evidence
 from moedoctor.analysis.from_stacks import report_from_stacks
 from moedoctor.analysis.load import RunData, SourceKind
 from moedoctor.analysis.matching import all_divergences, stalled
+from moedoctor.analysis.mechanism import MechanismFinding, mechanism_of
 from moedoctor.analysis.model import (
     AlignedRow,
     Candidate,
@@ -91,8 +93,10 @@ def analyze(run: RunData) -> Report:
     culprits = find_culprits(view, primary, edges, cycle)
     ctx = Context(view, primary, culprits, edges, cycle, hang)
     died = sorted(r for r in _all_ranks(view) if view.died(r))
+    mechanism = mechanism_of(view, primary, culprits, edges, cycle)
+    not_named: dict[str, list[str]] = {}
 
-    pattern, finding, candidates = _choose(ctx, died)
+    pattern, finding, candidates = _choose(ctx, died, mechanism, not_named)
     culprit_ranks = list(culprits.ranks)
     reasoning = culprits.reasoning
     named = pattern is not None and pattern.id != "unknown-desync"
@@ -113,6 +117,11 @@ def analyze(run: RunData) -> Report:
         if interrupted:  # nothing wrong up to the stop, but the run did not end: no verdict on the job
             verdict = Verdict.INTERRUPTED
     evidence = list(finding.evidence) if finding else []
+    if verdict == Verdict.HEALTHY:
+        mechanism, not_named = None, {}
+    if mechanism is not None:
+        stopped = {c.pattern for c in candidates if c.score >= THRESHOLD}  # those the declarations held back
+        evidence.extend(f"{p} not named: it needs {'; '.join(m)}" for p, m in not_named.items() if p in stopped)
     if pattern is None and verdict != Verdict.HEALTHY and candidates:
         # Nothing named: what the best candidate saw and could not establish, then the others.
         evidence.extend(candidates[0].evidence)
@@ -138,11 +147,16 @@ def analyze(run: RunData) -> Report:
         fix_config = storm_fix
     verify = f"moedoctor verify --fix {fixes[0]} --run {run.path}" if fixes else None
     suggestion = _suggestion(pattern, finding, primary, culprit_ranks) if pattern else None
+    summary = _summary(view, verdict, pattern, primary, culprit_ranks, cycle, died, finding, candidates)
+    if mechanism is not None and (pattern is None or pattern.id == "unknown-desync"):
+        # No pattern has the evidence it needs: the mechanism is the diagnosis, and its own fix.
+        suggestion = _suggestion(by_id("unknown-desync"), Finding(0.0, (), suggestion=mechanism.suggestion()), None, [])
+        summary = f"{summary} Mechanism: {mechanism.mechanism.value} ({mechanism.suggestion().text})."
     report = Report(
         source=str(run.path),
         source_kind=run.kind,
         verdict=verdict,
-        summary=_summary(view, verdict, pattern, primary, culprit_ranks, cycle, died, finding, candidates),
+        summary=summary,
         pattern=pattern.id if pattern else None,
         pattern_title=pattern.title if pattern else None,
         culprit_ranks=culprit_ranks,
@@ -167,6 +181,8 @@ def analyze(run: RunData) -> Report:
         completion=completion_stats(run.traces).to_dict(windowed=run.windowed),
         slow=slow,
         busy=list(run.manifest.busy) if run.manifest is not None else [],
+        mechanism=mechanism,
+        not_named=not_named,
     )
     busy = _busy_at_end(run)
     if busy is not None and not died:
@@ -280,7 +296,34 @@ def _primary(
 STRUCTURAL_PATTERNS = frozenset({"shape-mismatch", "collective-order-inversion", "not-a-desync"})
 
 
-def _choose(ctx: Context, died: list[int]) -> tuple[Pattern | None, Finding | None, list[Candidate]]:
+def _admitted(
+    ranked: list[tuple[Pattern, Finding]],
+    ctx: Context,
+    mechanism: MechanismFinding | None,
+    not_named: dict[str, list[str]],
+) -> list[tuple[Pattern, Finding]]:
+    """The findings whose pattern's declaration admits them (``analysis.declarations``): the mechanism
+    is one it refines and its required evidence is present. The others are recorded in ``not_named``
+    with what they lacked."""
+    if mechanism is None:
+        return ranked
+    kept = []
+    for p, f in ranked:
+        lacks = missing_evidence(p.id, ctx, mechanism)
+        if lacks:
+            not_named[p.id] = lacks
+        else:
+            kept.append((p, f))
+    return kept
+
+
+def _choose(
+    ctx: Context,
+    died: list[int],
+    mechanism: MechanismFinding | None = None,
+    not_named: dict[str, list[str]] | None = None,
+) -> tuple[Pattern | None, Finding | None, list[Candidate]]:
+    not_named = {} if not_named is None else not_named
     div = ctx.div
     if (
         div is not None
@@ -291,12 +334,18 @@ def _choose(ctx: Context, died: list[int]) -> tuple[Pattern | None, Finding | No
         # The ranks the others wait for died: a crash, not a desync pattern, unless a pattern's own
         # evidence says why they stopped issuing collectives before they died.
         explained = [(p, f) for p, f in classify_all(ctx) if f.explains_crash and f.score >= THRESHOLD]
+        explained = _admitted(explained, ctx, mechanism, not_named)
         if explained:
             return explained[0][0], explained[0][1], [Candidate(p.id, f.score, f.evidence) for p, f in explained]
         return None, None, []
     ranked = classify_all(ctx)
     candidates = [Candidate(p.id, f.score, f.evidence) for p, f in ranked]
     named = [(p, f) for p, f in ranked if p.id != "unknown-desync" and f.score >= THRESHOLD]
+    named = _admitted(named, ctx, mechanism, not_named)
+    # Every other candidate's missing evidence too, for the report's not_named.
+    _admitted(
+        [(p, f) for p, f in ranked if p.id != "unknown-desync" and f.score < THRESHOLD], ctx, mechanism, not_named
+    )
     if ctx.view.run.kind == SourceKind.FLIGHT_RECORDER:
         # A Flight Recorder dump has no phases, steps or evidence: only patterns that the
         # collectives' own structure proves may be named; the others stay candidates.

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moedoctor.analysis.declarations import admits
 from moedoctor.analysis.load import GpuSnapshot
+from moedoctor.analysis.mechanism import mechanism_from_stacks
 from moedoctor.analysis.model import RankSummary, Report, Verdict
 from moedoctor.analysis import patterns
 from moedoctor.analysis.patterns import names
@@ -138,11 +140,14 @@ def report_from_stacks(
     culprits: list[int] = []
     reasoning = "the stacks do not single out a rank"
     suggestion = None
+    mechanism = mechanism_from_stacks(inside, outside, frozen)
     found = (
         None
         if not classes and not frozen
         else patterns.from_stacks(patterns.StackContext(stacks, inside, outside, frozen, letters))
     )
+    if found is not None and mechanism is not None and not admits(found[0].id, mechanism):
+        found = None  # the pattern does not refine what the stacks show: the mechanism is the diagnosis
     if found is not None:
         pattern, finding = found
         verdict = Verdict.DESYNC if pattern.desync else Verdict.STUCK
@@ -199,6 +204,7 @@ def report_from_stacks(
         world_size=world_size,
         traced_ranks=[],
         collectives=0,
+        mechanism=mechanism,
     )
 
 

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from moedoctor.analysis.timing import SlowReport
 from moedoctor.events import CollectiveEvent
 from moedoctor.run_records import BusyRecord
+
+if TYPE_CHECKING:
+    from moedoctor.analysis.mechanism import MechanismFinding
 
 #: Bumped when a field of the JSON report changes meaning or type, or is removed.
 SCHEMA_VERSION = 1
@@ -237,6 +241,12 @@ class Report:
     #: Silences of the collectives that ``moedoctor run`` judged busy (or could not prove a hang),
     #: from the manifest (``moedoctor.rank_states``): the job was not stopped for them.
     busy: list[BusyRecord] = field(default_factory=list)
+    #: Level 1: what the traces show happened at the divergence (``analysis.mechanism``); None
+    #: where there is no divergence.
+    mechanism: MechanismFinding | None = None
+    #: Level 2's gate: per candidate pattern that was not named, what it lacked (its declaration in
+    #: ``analysis.declarations``: a mechanism it does not refine, or evidence it requires).
+    not_named: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def problem_found(self) -> bool:

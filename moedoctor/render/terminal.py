@@ -51,6 +51,9 @@ def render_report(report: Report, console: Console) -> None:
         render_busy(report, console)
         _incomplete(report, console)
         return
+    if report.mechanism is not None:
+        mech = Text("Mechanism: ", style="bold").append(report.mechanism.mechanism.value, style=f"bold {style}")
+        console.print(mech.append(f"  {report.mechanism.detail}"), soft_wrap=True)
     head = Text()
     if report.pattern:
         head.append("Pattern: ", style="bold").append(f"{report.pattern_title} ", style=f"bold {style}")

@@ -99,6 +99,7 @@ def desync_from_json(text: str | bytes) -> Desync:
         issued_at=doc["issued_at"],
         detected_at=doc["detected_at"],
         reason=doc.get("reason"),
+        mechanism=doc.get("mechanism"),
     )
 
 

@@ -44,6 +44,20 @@ def describe(e: CollectiveEvent, detail: bool = False) -> str:
     return f"{e.op}[{shapes}] {'/'.join(e.dtypes) or '-'}{red}"
 
 
+def first_mechanism(a: CollectiveEvent, b: CollectiveEvent) -> str:
+    """The mechanism two members' events at one sequence number show (``analysis.mechanism``'s
+    vocabulary, without the history the offline analysis reads)."""
+    if a.op != b.op:
+        return "different-op"
+    if a.in_shapes != b.in_shapes or a.out_shapes != b.out_shapes:
+        return "different-shape"
+    if a.dtypes != b.dtypes:
+        return "different-dtype"
+    if a.reduce_op and b.reduce_op and a.reduce_op != b.reduce_op:
+        return "different-reduce-op"
+    return "different-op"  # same arguments, another signature field (another unit or root)
+
+
 @dataclass(frozen=True)
 class Desync:
     """Two members of a group issued different collectives at the same sequence number."""
@@ -58,6 +72,10 @@ class Desync:
     issued_at: float  # the later of those two issue times (ranks' wall clock)
     detected_at: float  # when the detector saw it (this host's wall clock)
     reason: str | None = None  # a size contract broken (all_to_all splits): which pair
+    #: Level 1 (``moedoctor.analysis.mechanism``) as far as two events at one seq tell: the same op
+    #: with other shapes / dtypes / reduce op, a broken size contract (splits), or another op there
+    #: (the offline analysis, with the history, may call that an extra, skipped or looped one).
+    mechanism: str | None = None
 
     @property
     def latency(self) -> float:
@@ -67,9 +85,10 @@ class Desync:
         a, b = self.ranks
         desc = self.group_desc if self.group_desc and self.group_desc != self.group else None
         where = f"group {self.group}" + (f" ({desc})" if desc else "")
+        how = f" ({self.mechanism})" if self.mechanism else ""
         if self.reason:
-            return f"{where} #{self.seq}, {self.ops[a].split('[')[0]}: {self.reason}"
-        return f"{where} #{self.seq}, rank {a} {self.ops[a]} vs rank {b} {self.ops[b]}"
+            return f"{where} #{self.seq}, {self.ops[a].split('[')[0]}: {self.reason}{how}"
+        return f"{where} #{self.seq}, rank {a} {self.ops[a]} vs rank {b} {self.ops[b]}{how}"
 
 
 @dataclass(frozen=True)
@@ -184,6 +203,7 @@ class DesyncDetector:
             ranks=(a.rank, b.rank),
             issued_at=max(a.time, b.time),
             detected_at=self.clock(),
+            mechanism=first_mechanism(a, b),
         )
 
     def _check_contract(self, e: CollectiveEvent, entry: _Entry) -> None:
@@ -204,6 +224,7 @@ class DesyncDetector:
             issued_at=max(x.time for x in entry.events.values()),
             detected_at=self.clock(),
             reason=first.line(),
+            mechanism="different-splits",
         )
 
     def reset_rank(self, rank: int) -> None:

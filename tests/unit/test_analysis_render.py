@@ -18,7 +18,7 @@ from moedoctor.render.terminal import render_report
 
 TOP_KEYS = {"schema_version", "moedoctor_version", "source", "verdict", "summary", "pattern", "pattern_title",
             "culprit_ranks", "culprit_reasoning", "divergence", "evidence", "fixes", "verify_command", "fix_note",
-            "fix_config", "suggestion",
+            "fix_config", "suggestion", "mechanism", "not_named",
             "candidates", "wait_for", "cycle", "groups", "ranks", "incomplete", "completion", "slow", "busy"}
 OP_KEYS = {"seq", "op", "shapes", "out_shapes", "dtypes", "reduce_op", "call_site", "function", "phase", "step",
            "module", "peer", "completed", "time"}

@@ -67,7 +67,7 @@ def test_mismatch_flagged_when_both_sides_issued():
     d = det.desync
     assert d is not None and (d.group, d.seq, d.ranks) == ("0", 4, (0, 1))
     assert d.ops == {0: "all_reduce", 1: "all_gather"}
-    assert d.line() == "group 0 (default_pg) #4, rank 0 all_reduce vs rank 1 all_gather"
+    assert d.line() == "group 0 (default_pg) #4, rank 0 all_reduce vs rank 1 all_gather (different-op)"
     assert d.issued_at == max(a.events[3].time, b.events[3].time)
     assert abs(d.latency - 0.25) < 1e-9
     assert d.classes == op_classes({0: a.events[3], 1: b.events[3]})
@@ -80,7 +80,7 @@ def test_shape_and_dtype_mismatch_show_details():
     det = DesyncDetector()
     det.feed(1, b.events)
     det.feed(0, a.events)
-    assert det.desync.line() == "group 0 (default_pg) #1, rank 0 all_reduce[4] float32 vs rank 1 all_reduce[2] float32"
+    assert det.desync.line() == "group 0 (default_pg) #1, rank 0 all_reduce[4] float32 vs rank 1 all_reduce[2] float32 (different-shape)"
     a, b = ranks(2)
     a.coll("all_reduce", (4,), dtype="float32")
     b.coll("all_reduce", (4,), dtype="bfloat16")

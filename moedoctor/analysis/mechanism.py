@@ -1,0 +1,528 @@
+"""Level 1 of a diagnosis: the mechanism, what the traces and the ranks' states show happened.
+
+A small, exhaustive vocabulary defined only on the structure of the recorded collectives (which
+rank issued what, at which sequence number of which group, from which call site, in which step) and
+on the ranks' states (inside a collective or not, process running, stopped or dead). It reads no
+phase name, no module name, no job source and no recorder evidence record: it claims nothing the
+traces do not show, so it holds on code moedoctor has never seen. The patterns (level 2,
+``analysis.patterns`` with their declarations in ``analysis.declarations``) refine a mechanism
+with domain evidence; when none has the evidence it needs, the mechanism is the diagnosis.
+
+Exactly one mechanism per divergence (``mechanism_of``), chosen in this order: a cycle of waits
+across groups; every member inside the same collective; an unmatched point-to-point op; a broken
+size contract; at one position, the same op with other shapes, dtypes or reduce op; a loop of one
+call site (or the step's repeated part) run a different number of times; a collective only some
+ranks issue, or one some ranks skip; the same position holding different collectives; ranks the
+others wait for that are outside any collective (their state said). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from moedoctor.analysis.culprits import Culprits
+from moedoctor.analysis.model import Divergence, DivergenceKind, Suggestion, WaitEdge
+from moedoctor.analysis.steps import CLOSING, RESTART, LoopExit, cycle_loop_exit, loop_exit, position, token
+from moedoctor.analysis.view import RunView
+from moedoctor.analysis.waitfor import chain_roots
+from moedoctor.events import CollectiveEvent
+from moedoctor.wording import rank_names
+
+
+class Mechanism(str, Enum):
+    """What happened at a divergence, in terms of the traces' structure only (the flight recorder's
+    ``MatchState`` is the model: a closed set, one value per divergence)."""
+
+    EXTRA_COLLECTIVE = "extra-collective"
+    """Some ranks issued a collective the other members never issue at that point: its call site
+    appears nowhere in the others' streams of the group, or the others had ended normally."""
+
+    SKIPPED_COLLECTIVE = "skipped-collective"
+    """Some ranks left out a collective they issue at that point of their own earlier steps (the
+    others issue it): what they issued instead is what comes after it."""
+
+    DIFFERENT_OP = "different-op"
+    """The ranks issued different collectives at the same position of the group, each one a
+    collective both sides issue elsewhere (a reordering, or a decision that took another path)."""
+
+    DIFFERENT_SHAPE = "different-shape"
+    """Same op at the same position, with tensors of different sizes."""
+
+    DIFFERENT_DTYPE = "different-dtype"
+    """Same op and sizes at the same position, with different dtypes."""
+
+    DIFFERENT_REDUCE_OP = "different-reduce-op"
+    """Same op, sizes and dtypes at the same position, with a different reduce op."""
+
+    DIFFERENT_SPLITS = "different-splits"
+    """Same op at the same position, but what one rank sends another does not expect (the split
+    sizes of an all_to_all, the per-rank sizes of a gather or scatter)."""
+
+    LOOP_TRIP_COUNT = "loop-trip-count"
+    """A loop ran a different number of times on different ranks: a run of collectives from one call
+    site that some ranks left after fewer iterations, or the step's repeated part (a pass with a
+    backward) that some ranks began again while the others closed the step."""
+
+    WAIT_CYCLE = "wait-cycle"
+    """A cycle of waits across groups: each rank of the cycle waits in one group for a rank that
+    waits in another group; every group's own sequence may agree."""
+
+    UNMATCHED_P2P = "unmatched-p2p"
+    """A send or recv whose peer never posted the matching op (or posted one of another size)."""
+
+    RANK_OUTSIDE = "rank-outside-collective"
+    """The ranks the others wait for are outside any collective of the group: working, stopped,
+    dead or crashed (``RankState``), or in a state nothing recorded."""
+
+    TRANSPORT_HANG = "transport-hang"
+    """Every member is inside the same collective (same op, shapes, call site) and none completed it:
+    nothing in the sequence differs."""
+
+
+class RankState(str, Enum):
+    """Where a waited-for rank is, for ``Mechanism.RANK_OUTSIDE``."""
+
+    WORKING = "working"  # its stack shows it running outside torch.distributed
+    STOPPED = "stopped"  # its process does not run (state T, t or D)
+    DEAD = "dead"  # its process exited or was killed
+    CRASHED = "crashed"  # it raised an exception nothing caught
+    UNKNOWN = "unknown"  # no stack, no process state, no exit status
+
+
+@dataclass(frozen=True)
+class MechanismFinding:
+    """One mechanism with where it happened: ``ranks`` are the ranks it is about (those that issued
+    the extra collective, skipped one, ran the loop fewer times, the waited-for ones; empty where the
+    structure singles out none), ``others`` the rest of the members; ``sites`` each side's call site."""
+
+    mechanism: Mechanism
+    group: str
+    seq: int
+    ranks: tuple[int, ...]
+    others: tuple[int, ...]
+    sites: dict[int, str] = field(default_factory=dict)  # rank -> file:line at the divergence
+    functions: dict[int, str] = field(default_factory=dict)
+    step: int | None = None
+    phase: str | None = None
+    detail: str = ""
+    state: RankState | None = None  # RANK_OUTSIDE
+    counts: dict[int, int] | None = None  # LOOP_TRIP_COUNT of one call site: iterations per rank
+    loop_site: str | None = None
+
+    def sentence(self) -> str:
+        """``loop-trip-count at #7 of group 0 (step 2, backward): <detail>``."""
+        where = ", ".join(x for x in (f"step {self.step}" if self.step is not None else "", self.phase or "") if x)
+        return (
+            f"{self.mechanism.value} at #{self.seq} of group {self.group}"
+            + (f" ({where})" if where else "")
+            + (f": {self.detail}" if self.detail else "")
+        )
+
+    def suggestion(self) -> Suggestion:
+        """What to change, written at the call site from the mechanism alone."""
+        site = self.loop_site or next((self.sites[r] for r in self.ranks if r in self.sites), None)
+        site = site or next(iter(self.sites.values()), None)
+        fn = next((self.functions[r] for r in self.ranks if r in self.functions), None)
+        short = site.rsplit("/", 1)[-1] if site else "the call site"
+        m, mine, theirs = self.mechanism, rank_names(self.ranks), rank_names(self.others)
+        if m == Mechanism.LOOP_TRIP_COUNT and self.counts:
+            ran = ", ".join(f"rank {r} ran {n}" for r, n in sorted(self.counts.items()))
+            text = f"make the loop's trip count agree across ranks: {ran} iterations of {short}"
+        elif m == Mechanism.LOOP_TRIP_COUNT:
+            text = (
+                f"make the number of passes over the step's repeated part agree across ranks: {mine} closed the step "
+                f"while {theirs} began another pass ({short})"
+            )
+        elif m == Mechanism.EXTRA_COLLECTIVE:
+            text = f"issue the collective at {short} on every rank of the group, or on none: only {mine} issued it"
+        elif m == Mechanism.SKIPPED_COLLECTIVE:
+            text = (
+                f"make {mine} issue the collective the others issue at {short}, or take the decision to skip it "
+                "collectively"
+            )
+        elif m in (Mechanism.DIFFERENT_SHAPE, Mechanism.DIFFERENT_DTYPE, Mechanism.DIFFERENT_REDUCE_OP):
+            what = {Mechanism.DIFFERENT_SHAPE: "sizes", Mechanism.DIFFERENT_DTYPE: "dtypes"}.get(m, "reduce op")
+            text = f"make the {what} of the collective at {short} agree across ranks"
+        elif m == Mechanism.DIFFERENT_SPLITS:
+            text = f"derive the receive sizes at {short} from what the peers send (exchange the counts first)"
+        elif m == Mechanism.DIFFERENT_OP:
+            text = f"make every rank issue the group's collectives in the same order at {short}"
+        elif m == Mechanism.WAIT_CYCLE:
+            text = f"issue the collectives of these groups in one fixed order on every rank (at {short})"
+        elif m == Mechanism.UNMATCHED_P2P:
+            text = f"pair every send at {short} with a recv of the same size on its peer"
+        elif m == Mechanism.RANK_OUTSIDE:
+            state = self.state.value if self.state else "state unknown"
+            text = f"find why {mine} never reached the collective the others wait in at {short} ({state})"
+        else:
+            text = f"every rank is inside the collective at {short}: check the transport (network, GPU, NCCL settings)"
+        return Suggestion(site, fn, text)
+
+    def to_dict(self) -> dict:
+        return {
+            "mechanism": self.mechanism.value,
+            "group": self.group,
+            "seq": self.seq,
+            "ranks": list(self.ranks),
+            "others": list(self.others),
+            "call_sites": {str(r): s for r, s in sorted(self.sites.items())},
+            "step": self.step,
+            "phase": self.phase,
+            "state": self.state.value if self.state else None,
+            "loop_counts": {str(r): n for r, n in sorted(self.counts.items())} if self.counts else None,
+            "loop_site": self.loop_site,
+            "detail": self.detail,
+        }
+
+
+def _short(site: str | None) -> str:
+    return site.rsplit("/", 1)[-1] if site else "?"
+
+
+def rank_state(view: RunView, rank: int) -> RankState:
+    """The waited-for rank's state, from its exit status, process state, exception and stack."""
+    if view.frozen(rank):
+        return RankState.STOPPED
+    if view.exception(rank) is not None and (view.died(rank) or view.exit_code(rank) is not None):
+        return RankState.CRASHED
+    if view.died(rank) or view.finished(rank):
+        return RankState.DEAD
+    if view.in_distributed(rank) is False:
+        return RankState.WORKING
+    return RankState.UNKNOWN
+
+
+def mechanism_of(
+    view: RunView, div: Divergence | None, culprits: Culprits, edges: list[WaitEdge], cycle: list[WaitEdge] | None
+) -> MechanismFinding | None:
+    """The one mechanism of the primary divergence (None: no divergence)."""
+    if div is None:
+        return None
+    present = {r: v for r, v in div.per_rank.items() if v is not None}
+    sites = {r: v.call_site for r, v in present.items() if v.call_site}
+    functions = {r: v.function for r, v in present.items() if v.function}
+    first = next(iter(present.values()), None)
+    base: dict[str, Any] = dict(
+        group=div.group.label(),
+        seq=div.seq,
+        sites=sites,
+        functions=functions,
+        # The earliest step among the ranks: where they parted (a rank that went on counts one more).
+        step=min(v.step for v in present.values()) if present else None,
+        phase=min(present.values(), key=lambda v: v.step).phase if present else None,
+    )
+    members = tuple(sorted(div.per_rank))
+
+    def made(mech: Mechanism, ranks, detail: str, **kw) -> MechanismFinding:
+        ranks = tuple(sorted(ranks))
+        others = tuple(r for r in members if r not in ranks)
+        return MechanismFinding(mech, ranks=ranks, others=others, detail=detail, **{**base, **kw})
+
+    if cycle:
+        waits = "; ".join(
+            f"rank {e.rank} waits in {e.op} #{e.seq} of group {e.group} for {rank_names(e.waits_for)}" for e in cycle
+        )
+        looped = cycle_loop_exit(view, cycle)
+        extra = f" (on group {looped[0]}, {_loop_text(looped[1])})" if looped else ""
+        cyc = tuple(sorted({e.rank for e in cycle}))
+        return MechanismFinding(
+            Mechanism.WAIT_CYCLE,
+            ranks=cyc,
+            others=(),
+            detail=waits + extra,
+            **{**base, "group": cycle[0].group, "seq": cycle[0].seq},
+        )
+    if div.kind == DivergenceKind.STALLED:
+        return made(
+            Mechanism.TRANSPORT_HANG,
+            (),
+            f"every member of group {div.group.label()} is inside {first.op if first else 'the same collective'} "
+            f"#{div.seq} ({_short(first.call_site if first else None)}) and none completed it",
+        )
+    if div.kind == DivergenceKind.P2P:
+        a, b = div.peers or (None, None)
+        lone = tuple(r for r in (a, b) if r is not None and r in present)
+        return made(
+            Mechanism.UNMATCHED_P2P,
+            lone,
+            f"p2p #{div.seq} between ranks {a} and {b}: "
+            + ("; ".join(f"rank {r} posted {v.op} ({_short(v.call_site)})" for r, v in present.items()) or "no op"),
+        )
+    if div.kind == DivergenceKind.CONTRACT:
+        return made(Mechanism.DIFFERENT_SPLITS, culprits.ranks, "; ".join(div.breaches[:2]))
+    if div.kind == DivergenceKind.MISMATCH and len({(v.op, v.call_site) for v in present.values()}) == 1:
+        found = _same_op(div, present, culprits, made)
+        if found is not None:
+            return found
+    exit_ = loop_exit(view, div.group.name, div.seq, list(div.per_rank))
+    if (
+        exit_ is not None
+        and div.kind == DivergenceKind.MISSING
+        and not all(view.finished(r) or _moved_on(view, r, exit_.site) for r in exit_.left)
+    ):
+        exit_ = None  # a rank that issued nothing since its last iteration has not left the loop: not arrived
+    if exit_ is not None:
+        return made(
+            Mechanism.LOOP_TRIP_COUNT, exit_.left, _loop_text(exit_), counts=dict(exit_.counts), loop_site=exit_.site
+        )
+    if div.kind == DivergenceKind.MISMATCH:
+        return _mismatch(view, div, present, culprits, made)
+    return _missing(view, div, present, edges, made)
+
+
+def _moved_on(view: RunView, rank: int, site: str) -> bool:
+    """The rank issued a collective from another call site (any group) after its last one from ``site``."""
+    events = view.rank_events(rank)
+    last = max((i for i, e in enumerate(events) if e.call_site is not None and e.call_site.where == site), default=None)
+    return last is not None and any(e.call_site is None or e.call_site.where != site for e in events[last + 1 :])
+
+
+def _loop_text(exit_: LoopExit) -> str:
+    counts = ", ".join(f"rank {r}: {n}" for r, n in sorted(exit_.counts.items()))
+    return (
+        f"a loop of one collective per iteration at {exit_.short}: {rank_names(exit_.left)} left it after fewer "
+        f"iterations while {rank_names(exit_.looping)} went on ({counts})"
+    )
+
+
+def _same_op(div: Divergence, present: dict, culprits: Culprits, made) -> MechanismFinding | None:
+    views = list(present.values())
+    if len({v.shapes for v in views}) > 1 or len({v.out_shapes for v in views}) > 1:
+        mech, what = Mechanism.DIFFERENT_SHAPE, "shapes"
+    elif len({v.dtypes for v in views}) > 1:
+        mech, what = Mechanism.DIFFERENT_DTYPE, "dtypes"
+    elif len({v.reduce_op for v in views if v.reduce_op}) > 1:
+        mech, what = Mechanism.DIFFERENT_REDUCE_OP, "reduce ops"
+    elif len({v.splits for v in views}) > 1:
+        mech, what = Mechanism.DIFFERENT_SPLITS, "splits"
+    else:
+        return None  # the same arguments (another FSDP unit, another root): read as different collectives
+    v = views[0]
+    per = "; ".join(
+        f"{rank_names(cls)}: "
+        + (
+            ",".join(str(list(s)) for s in present[cls[0]].shapes[:2])
+            if what == "shapes"
+            else "/".join(present[cls[0]].dtypes)
+            if what == "dtypes"
+            else str(present[cls[0]].reduce_op)
+            if what == "reduce ops"
+            else str(present[cls[0]].splits)
+        )
+        for cls in div.classes
+        if cls and cls[0] in present
+    )
+    return made(
+        mech, culprits.ranks, f"every rank issued {v.op} from {_short(v.call_site)} with different {what} ({per})"
+    )
+
+
+#: Ranks whose whole stream is read to call a collective new to them (the first ones, by rank): the
+#: claim is made on these, so a 256-rank job costs what an 8-rank one does.
+NOVELTY_RANKS = 8
+
+
+def _stream_tokens(view: RunView, rank: int, group: str, before: int) -> set:
+    """(op, call site) of every collective the rank issued on the group before ``before``."""
+    return {
+        (e.op, e.call_site.where if e.call_site else None) for s, e in view.seq_map(rank, group).items() if s < before
+    }
+
+
+def _mismatch(view: RunView, div: Divergence, present: dict, culprits: Culprits, made) -> MechanismFinding:
+    group = div.group.name
+    events = {r: view.event(r, group, div.seq) for r in present}
+    positions = {r: position(view, e) for r, e in events.items() if e is not None}
+    restart = [r for r, p in positions.items() if p == RESTART]
+    closing = [r for r, p in positions.items() if p == CLOSING]
+    if restart and closing and all(events[r].phase.value == "backward" for r in restart):
+        # Issued again while a backward pass runs, from a call site of this step's forward: a re-issue
+        # inside backward (a recompute) that the other ranks did not make.
+        return made(
+            Mechanism.SKIPPED_COLLECTIVE,
+            closing,
+            f"{rank_names(restart)} issued {_what(events, restart)} again during a backward pass, a call site "
+            f"they issued earlier in this step; {rank_names(closing)} did not and went on ({_what(events, closing)})",
+        )
+    if restart and closing:
+        return made(
+            Mechanism.LOOP_TRIP_COUNT,
+            closing,
+            f"{rank_names(restart)} began another pass over the step's repeated part "
+            f"({_what(events, restart)}) while {rank_names(closing)} closed the step ({_what(events, closing)})",
+        )
+    classes = [c for c in div.classes if c and c[0] in present]
+    # A collective whose (op, call site) the other side never issued on this group: an extra one.
+    novel = []
+    for cls in classes:
+        mine = token(events[cls[0]])[:2] if events.get(cls[0]) else None
+        others = sorted(r for r in present if r not in cls)[:NOVELTY_RANKS]
+        if mine is not None and others and all(mine not in _stream_tokens(view, o, group, div.seq + 1) for o in others):
+            novel.append(cls)
+    if len(novel) == 1:
+        cls = novel[0]
+        return made(
+            Mechanism.EXTRA_COLLECTIVE,
+            cls,
+            f"{rank_names(cls)} issued {_what(events, cls)}, a collective "
+            f"the other ranks never issued on group {div.group.label()} "
+            f"(they issued {_what(events, [r for r in present if r not in cls])})",
+        )
+    deviating = (
+        [r for r in culprits.ranks if r in present] if culprits.rule in ("own-steps", "own-period", "minority") else []
+    )
+    if deviating and len(deviating) < len(present):
+        others = [r for r in present if r not in deviating]
+        e, o = events[deviating[0]], events[others[0]]
+        habit = _previous_step(view, deviating[0], e)
+        if habit is not None and o is not None and token(o)[:2] in [token(x)[:2] for x in habit[:1]]:
+            later = [token(x)[:2] for x in habit[1:]]
+            after = [token(x)[:2] for x in view.events(deviating[0], group) if x.seq > div.seq]
+            if token(e)[:2] in later and after and token(o)[:2] not in after:
+                # It went on past the collective its habit puts first, without issuing it: skipped.
+                # (Blocked at the divergence, it may only have reordered: a different op, below.)
+                return made(
+                    Mechanism.SKIPPED_COLLECTIVE,
+                    deviating,
+                    f"{rank_names(deviating)} issued {_what(events, deviating)} "
+                    f"where their own previous step issued {_what(events, others)} first, as "
+                    f"{rank_names(others)} {'does' if len(others) == 1 else 'do'}: they skipped it",
+                )
+            if token(e)[:2] not in [token(x)[:2] for x in _previous_step(view, deviating[0], e, whole=True) or []]:
+                return made(
+                    Mechanism.EXTRA_COLLECTIVE,
+                    deviating,
+                    f"{rank_names(deviating)} issued {_what(events, deviating)}, which their own previous step "
+                    f"never issued, where that step, like {rank_names(others)} now, issued {_what(events, others)}",
+                )
+    per = " while ".join(f"{rank_names(c)} issued {_what(events, c)}" for c in classes[:3])
+    return made(Mechanism.DIFFERENT_OP, deviating, f"at the same position {per}")
+
+
+def _previous_step(view: RunView, rank: int, e: CollectiveEvent, whole: bool = False) -> list[CollectiveEvent] | None:
+    """The rank's collectives of its previous step on the group from the position ``e`` holds in its
+    own step (None: no previous step)."""
+    mine = view.events(rank, e.group.name, before=e.seq + 1)
+    this = [x for x in mine if x.step == e.step]
+    prev = [x for x in mine if x.step == e.step - 1]
+    k = len(this) - 1
+    if whole:
+        return prev
+    if not prev or k >= len(prev):
+        return None
+    return prev[k:]
+
+
+def _what(events: dict, ranks) -> str:
+    e = next((events[r] for r in ranks if events.get(r) is not None), None)
+    if e is None:
+        return "nothing"
+    return f"{e.op} from {_short(e.call_site.where if e.call_site else None)}"
+
+
+def _missing(view: RunView, div: Divergence, present: dict, edges: list[WaitEdge], made) -> MechanismFinding:
+    missing = tuple(div.missing) or tuple(r for r, v in div.per_rank.items() if v is None)
+    waiting = sorted(present)
+    v = next(iter(present.values()), None)
+    op = f"{v.op} #{div.seq} ({_short(v.call_site)})" if v else f"#{div.seq}"
+    roots = chain_roots(edges, missing) or list(missing)
+    states = {r: rank_state(view, r) for r in roots}
+    bad = [r for r, s in states.items() if s in (RankState.STOPPED, RankState.CRASHED)] or [
+        r for r, s in states.items() if s == RankState.DEAD and view.died(r)
+    ]
+    if bad:
+        state = states[bad[0]]
+        return made(
+            Mechanism.RANK_OUTSIDE,
+            bad,
+            f"{rank_names(waiting)} wait in {op} for {rank_names(bad)}, {state.value} outside any collective",
+            state=state,
+        )
+    group = div.group.name
+    if any(s == RankState.WORKING for s in states.values()):
+        # A rank the others wait for is running its own code: whatever the others issued, it may
+        # still come (busy is not an extra collective).
+        working = [r for r, s in states.items() if s == RankState.WORKING]
+        return made(
+            Mechanism.RANK_OUTSIDE,
+            working,
+            f"{rank_names(waiting)} wait in {op} for {rank_names(working)}, running outside any collective",
+            state=RankState.WORKING,
+        )
+    if v is not None and all(view.finished(r) for r in missing):
+        return made(
+            Mechanism.EXTRA_COLLECTIVE,
+            waiting,
+            f"{rank_names(waiting)} issued {op} after {rank_names(missing)} "
+            "had ended normally: a collective the others never issue",
+        )
+    mine = (v.op, v.call_site) if v is not None else None
+    seen = {m: _stream_tokens(view, m, group, div.seq) for m in sorted(missing)[:NOVELTY_RANKS]}
+    if mine is not None and mine[1] and all(seen.values()) and all(mine not in t for t in seen.values()):
+        return made(
+            Mechanism.EXTRA_COLLECTIVE,
+            waiting,
+            f"{rank_names(waiting)} issued {op}, a collective "
+            f"{rank_names(missing)} never issued on group {div.group.label()}",
+        )
+    state = states[roots[0]] if roots else RankState.UNKNOWN
+    if any(s == RankState.WORKING for s in states.values()):
+        state = RankState.WORKING
+    return made(
+        Mechanism.RANK_OUTSIDE,
+        roots,
+        f"{rank_names(waiting)} wait in {op} for {rank_names(roots)}, outside any collective ({state.value})",
+        state=state,
+    )
+
+
+def mechanism_from_stacks(inside: list, outside: list, frozen: dict[int, str]) -> MechanismFinding | None:
+    """The mechanism a job known only by its ranks' stacks shows (``analysis.from_stacks``'s classes
+    of identical stacks, those inside a collective and those outside, and the ranks whose process
+    does not run). No sequence numbers or shapes: a different op at one position and a cycle across
+    groups both look like ranks waiting in different collectives. None: no rank waits in one."""
+    if not inside:
+        return None
+    waiting = tuple(sorted(r for c in inside for r in c.ranks))
+    sites = {r: c.stack.where() for c in inside for r in c.ranks}
+    first = inside[0].stack
+    made: dict[str, Any] = dict(group="?", seq=0, sites=sites, functions={})
+    if frozen:
+        stopped = tuple(sorted(frozen))
+        return MechanismFinding(
+            Mechanism.RANK_OUTSIDE,
+            ranks=stopped,
+            others=waiting,
+            state=RankState.STOPPED,
+            detail=f"{rank_names(stopped)}'s process does not run",
+            **made,
+        )
+    if outside:
+        away = tuple(sorted(r for c in outside for r in c.ranks))
+        return MechanismFinding(
+            Mechanism.RANK_OUTSIDE,
+            ranks=away,
+            others=waiting,
+            state=RankState.WORKING,
+            detail=f"{rank_names(waiting)} wait in {first.waits_in} ({first.where()}) while {rank_names(away)} "
+            f"{'is' if len(away) == 1 else 'are'} outside any collective, in {outside[0].stack.where()}",
+            **made,
+        )
+    if len(inside) == 1 or len({(c.stack.waits_in, c.stack.where()) for c in inside}) == 1:
+        return MechanismFinding(
+            Mechanism.TRANSPORT_HANG,
+            ranks=(),
+            others=waiting,
+            detail=f"every rank seen waits in {first.waits_in} from {first.where()}",
+            **made,
+        )
+    per = " while ".join(f"{rank_names(c.ranks)} wait in {c.stack.waits_in} ({c.stack.where()})" for c in inside[:3])
+    return MechanismFinding(
+        Mechanism.DIFFERENT_OP,
+        ranks=tuple(inside[-1].ranks),
+        others=tuple(inside[0].ranks),
+        detail=f"{per} (one group out of order, or a cycle across groups: stacks cannot tell)",
+        **made,
+    )

@@ -1,0 +1,34 @@
+"""End to end: a job whose diagnosis must be a mechanism, never a confidently wrong pattern.
+
+A plain per-micro-batch all-reduce loop whose trip count differs across ranks (no checkpoint, no
+DTensor) was named ``uneven-dtensor-allgather`` by the loop rule before the patterns declared their
+evidence (issue 28). Now the report names the mechanism, ``loop-trip-count`` with each rank's count
+and the loop's call site, and the checkpoint pattern is listed as lacking a checkpoint phase.
+"""
+
+from __future__ import annotations
+
+import json
+
+from test_run_cli import moedoctor_run
+
+from moedoctor.errors import EXIT_HANG
+
+
+def test_a_plain_microbatch_loop_is_a_loop_trip_count_not_a_checkpoint_pattern(tmp_path):
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, "uneven_microbatch_loop.py", "--hang-timeout", "10", timeout=150)
+    assert result.returncode == EXIT_HANG, result.tail()
+    report = json.loads((run_dir / "report.json").read_text())
+    context = f"{report['summary']}\n{json.dumps(report['mechanism'], indent=1)}\n{report['not_named']}\n{result.tail()}"
+    assert report["pattern"] != "uneven-dtensor-allgather", context
+    mech = report["mechanism"]
+    assert mech["mechanism"] == "loop-trip-count", context
+    assert mech["loop_counts"] == {"0": 3, "1": 4}, context
+    assert mech["loop_site"].endswith("uneven_microbatch_loop.py:27"), context
+    assert mech["ranks"] == [0] and mech["step"] == 2, context
+    if report["pattern"] in (None, "unknown-desync"):
+        text = report["suggestion"]["text"]
+        assert "rank 0 ran 3, rank 1 ran 4 iterations of uneven_microbatch_loop.py:27" in text, context
+    if "uneven-dtensor-allgather" in report["not_named"]:
+        assert any("checkpoint" in m for m in report["not_named"]["uneven-dtensor-allgather"]), context
