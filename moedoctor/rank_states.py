@@ -91,9 +91,11 @@ class RankEvidence:
                 return RankState.UNKNOWN
             return RankState.WAITING if self.stack_stable else RankState.WORKING
         if self.pending is not None and self.completion_tracked:
-            # Issued and not completed. A rank that computes meanwhile overlaps its communication
-            # (working); one that makes no progress waits for it (``work.wait()`` from its own code).
-            if self.stack_read and self.quiet_s is not None and self.quiet_s < timeout:
+            # Issued and not completed. A rank whose stack moves while it progresses computes meanwhile
+            # (overlap: working); one that stays put waits for it (``work.wait()`` or ``loss.item()``
+            # from its own code, its CPU perhaps spinning in a device synchronize), or makes no progress.
+            moving = self.stack_read and self.stack_stable is not True
+            if moving and self.quiet_s is not None and self.quiet_s < timeout:
                 return RankState.WORKING
             return RankState.WAITING
         if self.stack_read or self.quiet_s is not None:

@@ -187,6 +187,12 @@ def analyze(run: RunData) -> Report:
     busy = _busy_at_end(run)
     if busy is not None and not died:
         line, working = busy
+        if report.verdict == Verdict.INTERRUPTED:  # no verdict on the job, but what it was doing then
+            return replace(
+                report,
+                summary=f"{report.summary} When it was stopped, the job was busy, not stuck: "
+                f"{line.removeprefix('busy: ')}.",
+            )
         if report.verdict == Verdict.STUCK and report.pattern in (None, "straggler"):
             return slow_not_stuck(report, line)
         if primary is not None and primary.kind == DivergenceKind.MISSING and set(primary.missing) <= working:

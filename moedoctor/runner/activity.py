@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -59,6 +60,7 @@ class _Meter:
     cpu_ref: float
     io_ref: int
     progressed: float  # monotonic time of the last progress
+    moved: float  # ... of the last progress other than CPU (bytes moved, a new stack)
     cpu_start: float  # at the start of the current silence (for the account)
     io_start: int
     cpu: float = 0.0
@@ -82,15 +84,18 @@ class Activity:
             cpu, io = thread_cpu(pid), thread_io(pid)
             m = self.meters.get(rank)
             if m is None or m.pid != pid:
-                self.meters[rank] = _Meter(pid, cpu or 0.0, io or 0, now, cpu or 0.0, io or 0, cpu or 0.0, io or 0)
+                self.meters[rank] = _Meter(pid, cpu or 0.0, io or 0, now, now, cpu or 0.0, io or 0, cpu or 0.0, io or 0)
                 self.meters[rank].readable = cpu is not None
                 continue
             m.readable = cpu is not None
             if cpu is None:
                 continue
             m.cpu, m.io = cpu, io if io is not None else m.io
-            if cpu - m.cpu_ref >= CPU_STEP or (io is not None and io != m.io_ref):
+            moved = io is not None and io != m.io_ref
+            if cpu - m.cpu_ref >= CPU_STEP or moved:
                 m.cpu_ref, m.io_ref, m.progressed = cpu, m.io, now
+            if moved:
+                m.moved = now
 
     def note_stack(self, rank: int, frames: tuple[Frame, ...]) -> bool:
         """A sampled main-thread stack; a stack not seen before in this silence is progress."""
@@ -104,7 +109,7 @@ class Activity:
         first = not m.stacks
         m.stacks.add(key)
         if not first:  # the first sample is where the silence found it, not a move
-            m.progressed = self.clock()
+            m.progressed = m.moved = self.clock()
         return not first
 
     def stable_stack(self, rank: int) -> bool | None:
@@ -122,12 +127,13 @@ class Activity:
             m.stacks.clear()
             m.cpu_start, m.io_start = m.cpu, m.io
 
-    def quiet(self, rank: int) -> float | None:
-        """Seconds since the rank last progressed (None: never measured, or unreadable)."""
+    def quiet(self, rank: int, cpu: bool = True) -> float | None:
+        """Seconds since the rank last progressed (None: never measured, or unreadable). ``cpu=False``:
+        CPU time does not count (a thread spinning in a device synchronize burns CPU and does nothing)."""
         m = self.meters.get(rank)
         if m is None or not m.readable:
             return None
-        return self.clock() - m.progressed
+        return self.clock() - (m.progressed if cpu else m.moved)
 
     def account(self, rank: int) -> tuple[float, int]:
         """Main-thread CPU seconds and I/O bytes since the current silence began."""
@@ -135,6 +141,38 @@ class Activity:
         if m is None:
             return 0.0, 0
         return max(0.0, m.cpu - m.cpu_start), max(0, m.io - m.io_start)
+
+
+#: Native frames of a thread that waits on the device (or on NCCL) while its CPU spins: CUDA's
+#: synchronize calls and blocking copies (``tensor.item()``), a Work's wait.
+_DEVICE_WAIT = re.compile(
+    r"Synchroniz|cuMemcpyDtoH|cudaMemcpy(?!Async)|_local_scalar_dense|WorkNCCL::wait|WorkNCCL::synchronize|"
+    r"ncclCommWait|cuStreamQuery|cudaStreamQuery|hipStreamSynchronize|hipDeviceSynchronize"
+)
+
+
+def device_wait(pid: int, py_spy: str | None, timeout: float = 10.0) -> str | None:
+    """The native frame in which the process's main thread waits on the GPU (or NCCL) while it may
+    spin the CPU, e.g. ``cudaStreamSynchronize``; None when it does not, or when py-spy cannot tell.
+    ``py-spy dump --native`` pauses the process for the few milliseconds of one dump."""
+    if py_spy is None:
+        return None
+    try:
+        done = subprocess.run(
+            [py_spy, "dump", "--native", "--json", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout
+        )
+        threads = json.loads(done.stdout) if done.returncode == 0 else []
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+    for thread in threads if isinstance(threads, list) else ():
+        if thread.get("os_thread_id") != pid and thread.get("thread_name") != "MainThread":
+            continue
+        for frame in (thread.get("frames") or [])[:40]:
+            name = str(frame.get("name") or "")
+            if _DEVICE_WAIT.search(name):
+                return name
+        return None
+    return None
 
 
 def sample_stacks(pids: Mapping[int, int], py_spy: str | None, timeout: float = 10.0) -> dict[int, StackDump]:

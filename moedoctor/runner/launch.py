@@ -28,7 +28,7 @@ from moedoctor.recorder.install import ENV_MAX_EVENTS, ENV_RUN_DIR
 from moedoctor.rank_states import Judgement, Pending, RankEvidence, RankState, Silence, judge
 from moedoctor.run_records import communication_frame
 from moedoctor.runner import procs
-from moedoctor.runner.activity import Activity, sample_stacks
+from moedoctor.runner.activity import Activity, device_wait, sample_stacks
 from moedoctor.runner.gpu import write_gpu_snapshot
 from moedoctor.runner.manifest import (
     BusyRecord,
@@ -243,6 +243,7 @@ class _Run:
         self._judged_at = 0.0
         self._busy_written = 0.0
         self._trigger = "hang"  # what declared a hang that is not proven here: max-busy, or a peer's proof
+        self._device_waits: dict[tuple, str | None] = {}  # (rank, stack) -> the device wait it spins in
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -395,6 +396,7 @@ class _Run:
             self._silence_of = last
             self.activity.new_silence()
             self._stacks, self._judgement = {}, None
+            self._device_waits.clear()
             if self.exchange is not None:
                 self.exchange.local_states = None
         pids = self._local_pids()
@@ -455,8 +457,20 @@ class _Run:
         dump = self._stacks.get(rank)
         frames = dump.main_thread if dump is not None else ()
         wait = communication_frame(frames) if frames else None
-        where = dump.user_frame if dump is not None else None
+        user = dump.user_frame if dump is not None else None
+        where = str(user or (frames[0] if frames else "")) or None
         cpu, io = self.activity.account(rank)
+        stable = self.activity.stable_stack(rank)
+        quiet = self.activity.quiet(rank)
+        if stable and wait is None and quiet is not None and quiet < self.config.hang_timeout:
+            # CPU at one unchanging stack: real work in one long call, or a spin in a device
+            # synchronize (a rank blocked on its GPU). The native stack tells, once per stack.
+            key = (rank, frames)
+            if key not in self._device_waits:
+                self._device_waits[key] = device_wait(pid, self.py_spy)
+            if self._device_waits[key] is not None:
+                quiet = self.activity.quiet(rank, cpu=False)
+                where = f"{where or '?'} [{self._device_waits[key]}]"
         return RankEvidence(
             rank,
             alive=True,
@@ -465,9 +479,9 @@ class _Run:
             completion_tracked=t.pending_tracked,
             stack_wait=wait.function if wait is not None else None,
             stack_read=bool(frames),
-            stack_stable=self.activity.stable_stack(rank),
-            where=str(where or (frames[0] if frames else "")) or None,
-            quiet_s=self.activity.quiet(rank),
+            stack_stable=stable,
+            where=where,
+            quiet_s=quiet,
             cpu_s=cpu,
             io_bytes=io,
         )

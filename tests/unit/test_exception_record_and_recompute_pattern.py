@@ -152,7 +152,7 @@ def test_the_crash_is_named_with_the_counts_and_the_checkpointed_module():
     report = crashed_run({})
     assert report.verdict == Verdict.CRASHED and report.pattern == "checkpoint-recompute-mismatch"
     assert report.culprit_ranks == [1] and report.fixes == ["expert-dense"]
-    assert report.summary.startswith("Crashed: rank 1 died (exit 1).")
+    assert report.summary.startswith("Crashed: rank 1 died (exit 1) first; rank 0 then ended (SIGTERM).")
     text = "\n".join(report.evidence)
     assert "rank 1 raised torch.utils.checkpoint.CheckpointError at train.py:109 (main) in backward of step 2" in text
     assert "85 tensors saved in forward, 53 in recompute (fewer in recompute)" in text

@@ -37,10 +37,13 @@ def test_states_from_evidence():
     assert RankEvidence(0, stack_wait="all_reduce", stack_read=True, quiet_s=0.0).state(T) == RankState.WAITING
     # Issued, not completed, completion observed in its group, no progress: waits (work.wait() in its own code).
     assert waiting(0).state(T) == RankState.WAITING
-    # Issued, not completed, but computing meanwhile (overlap): works.
-    assert RankEvidence(0, pending=ALLREDUCE, completion_tracked=True, stack_read=True, quiet_s=1.0).state(
-        T
-    ) == RankState.WORKING
+    # Issued, not completed, but computing meanwhile, its stack moving (overlap): works.
+    overlap = RankEvidence(0, pending=ALLREDUCE, completion_tracked=True, stack_read=True, stack_stable=False,
+                           quiet_s=1.0)
+    assert overlap.state(T) == RankState.WORKING
+    # Issued, not completed, its CPU busy at one stack (NCCL: loss.item() spinning in a CUDA synchronize): waits.
+    spin = RankEvidence(0, pending=ALLREDUCE, completion_tracked=True, stack_read=True, stack_stable=True, quiet_s=0.1)
+    assert spin.state(T) == RankState.WAITING
     # Pending, but completions are not observed there (NCCL without Flight Recorder): no claim of a wait.
     assert RankEvidence(0, pending=ALLREDUCE, stack_read=True, quiet_s=60.0).state(T) == RankState.WORKING
     assert RankEvidence(0, alive=None, pending=ALLREDUCE).state(T) == RankState.UNKNOWN
@@ -210,3 +213,34 @@ def test_a_module_being_imported_is_not_a_wait():
     f = frames(("<module>", f"{TORCH}/distributed/fsdp/__init__.py"), ("_find_and_load", "<frozen importlib._bootstrap>"),
                ("__init__", f"{TORCH}/nn/parallel/distributed.py"), ("main", "/job/train.py"))
     assert communication_frame(f) is None
+
+
+def test_cpu_spent_at_one_stack_in_a_device_synchronize_is_not_progress(monkeypatch):
+    """A rank blocked on its GPU spins its CPU in cudaStreamSynchronize: ``quiet(cpu=False)`` counts only
+    bytes moved and new stacks; the native frames name the wait (py-spy --native, faked here)."""
+    import json as _json
+
+    from moedoctor.runner import activity as act
+
+    clock = [0.0]
+    a = Activity(clock=lambda: clock[0])
+    me = __import__("os").getpid()
+    a.sample({0: me})
+    clock[0] = 30.0
+    a.meters[0].progressed = 29.0  # its CPU moved a second ago
+    assert a.quiet(0) == 1.0 and a.quiet(0, cpu=False) == 30.0
+
+    dump = [{"os_thread_id": me, "thread_name": "MainThread", "frames": [
+        {"name": "0x7f00", "filename": "libcuda.so.1"},
+        {"name": "cudaStreamSynchronize", "filename": "libcudart.so.12"},
+        {"name": "at::native::_local_scalar_dense_cuda", "filename": "libtorch_cuda.so"},
+        {"name": "main", "filename": "/job/train.py", "line": 70}]}]
+
+    class Done:
+        returncode, stdout = 0, _json.dumps(dump)
+
+    monkeypatch.setattr(act.subprocess, "run", lambda *args, **kw: Done())
+    assert act.device_wait(me, "py-spy") == "cudaStreamSynchronize"
+    dump[0]["frames"] = [{"name": "at::native::cpublas::gemm", "filename": "libtorch_cpu.so"}]
+    Done.stdout = _json.dumps(dump)
+    assert act.device_wait(me, "py-spy") is None  # real work in one long call
