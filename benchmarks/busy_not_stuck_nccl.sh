@@ -3,7 +3,8 @@
 # under `moedoctor run --hang-timeout 30` (its optimizer step over 18,027 DTensor parameters outlasted 30 s
 # there: it must complete, exit 0, with its "slow, not stuck" section), the four healthy_busy_* jobs with
 # their own short timeout (busy 2.5x longer: exit 0, healthy, the busy phase in the report), and the stuck
-# fixtures straggler and hardware_like (still stopped and diagnosed as on Gloo). Only python3 for
+# fixtures straggler and hardware_like (still stopped and diagnosed as on Gloo). broadcast_storm_t5: the
+# same job under a 5 s timeout, so that its silent phases are judged (busy). JOBS="a b" runs only those. Only python3 for
 # arithmetic (the GPU machine has no `bc`). Summary in $OUT/busy_not_stuck_nccl.md, logs in $OUT/busy-logs.tgz.
 # BACKEND=gloo runs the same on CPU.
 set -u
@@ -42,14 +43,16 @@ echo
 echo "| job | exit | s | verdict pattern culprit | hang trigger | proof | busy records | slow, not stuck |"
 echo "|---|---|---|---|---|---|---|---|"
 } > "$summary"
-run() {  # name, timeout, script, args...
+run() {  # name, timeout, script, args... (JOBS="a b": only those)
   local name=$1 timeout=$2 script=$3; shift 3
+  [ -z "${JOBS:-}" ] || [[ " $JOBS " == *" $name "* ]] || return 0
   local t0; t0=$(now)
   timeout 240 $md run --run-dir "$runs/$name" --hang-timeout "$timeout" -- $launch "$script" --backend "$backend" "$@" \
     > "$runs/$name.log" 2>&1
   row "$name" "$runs/$name" $? "$t0"
 }
 run broadcast_storm 30 fixtures/broadcast_storm/train.py
+run broadcast_storm_t5 5 fixtures/broadcast_storm/train.py  # its loading and optimizer phases outlast 5 s: busy
 for job in healthy_busy_save_every_rank healthy_busy_rank0_save_barrier healthy_busy_dtensor_ema healthy_busy_first_compile; do
   args=$(python3 -c "import yaml; e = yaml.safe_load(open('fixtures/$job/expected.yaml')); print(e['hang_timeout'], ' '.join(e.get('args', [])))")
   run "$job" ${args%% *} "fixtures/$job/train.py" ${args#* }
