@@ -1,0 +1,181 @@
+"""``moedoctor run`` on launchers other than torchrun, for real (CPU, Gloo, 2 ranks): the job's
+command is its root, every Python process under it loads the recorder, and a process is a rank once
+it creates its default process group (rank and world size from torch.distributed, not from ``RANK``).
+
+Each launcher has a healthy run (exit 0, no alarm, every rank's trace) and a fault that the job's own
+code produces (a real hang or crash without moedoctor), diagnosed with its verdict, culprit and call
+site, stacks dumped from the ranks found through their traces, and nothing left running after it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from torchrun_util import FIXTURES, REPO, JobResult, job_env, live_processes, run_command
+
+from moedoctor.errors import EXIT_HANG
+
+LAUNCHERS = FIXTURES / "launchers"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def moedoctor_run(run_dir: Path, *command: str, timeout: float = 150.0, hang_timeout: str = "30") -> JobResult:
+    cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", hang_timeout,
+           "--", *command]
+    return run_command(cmd, timeout, env=job_env(FIXTURE_PORT=str(free_port())), cwd=run_dir.parent)
+
+
+def survivors(run_dir: Path) -> list[int]:
+    mark = f"MOEDOCTOR_RUN_DIR={run_dir.resolve()}".encode()
+    return live_processes(lambda proc: mark in (proc / "environ").read_bytes().split(b"\0"))
+
+
+def report(run_dir: Path) -> dict:
+    return json.loads((run_dir / "report.json").read_text())
+
+
+def manifest(run_dir: Path) -> dict:
+    return json.loads((run_dir / "manifest.json").read_text())
+
+
+def call_sites(rep: dict) -> list[str]:
+    sites = []
+    for div in [rep["divergence"]] if rep.get("divergence") else []:
+        sites += [op["call_site"] for op in div["per_rank"].values() if op and op["call_site"]]
+    return sites
+
+
+def assert_healthy(run_dir: Path, result: JobResult) -> None:
+    assert result.returncode == 0, result.tail()
+    assert "DESYNC" not in result.output and "HANG" not in result.output, result.tail()
+    rep = report(run_dir)
+    assert rep["verdict"] == "healthy", (rep["summary"], result.tail())
+    m = manifest(run_dir)
+    assert m["status"] == "finished" and m["world_size"] == 2
+    assert sorted(p.name for p in (run_dir / "traces").glob("rank-*.jsonl")) == ["rank-00000.jsonl",
+                                                                                 "rank-00001.jsonl"]
+    assert survivors(run_dir) == []
+
+
+def assert_diagnosed(run_dir: Path, result: JobResult, verdict: str, culprits: list[int], site: str) -> dict:
+    """``site``: the call site of a divergent collective, or the job's line the evidence names (a
+    framework's own collective, such as ``accelerator.gather``, is called from the job's branch)."""
+    assert result.returncode == EXIT_HANG, result.tail()
+    rep = report(run_dir)
+    context = (rep["summary"], rep["evidence"], result.tail(30))
+    assert rep["verdict"] == verdict, context
+    assert rep["culprit_ranks"] == culprits, context
+    assert any(s.endswith(site) for s in call_sites(rep)) or any(site in e for e in rep["evidence"]), (
+        call_sites(rep), context)
+    hang = manifest(run_dir)["hang"]
+    # Both ranks found through their traces (no RANK in their environment) and their stacks dumped.
+    assert sorted(r["rank"] for r in hang["ranks"]) == [0, 1], hang
+    for r in hang["ranks"]:
+        assert r["stack_file"] and Path(r["stack_file"]).is_file(), r
+    assert survivors(run_dir) == [], "the job's processes outlived moedoctor"
+    return rep
+
+
+# -- torch.multiprocessing.spawn --------------------------------------------------------------------------
+
+
+def test_mp_spawn_healthy(tmp_path):
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, sys.executable, str(LAUNCHERS / "spawn_uneven_shards.py"))
+    assert_healthy(run_dir, result)
+    assert "done" in result.output
+    exits = manifest(run_dir)["ranks"]
+    # mp.spawn reaped the ranks: their own statuses are not known, and the manifest says so.
+    assert {e["source"] for e in exits.values()} == {"unknown"} and len(exits) == 2
+
+
+def test_mp_spawn_uneven_shards_is_diagnosed(tmp_path):
+    """Rank 0's shard has one batch more: its extra step's DDP all-reduce meets rank 1's epoch barrier."""
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, sys.executable, str(LAUNCHERS / "spawn_uneven_shards.py"), "--uneven",
+                           "--pg-timeout", "120")
+    rep = assert_diagnosed(run_dir, result, "desync", [1], "spawn_uneven_shards.py:56")
+    assert any(s.endswith("spawn_uneven_shards.py:53") for s in call_sites(rep))  # rank 0's extra backward
+
+
+# -- accelerate launch ---------------------------------------------------------------------------------
+
+ACCELERATE = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no"]  # --multi_gpu: torchrun's path, Gloo on CPU
+
+
+def accelerate_command(*args: str) -> list[str]:
+    return [*ACCELERATE, "--main_process_port", str(free_port()), str(LAUNCHERS / "accelerate_rank0_eval.py"), *args]
+
+
+def test_accelerate_launch_healthy(tmp_path):
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, *accelerate_command())
+    assert_healthy(run_dir, result)
+    assert "eval loss" in result.output and "done" in result.output
+
+
+def test_accelerate_rank0_only_gather_is_diagnosed(tmp_path):
+    """``accelerator.gather`` under ``if accelerator.is_main_process``: rank 0 all-gathers, rank 1 waits
+    in ``wait_for_everyone``."""
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, *accelerate_command("--fault", "--pg-timeout", "120"))
+    rep = assert_diagnosed(run_dir, result, "desync", [0], "accelerate_rank0_eval.py:52")
+    assert rep["pattern"] == "rank-conditional-collective", rep["summary"]
+    assert {op["op"] for op in rep["divergence"]["per_rank"].values()} == {"all_gather", "barrier"}
+
+
+# -- Lightning's Trainer and its own launcher ------------------------------------------------------------
+
+
+def test_lightning_ddp_healthy(tmp_path):
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, sys.executable, str(LAUNCHERS / "lightning_callback.py"))
+    assert_healthy(run_dir, result)
+    exits = manifest(run_dir)["ranks"]
+    # Lightning's launcher runs rank 0 in the command's own process: its status is the root's.
+    assert exits["0"]["source"] == "root" and exits["0"]["exit_code"] == 0, exits
+    assert exits["1"]["source"] == "unknown", exits
+
+
+def test_lightning_callback_rank_zero_all_reduce_is_diagnosed(tmp_path):
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, sys.executable, str(LAUNCHERS / "lightning_callback.py"), "--fault",
+                           "--pg-timeout", "120")
+    rep = assert_diagnosed(run_dir, result, "desync", [0], "lightning_callback.py:49")
+    assert rep["pattern"] == "rank-conditional-collective", rep["summary"]
+    assert any("lightning_callback.py:48" in e for e in rep["evidence"]), rep["evidence"]  # is_global_zero
+
+
+# -- Ray: a local cluster started by the driver, actor trainers --------------------------------------------
+
+
+def test_ray_actor_trainer_healthy(tmp_path):
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, sys.executable, str(LAUNCHERS / "ray_actor_trainer.py"), timeout=240,
+                           hang_timeout="60")
+    assert_healthy(run_dir, result)
+    assert "driver: done" in result.output
+
+
+def test_ray_actor_skipping_a_non_finite_micro_batch_is_diagnosed(tmp_path):
+    """The actors set RANK in os.environ at run time (invisible in /proc): found through their traces,
+    their stacks dumped, and every process of the cluster (raylet, GCS, workers: they carry the run's
+    environment) stopped."""
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, sys.executable, str(LAUNCHERS / "ray_actor_trainer.py"), "--fault",
+                           "--pg-timeout", "150", timeout=240, hang_timeout="60")
+    rep = assert_diagnosed(run_dir, result, "desync", [1], "ray_actor_trainer.py:72")
+    assert rep["pattern"] == "microbatch-count-mismatch", rep["summary"]
+    assert any(s.endswith("ray_actor_trainer.py:71") for s in call_sites(rep))  # rank 0's backward
+    pids = {r["rank"]: r["pid"] for r in manifest(run_dir)["hang"]["ranks"]}
+    assert f"actors started, pids [{pids[0]}, {pids[1]}]" in result.output  # the actors' own pids
