@@ -179,3 +179,46 @@ def test_ray_actor_skipping_a_non_finite_micro_batch_is_diagnosed(tmp_path):
     assert any(s.endswith("ray_actor_trainer.py:71") for s in call_sites(rep))  # rank 0's backward
     pids = {r["rank"]: r["pid"] for r in manifest(run_dir)["hang"]["ranks"]}
     assert f"actors started, pids [{pids[0]}, {pids[1]}]" in result.output  # the actors' own pids
+
+
+def test_triage_of_a_stuck_ray_job_started_without_moedoctor(tmp_path):
+    """No RANK in any process's environment (the actors set it at run time), the actors not children
+    of the pid given: triage finds both ranks through their rendezvous store, names their call sites
+    and leaves the job running."""
+    import re
+    import subprocess
+    import time
+
+    from moedoctor.runner import procs
+
+    log = tmp_path / "job.log"
+    job = subprocess.Popen([sys.executable, str(LAUNCHERS / "ray_actor_trainer.py"), "--fault", "--pg-timeout", "600"],
+                           stdout=open(log, "w"), stderr=subprocess.STDOUT, env=job_env(), cwd=tmp_path,
+                           start_new_session=True)
+    try:
+        deadline, doc, actors = time.monotonic() + 150, {}, None
+        while time.monotonic() < deadline:
+            time.sleep(4)
+            assert job.poll() is None, log.read_text()[-3000:]
+            found = re.search(r"actors started, pids \[(\d+), (\d+)\]", log.read_text())
+            if found is None:
+                continue
+            actors = {"0": int(found.group(1)), "1": int(found.group(2))}
+            done = subprocess.run([sys.executable, "-m", "moedoctor", "triage", "--pid", str(actors["1"]), "--out",
+                                   str(tmp_path / f"triage-{time.monotonic():.0f}"), "--json"],
+                                  capture_output=True, text=True, timeout=90, cwd=REPO)
+            assert done.returncode in (0, 1), done.stderr
+            doc = json.loads(done.stdout)
+            if doc["verdict"] == "desync" and "ray_actor_trainer.py:72" in doc["summary"]:
+                break
+        else:
+            pytest.fail(f"not stuck as expected; last triage: {doc.get('summary')}\n{log.read_text()[-3000:]}")
+        assert {r: v["pid"] for r, v in doc["triage"]["ranks"].items()} == actors
+        assert any("rendezvous store" in n and "the other is rank 1" in n for n in doc["triage"]["notes"])
+        assert "rank 0 in all_gather_single" in doc["summary"] and "ray_actor_trainer.py:71" in doc["summary"]
+        assert "rank 1 in" in doc["summary"]
+        time.sleep(1)
+        assert job.poll() is None and all(procs.is_alive(pid) for pid in actors.values())  # left running
+    finally:
+        procs.stop_processes(lambda: procs.job_processes(job.pid), grace=2)  # the cluster is the driver's
+        job.wait(timeout=10)
