@@ -174,9 +174,9 @@ def test_ray_actor_skipping_a_non_finite_micro_batch_is_diagnosed(tmp_path):
     run_dir = tmp_path / "run"
     result = moedoctor_run(run_dir, sys.executable, str(LAUNCHERS / "ray_actor_trainer.py"), "--fault",
                            "--pg-timeout", "150", timeout=240, hang_timeout="60")
-    rep = assert_diagnosed(run_dir, result, "desync", [1], "ray_actor_trainer.py:72")
+    rep = assert_diagnosed(run_dir, result, "desync", [1], "ray_actor_trainer.py:73")
     assert rep["pattern"] == "microbatch-count-mismatch", rep["summary"]
-    assert any(s.endswith("ray_actor_trainer.py:71") for s in call_sites(rep))  # rank 0's backward
+    assert any(s.endswith("ray_actor_trainer.py:72") for s in call_sites(rep))  # rank 0's backward
     pids = {r["rank"]: r["pid"] for r in manifest(run_dir)["hang"]["ranks"]}
     assert f"actors started, pids [{pids[0]}, {pids[1]}]" in result.output  # the actors' own pids
 
@@ -209,16 +209,52 @@ def test_triage_of_a_stuck_ray_job_started_without_moedoctor(tmp_path):
                                   capture_output=True, text=True, timeout=90, cwd=REPO)
             assert done.returncode in (0, 1), done.stderr
             doc = json.loads(done.stdout)
-            if doc["verdict"] == "desync" and "ray_actor_trainer.py:72" in doc["summary"]:
+            if doc["verdict"] == "desync" and "ray_actor_trainer.py:73" in doc["summary"]:
                 break
         else:
             pytest.fail(f"not stuck as expected; last triage: {doc.get('summary')}\n{log.read_text()[-3000:]}")
         assert {r: v["pid"] for r, v in doc["triage"]["ranks"].items()} == actors
         assert any("rendezvous store" in n and "the other is rank 1" in n for n in doc["triage"]["notes"])
-        assert "rank 0 in all_gather_single" in doc["summary"] and "ray_actor_trainer.py:71" in doc["summary"]
+        assert "rank 0 in all_gather_single" in doc["summary"] and "ray_actor_trainer.py:72" in doc["summary"]
         assert "rank 1 in" in doc["summary"]
         time.sleep(1)
         assert job.poll() is None and all(procs.is_alive(pid) for pid in actors.values())  # left running
     finally:
         procs.stop_processes(lambda: procs.job_processes(job.pid), grace=2)  # the cluster is the driver's
         job.wait(timeout=10)
+
+
+def test_ray_job_on_an_existing_cluster_records_through_runtime_env(tmp_path):
+    """A cluster started beforehand (``ray start --head``, without moedoctor): its raylet starts the
+    workers, which inherit nothing from the driver. The driver's one line
+    (``runtime_env=ray_runtime_env()``) records them: diagnosed, the actors stopped with the job, the
+    cluster itself left running."""
+    import subprocess
+    import time
+
+    from moedoctor.runner import procs
+
+    port = free_port()
+    env = job_env(RAY_AUTH_MODE="disabled")
+    head = subprocess.Popen(["ray", "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
+                             "--include-dashboard", "false", "--disable-usage-stats"],
+                            stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "--block" not in (tmp_path / "head.log").read_text() and time.monotonic() < deadline:
+            assert head.poll() is None, (tmp_path / "head.log").read_text()
+            time.sleep(1)
+        run_dir = tmp_path / "run"
+        cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", "60", "--",
+               sys.executable, str(LAUNCHERS / "ray_actor_trainer.py"), "--address", f"127.0.0.1:{port}", "--fault",
+               "--pg-timeout", "150"]
+        result = run_command(cmd, 240, env=env, cwd=tmp_path)
+        rep = assert_diagnosed(run_dir, result, "desync", [1], "ray_actor_trainer.py:73")
+        assert rep["pattern"] == "microbatch-count-mismatch", rep["summary"]
+        actors = [r["pid"] for r in manifest(run_dir)["hang"]["ranks"]]
+        assert not any(procs.is_alive(pid) for pid in actors), actors
+        assert head.poll() is None  # the user's cluster is not the job's: left running
+    finally:
+        procs.stop_processes(lambda: procs.job_processes(head.pid), grace=5)
+        head.wait(timeout=10)
