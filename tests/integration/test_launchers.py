@@ -261,3 +261,48 @@ def test_ray_job_on_an_existing_cluster_records_through_runtime_env(tmp_path):
         current = Path("/tmp/ray/ray_current_cluster")  # left by a head stopped by a signal: a later
         if current.is_file() and current.read_text().strip().endswith(f":{port}"):  # ray.init() would use it
             current.unlink()
+
+
+def test_ray_job_on_a_two_node_cluster_is_recorded_diagnosed_and_stopped(tmp_path):
+    """Two Ray nodes on one host (``ray start --head`` and ``ray start --address``), one actor on each
+    (custom resources): both ranks recorded through ``ray_runtime_env()``, the fault diagnosed, both
+    actors stopped with the job, both nodes left running."""
+    import subprocess
+    import time
+
+    from moedoctor.runner import procs
+
+    port = free_port()
+    env = job_env(RAY_AUTH_MODE="disabled")
+    common = ["--block", "--num-cpus", "1", "--disable-usage-stats"]
+    head_cmd = ["ray", "start", "--head", "--port", str(port), "--include-dashboard", "false",
+                "--resources", '{"node0": 1}', *common]
+    worker_cmd = ["ray", "start", "--address", f"127.0.0.1:{port}", "--resources", '{"node1": 1}', *common]
+    nodes: list[subprocess.Popen] = []
+    try:
+        for i, cmd in enumerate((head_cmd, worker_cmd)):
+            log = tmp_path / f"node{i}.log"
+            nodes.append(subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                                          start_new_session=True))
+            deadline = time.monotonic() + 120
+            while "--block" not in log.read_text() and time.monotonic() < deadline:
+                assert nodes[-1].poll() is None, log.read_text()
+                time.sleep(1)
+        run_dir = tmp_path / "run"
+        cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", "60", "--",
+               sys.executable, str(LAUNCHERS / "ray_actor_trainer.py"), "--address", f"127.0.0.1:{port}", "--spread",
+               "--fault", "--pg-timeout", "150"]
+        result = run_command(cmd, 240, env=env, cwd=tmp_path)
+        assert "driver: actors on 2 node(s)" in result.output, result.tail()
+        rep = assert_diagnosed(run_dir, result, "desync", [1], "ray_actor_trainer.py:73")
+        assert rep["pattern"] == "microbatch-count-mismatch", rep["summary"]
+        actors = [r["pid"] for r in manifest(run_dir)["hang"]["ranks"]]
+        assert not any(procs.is_alive(pid) for pid in actors), actors
+        assert all(node.poll() is None for node in nodes)  # the cluster is the user's: left running
+    finally:
+        for node in reversed(nodes):
+            procs.stop_processes(lambda node=node: procs.job_processes(node.pid), grace=5)
+            node.wait(timeout=10)
+        current = Path("/tmp/ray/ray_current_cluster")
+        if current.is_file() and current.read_text().strip().endswith(f":{port}"):
+            current.unlink()
