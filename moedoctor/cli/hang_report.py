@@ -23,6 +23,7 @@ from moedoctor.render.terminal import render_report, render_slow
 from moedoctor.runner import RunResult
 from moedoctor.runner.manifest import hang_of, load_manifest
 from moedoctor.runner.exchange import store_of
+from moedoctor.runner.ranks import unknown_exits_line
 from moedoctor.runner.rundir import RunDir
 from moedoctor.trace.format import STOPPED, read_statuses
 from moedoctor.trace.reader import trace_paths
@@ -170,6 +171,9 @@ def report_after_run(result: RunResult, console: Console) -> None:
         console.print(f"moedoctor: interrupted; the job was stopped (exit {result.exit_code})", soft_wrap=True)
     else:
         console.print(f"moedoctor: the job exited with status {result.exit_code}", soft_wrap=True)
+        unknown = unknown_exits_line(layout.manifest) if result.exit_code != 0 else None
+        if unknown is not None:  # a failed job whose failed ranks cannot be named from their exits
+            console.print(f"moedoctor: {unknown}", soft_wrap=True, highlight=False)
     if result.hang is not None:
         console.print(
             f"A hang was diagnosed at {time.strftime('%H:%M:%S', time.localtime(result.hang.detected_at))}"

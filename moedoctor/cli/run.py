@@ -1,4 +1,4 @@
-"""``moedoctor run``: run a torchrun job under the recorder and the hang watchdog."""
+"""``moedoctor run``: run a job (torchrun, or any command) under the recorder and the hang watchdog."""
 
 from __future__ import annotations
 
@@ -34,23 +34,27 @@ app = typer.Typer()
 
 EPILOG = (
     "Example: moedoctor run --hang-timeout 120 -- torchrun --nproc_per_node=8 train.py "
-    "--config big.yaml.  Exit status: the job's own; 124 when a hang or (online) a desync was "
-    "detected and the job stopped; 130 when interrupted; 2 when refused. If moedoctor is killed, the job "
-    "is stopped too (not with --keep-alive)."
+    "--config big.yaml.  Any command works: moedoctor run -- python train.py (mp.spawn), "
+    "moedoctor run -- accelerate launch --num_processes 2 train.py, moedoctor run -- python ray_driver.py; "
+    "every Python process under it loads the recorder, and each one that creates its default process group "
+    "is a rank (its rank and world size from torch.distributed).  "
+    "Exit status: the job's own; 124 when a hang or (online) a desync was detected and the job stopped; "
+    "130 when interrupted; 2 when refused. If moedoctor is killed, the job is stopped too (not with --keep-alive)."
 )
 
 
 @app.command(
     cls=Command,
-    context_settings={"allow_interspersed_args": False},  # torchrun's options are not ours
+    context_settings={"allow_interspersed_args": False},  # the command's options are not ours
     epilog=EPILOG,
 )
 def run(
     command: Annotated[
         Optional[list[str]],
         typer.Argument(
-            metavar="-- torchrun [TORCHRUN ARGS] SCRIPT [ARGS]",
-            help="The launcher command: torchrun ... or python -m torch.distributed.run ...",
+            metavar="-- COMMAND [ARGS]",
+            help="The job's command, any command: torchrun ..., python -m torch.distributed.run ..., "
+            "python train.py (mp.spawn, Lightning's launcher, a Ray driver), accelerate launch ...",
             show_default=False,
         ),
     ] = None,
@@ -174,7 +178,7 @@ def run(
         ),
     ] = 1,
 ) -> None:
-    """Run a torchrun job, recording every collective of every rank, and diagnose it if it hangs.
+    """Run a job (torchrun or any command), recording every collective of every rank, and diagnose it if it hangs.
 
     On a hang, or as soon as two ranks of a group issue different collectives (online detection),
     it writes the ranks' stacks (py-spy), a GPU snapshot (NVML) and the coverage check to the run

@@ -37,7 +37,8 @@ def triage(
         typer.Option(
             "--pid",
             metavar="PID",
-            help="torchrun (the elastic agent), moedoctor run, or any rank of the job.",
+            help="torchrun (the elastic agent), moedoctor run, any rank of the job (a Ray actor too), or the "
+            "job's root (mp.spawn's or Lightning's parent, a Ray driver that started its cluster).",
             show_default=False,
         ),
     ] = None,

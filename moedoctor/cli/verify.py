@@ -26,7 +26,7 @@ from moedoctor.fixes import FIXES, get_fix
 from moedoctor.fixes.config import load_fix_config, validate_fix_config
 from moedoctor.render.verification import render_verification, verification_to_dict, write_verification
 from moedoctor.runner import RunConfig, default_run_dir, prepare_run_dir
-from moedoctor.runner.command import check_launcher
+from moedoctor.runner.command import check_torchrun
 from moedoctor.verification import VerifyConfig, load_original, verify as verify_job
 
 app = typer.Typer()
@@ -119,7 +119,7 @@ def verify(
             "nothing to rerun: give --run RUN_DIR (a run of moedoctor run) or the command "
             "after --, e.g. moedoctor verify --fix NAME -- torchrun --nproc_per_node 2 train.py"
         )
-    command = check_launcher(original.command if original else command)
+    command = check_torchrun(original.command if original else command)
     fix_config = load_fix_config(config, FIXES.values()) if config is not None else {}
     derived = (original.report or {}).get("fix_config") if original is not None and config is None else None
     if derived:

@@ -1,6 +1,9 @@
-"""Recognize the launcher command that ``moedoctor run`` wraps: ``torchrun ...`` or
-``python -m torch.distributed.run ...``. Anything else is refused, because the watchdog relies on
-torchrun's process layout (one launcher, one worker per local rank, each with ``RANK`` set)."""
+"""The command ``moedoctor run`` wraps. Any command works: its process is the job's root, and every
+Python process started under it that creates a default process group is a rank (``runner/ranks.py``).
+torchrun (``torchrun ...`` or ``python -m torch.distributed.run ...``) is recognized as such: its
+workers carry ``RANK`` from the start (a rank stuck before ``init_process_group`` is still found),
+its failure report gives the ranks' exit statuses, and its multi-node options drive the exchange.
+``moedoctor verify`` still wraps torchrun only (``check_torchrun``)."""
 
 from __future__ import annotations
 
@@ -16,19 +19,32 @@ _PER_NODE_OPTIONS = ("--node_rank", "--node-rank")
 
 
 def check_launcher(command: list[str]) -> list[str]:
-    """Return ``command`` unchanged if it starts a torchrun launcher; raise ``MoedoctorError``."""
+    """Return ``command`` unchanged (any command: torchrun, ``python train.py``, ``accelerate launch``,
+    a Ray driver...); raise ``MoedoctorError`` when there is none."""
     if not command:
         raise MoedoctorError(
-            "no command to run: give it after '--', e.g. moedoctor run -- torchrun --nproc_per_node=2 train.py",
+            "no command to run: give it after '--', e.g. moedoctor run -- torchrun --nproc_per_node=2 train.py "
+            "(or any command: python train.py, accelerate launch ..., a Ray driver)",
             EXIT_USAGE,
         )
+    return command
+
+
+def is_torchrun(command: list[str]) -> bool:
+    """Whether ``command`` starts a torchrun launcher (``torchrun`` or ``python -m torch.distributed.run``)."""
+    if not command:
+        return False
     program = os.path.basename(command[0])
-    if program == "torchrun":
-        return command
-    if _PYTHON.match(program) and _module_of(command[1:]) == _LAUNCH_MODULE:
+    return program == "torchrun" or (_PYTHON.match(program) is not None and _module_of(command[1:]) == _LAUNCH_MODULE)
+
+
+def check_torchrun(command: list[str]) -> list[str]:
+    """Return ``command`` unchanged if it starts a torchrun launcher; raise ``MoedoctorError``."""
+    check_launcher(command)
+    if is_torchrun(command):
         return command
     raise MoedoctorError(
-        f"moedoctor run wraps a torchrun launcher, not {' '.join(command[:3])!r}: use "
+        f"moedoctor verify wraps a torchrun launcher, not {' '.join(command[:3])!r}: use "
         "'torchrun [torchrun args] SCRIPT [args]' or 'python -m torch.distributed.run ...'",
         EXIT_USAGE,
     )

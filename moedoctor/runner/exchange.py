@@ -30,6 +30,7 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
+from moedoctor.runner.command import is_torchrun
 from moedoctor.runner.digest import Coordinator, NodeDigest
 from moedoctor.runner.online import Desync, Lag
 
@@ -52,7 +53,10 @@ def _option(command: list[str], *names: str) -> str | None:
 
 def store_of(command: list[str]) -> tuple[str, int, str] | None:
     """``(host, port, job key)`` of a multi-node torchrun command's rendezvous store, or None: a
-    single-node command (``--nnodes`` 1, ``--standalone``), or a rendezvous without a TCPStore (etcd)."""
+    single-node command (``--nnodes`` 1, ``--standalone``), a rendezvous without a TCPStore (etcd), or a
+    command that is not torchrun (its options, such as a script's own ``--nnodes``, say nothing of a store)."""
+    if not is_torchrun(command):
+        return None
     nnodes = _option(command, "--nnodes")
     if nnodes is None or "--standalone" in command:
         return None

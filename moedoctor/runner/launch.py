@@ -1,6 +1,7 @@
-"""``run_job``: start a torchrun job with the recorder injected, watch it for hangs and (online)
-for desyncs, diagnose and stop it, and record the run in its run directory. The CLI's ``moedoctor run`` is a thin shell
-around this; what the user sees is the ``RunObserver``'s business."""
+"""``run_job``: start a job (torchrun, or any command: ``runner/ranks.py``) with the recorder injected,
+watch it for hangs and (online) for desyncs, diagnose and stop it, and record the run in its run
+directory. The CLI's ``moedoctor run`` is a thin shell around this; what the user sees is the
+``RunObserver``'s business."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ from moedoctor.fixes.runtime import ENV_FIX_CHECKS, ENV_FIX_CONFIG, ENV_FIXES
 from moedoctor.recorder.install import ENV_MAX_EVENTS, ENV_RUN_DIR
 from moedoctor.rank_states import Judgement, Pending, RankEvidence, RankState, Silence, judge
 from moedoctor.run_records import communication_frame
-from moedoctor.runner import procs
+from moedoctor.runner import procs, ranks
 from moedoctor.runner.activity import Activity, device_wait, sample_stacks
+from moedoctor.runner.command import is_torchrun
 from moedoctor.runner.gpu import write_gpu_snapshot
 from moedoctor.runner.manifest import (
     BusyRecord,
@@ -591,8 +593,11 @@ class _Run:
     # -- what the watchdog sees ------------------------------------------------------------------
 
     def _scan(self) -> None:
-        for rank, p in procs.rank_processes(procs.job_processes(self.proc.pid)).items():
-            self.seen[rank] = p
+        self.seen.update(self._local_ranks())
+
+    def _local_ranks(self) -> dict[int, procs.JobProcess]:
+        """This launch's rank processes on this node (ranks.py: from the traces, then ``RANK``)."""
+        return ranks.local_ranks(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id), self.tracker.ranks, self.config.host)
 
     def _status(self, now: float) -> RunStatus:
         last = self.tracker.last_progress()
@@ -658,17 +663,9 @@ class _Run:
                 cannot_write(self.dir.snapshot_request, e, "the ranks' coverage records are not asked for")
             )
             requested = time.time()
-        local = procs.rank_processes(procs.job_processes(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id)))
+        local = self._local_ranks()  # ours, under the launcher or not (its marker)
         self.seen.update(local)
         targets = {rank: p.pid for rank, p in local.items()}
-        for rank, t in self.tracker.ranks.items():  # ours, though no longer under the launcher
-            if (
-                rank not in targets
-                and t.host == self.config.host
-                and procs.is_alive(t.pid)
-                and (procs.environ(t.pid) or {}).get(ENV_LAUNCH_ID) == self.launch_id
-            ):
-                targets[rank] = t.pid
         with ThreadPoolExecutor(max_workers=2) as pool:
             gpu = pool.submit(self._gpu_snapshot)
             # Each rank's process state (/proc) is recorded with or without its stack (--no-stacks):
@@ -750,7 +747,7 @@ class _Run:
         node having loaded one. Before that, some ranks may still be importing torch (slow on a busy
         node) while the others wait for them: only the startup timeout applies then."""
         loaded = recorder_markers(self.dir.control)
-        local = procs.rank_processes(procs.job_processes(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id)))
+        local = self._local_ranks()
         if not loaded or any(rank not in loaded for rank in local):
             return False
         return time.time() - max(loaded.values()) >= self.config.hang_timeout
@@ -856,22 +853,12 @@ class _Run:
         self._write_manifest(coverage=self._coverage())
 
     def _rank_exits(self, status: str, launcher_exit: int | None) -> list[RankExit]:
-        # This node's ranks: those seen under its launcher (other nodes may share the host).
-        local = {rank: (p.pid, p.local_rank) for rank, p in self.seen.items()}
-        log = self._log_tail() if launcher_exit not in (None, 0) else ""
-        reported, first = _torchrun_failures(log), root_cause_rank(log)
-        exits = []
-        for rank, (pid, local_rank) in sorted(local.items()):
-            if launcher_exit is None:
-                code, source = None, "stopped"
-            elif launcher_exit == 0:
-                code, source = 0, "launcher"
-            elif rank in reported:
-                code, source = reported[rank], "torchrun"
-            else:
-                code, source = None, "unknown"
-            exits.append(RankExit(rank, self.config.host, pid, local_rank, code, source, rank == first))
-        return exits
+        # This node's ranks: those seen in its launch (other nodes may share the host).
+        torchrun = is_torchrun(self.config.command)
+        log = self._log_tail() if torchrun and launcher_exit not in (None, 0) else ""
+        reported, first = (_torchrun_failures(log), root_cause_rank(log)) if log else ({}, None)
+        root = self.proc.pid if self.proc is not None else None
+        return ranks.rank_exits(self.seen, root, launcher_exit, torchrun, reported, self.config.host, first)
 
     def _log_tail(self, size: int = 1 << 20) -> str:
         try:

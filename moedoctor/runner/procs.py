@@ -2,8 +2,9 @@
 
 torchrun starts each worker in a session of its own, so signalling the launcher's process group
 does not reach them: the job is the launcher's descendants, plus any process that still carries
-this launch's marker in its environment (a worker orphaned by a launcher that died first). A
-worker's rank comes from the ``RANK`` / ``LOCAL_RANK`` torchrun put in its environment.
+this launch's marker in its environment (a worker orphaned by a launcher that died first, a Ray
+worker). ``rank_processes`` reads a worker's rank from the ``RANK`` / ``LOCAL_RANK`` torchrun put in
+its environment; ``ranks.py`` prefers what the ranks' traces say (any launcher).
 """
 
 from __future__ import annotations

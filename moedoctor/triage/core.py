@@ -44,6 +44,7 @@ from moedoctor.runner.activity import Activity, sample_stacks
 from moedoctor.runner.gpu import write_gpu_snapshot
 from moedoctor.runner.rundir import RunDir
 from moedoctor.runner.stacks import StackDump, StackTarget, dump_stacks, find_py_spy
+from moedoctor.triage import discover
 from moedoctor.triage.flight_recorder import FlightRecorderResult, trigger_dumps
 
 ENV_RUN_DIR = "MOEDOCTOR_RUN_DIR"
@@ -59,6 +60,7 @@ class RankProcess:
     pid: int
     state: str
     env: dict[str, str]
+    world_size: int | None = None  # when known otherwise than from WORLD_SIZE in env (discover.py)
 
 
 @dataclass
@@ -116,12 +118,12 @@ def triage(
     """Examine the job PID belongs to; raise ``MoedoctorError`` when PID is no torch job or nothing
     could be read."""
     host = host or socket.gethostname()
-    launcher, ranks = find_ranks(pid)
+    launcher, ranks, found_how = find_ranks_and_how(pid)
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise MoedoctorError(f"{out_dir} is not empty: choose another --out", EXIT_USAGE)
     out_dir.mkdir(parents=True, exist_ok=True)
-    notes: list[str] = []
+    notes: list[str] = list(found_how)
     run_dir = _job_run_dir(ranks)
     requested = _request_snapshot(run_dir) if run_dir is not None else None
     activity, watch_start = Activity(), time.monotonic()
@@ -294,7 +296,8 @@ def _best_report(
 
 
 def _world(ranks: list[RankProcess]) -> int | None:
-    return next((int(r.env["WORLD_SIZE"]) for r in ranks if r.env.get("WORLD_SIZE", "").isdigit()), None)
+    known = next((r.world_size for r in ranks if r.world_size), None)
+    return known or next((int(r.env["WORLD_SIZE"]) for r in ranks if r.env.get("WORLD_SIZE", "").isdigit()), None)
 
 
 # ---- which processes ----------------------------------------------------------------------------
@@ -302,6 +305,13 @@ def _world(ranks: list[RankProcess]) -> int | None:
 
 def find_ranks(pid: int) -> tuple[int | None, list[RankProcess]]:
     """(launcher pid or None, the job's rank processes on this node) for a rank's or a launcher's PID."""
+    launcher, ranks, _ = find_ranks_and_how(pid)
+    return launcher, ranks
+
+
+def find_ranks_and_how(pid: int) -> tuple[int | None, list[RankProcess], list[str]]:
+    """``find_ranks`` and how the ranks were identified, when not by ``RANK`` in their environment
+    (discover.py: moedoctor's traces, the rendezvous store), with the pids left unidentified."""
     if not Path(f"/proc/{pid}").exists() or not procs.is_alive(pid):
         raise MoedoctorError(f"no such process: {pid}", EXIT_USAGE)
     env = procs.environ(pid)
@@ -318,18 +328,29 @@ def find_ranks(pid: int) -> tuple[int | None, list[RankProcess]]:
         siblings = procs.rank_processes(procs.job_processes(parent)) if parent and parent > 1 else {}
         same = {r: p for r, p in siblings.items() if _same_job(procs.environ(p.pid) or {}, env)}
         if pid in {p.pid for p in same.values()}:
-            return parent, _ranked(same)
+            return parent, _ranked(same), []
         rank = int(env["RANK"]) if env["RANK"].isdigit() else 0
-        return None, _ranked({rank: procs.JobProcess(pid, parent or 0, rank, None, None)})
-    found = procs.rank_processes(procs.job_processes(pid))
-    if not found:
+        return None, _ranked({rank: procs.JobProcess(pid, parent or 0, rank, None, None)}), []
+    family = procs.job_processes(pid)
+    found = procs.rank_processes(family)
+    if found:
+        return pid, _ranked(found), []
+    family_pids = [p.pid for p in family]
+    discovered = discover.from_traces(family_pids) or discover.from_store(pid, family_pids[1:])
+    if discovered is None:
         raise MoedoctorError(
             f"pid {pid} ({_command(pid)}) is not a torch distributed job: no process with RANK in "
-            "its environment under it. Give the pid of torchrun, of its elastic agent or of a "
-            "rank.",
+            "its environment under it, no moedoctor trace, and no process group's rendezvous store "
+            "that it or a process under it is connected to. Give the pid of a rank, of its launcher "
+            "(torchrun, mp.spawn's or Lightning's parent, a Ray driver that started its cluster) or of "
+            "the job's root.",
             EXIT_USAGE,
         )
-    return pid, _ranked(found)
+    ranks = [
+        RankProcess(r, p, _state(p), procs.environ(p) or {}, discovered.world_size)
+        for r, p in sorted(discovered.ranks.items())
+    ]
+    return (pid if pid not in discovered.ranks.values() else None), ranks, discovered.notes()
 
 
 def _ranked(found: dict[int, procs.JobProcess]) -> list[RankProcess]:

@@ -1,4 +1,4 @@
-"""The command line without a job: help, version, and what ``moedoctor run`` refuses."""
+"""The command line without a job: help, version, and what ``moedoctor run`` and ``verify`` refuse."""
 
 from __future__ import annotations
 
@@ -55,10 +55,14 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
     return e.value.code, capsys.readouterr().err
 
 
-def test_refuses_a_command_that_is_not_torchrun(tmp_path, capsys):
-    code, err = run_main(["run", "--run-dir", str(tmp_path / "r"), "--", "python", "train.py"], capsys)
+def test_run_help_says_any_command_works():
+    result = runner.invoke(app, ["run", "--help"], terminal_width=200)
+    assert result.exit_code == 0 and "Any command works" in result.output and "accelerate launch" in result.output
+
+
+def test_verify_refuses_a_command_that_is_not_torchrun(tmp_path, capsys):
+    code, err = run_main(["verify", "--fix", "metrics-after-microbatches", "--", "python", "train.py"], capsys)
     assert code == EXIT_USAGE and "torchrun" in err
-    assert not (tmp_path / "r").exists()
 
 
 def test_refuses_no_command(capsys):
@@ -73,9 +77,9 @@ def test_refuses_a_non_empty_run_dir_without_force(tmp_path, capsys):
 
 
 def test_options_after_the_launcher_belong_to_it(tmp_path, capsys):
-    # No '--': torchrun's own options must not be parsed as moedoctor's.
-    code, err = run_main(["run", "--run-dir", str(tmp_path / "r"), "python", "--nproc_per_node=2", "x.py"], capsys)
-    assert code == EXIT_USAGE and "torchrun" in err and "No such option" not in err
+    # No '--': the command's own options must not be parsed as moedoctor's (``false`` ignores them, exits 1).
+    code, err = run_main(["run", "--run-dir", str(tmp_path / "r"), "false", "--nproc_per_node=2", "x.py"], capsys)
+    assert code == 1 and "No such option" not in err and "exited with status 1" in err
 
 
 def test_python_dash_m_moedoctor_help():

@@ -8,7 +8,7 @@ from datetime import datetime
 import pytest
 
 from moedoctor.errors import EXIT_USAGE, MoedoctorError
-from moedoctor.runner.command import check_launcher, same_job
+from moedoctor.runner.command import check_launcher, check_torchrun, is_torchrun, same_job
 from moedoctor.runner.launch import _torchrun_failures
 from moedoctor.runner.manifest import root_cause_rank
 from moedoctor.runner.rundir import default_run_dir, prepare_run_dir
@@ -24,17 +24,33 @@ TORCHRUN = ["torchrun", "--nproc_per_node=2", "train.py"]
     ["/opt/venv/bin/python3.11", "-u", "-m", "torch.distributed.run", "train.py"],
 ])
 def test_accepts_torchrun_launchers(command):
-    assert check_launcher(command) == command
+    assert check_launcher(command) == command and is_torchrun(command)
+    assert check_torchrun(command) == command
 
 
-@pytest.mark.parametrize("command", [
+OTHERS = [
     ["python", "train.py"], ["python", "-m", "torch.distributed.launch", "train.py"],
-    ["bash", "-c", "torchrun train.py"], ["mpirun", "-n", "2", "python", "train.py"], [],
-])
-def test_refuses_anything_else(command):
+    ["bash", "-c", "torchrun train.py"], ["mpirun", "-n", "2", "python", "train.py"],
+    ["accelerate", "launch", "--num_processes", "2", "train.py"], ["python", "ray_driver.py"],
+]
+
+
+@pytest.mark.parametrize("command", OTHERS)
+def test_run_accepts_any_other_command_as_the_jobs_root(command):
+    assert check_launcher(command) == command and not is_torchrun(command)
+
+
+@pytest.mark.parametrize("command", [*OTHERS, []])
+def test_verify_still_wraps_torchrun_only(command):
     with pytest.raises(MoedoctorError) as e:
-        check_launcher(command)
+        check_torchrun(command)
     assert e.value.exit_code == EXIT_USAGE and "torchrun" in e.value.message
+
+
+def test_run_refuses_no_command():
+    with pytest.raises(MoedoctorError) as e:
+        check_launcher([])
+    assert e.value.exit_code == EXIT_USAGE and "any command" in e.value.message
 
 
 def test_nodes_of_one_job_differ_only_in_node_rank():
