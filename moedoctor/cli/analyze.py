@@ -60,7 +60,11 @@ def analyze(
     html: Annotated[
         Optional[Path],
         typer.Option(
-            "--html", metavar="FILE", help="Write the report as a self-contained HTML page.", show_default=False
+            "--html",
+            metavar="FILE",
+            help="Write the report as a self-contained HTML page (no network): lanes of collectives per "
+            "rank, the wait-for graph, stacks, evidence, fix; it links the --perfetto trace when given.",
+            show_default=False,
         ),
     ] = None,
     params: Annotated[
@@ -108,5 +112,6 @@ def analyze(
     if perfetto is not None:
         err.print(f"Perfetto trace: {write_perfetto(run, report, perfetto)}", highlight=False, soft_wrap=True)
     if html is not None:
-        err.print(f"HTML report: {write_html(report, html)}", highlight=False, soft_wrap=True)
+        page = write_html(report, html, run, perfetto, None if check is None else check.to_json())
+        err.print(f"HTML report: {page}", highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_FINDING if report.problem_found or (check and check.problem_found) else EXIT_OK)

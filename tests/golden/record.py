@@ -61,7 +61,7 @@ from torchrun_util import JobResult, job_env, live_processes, run_command  # noq
 
 NPROC = 2
 #: (--hang-timeout, --pg-timeout); the cases diagnosed by the hang timeout take the end-to-end test's.
-TIMEOUTS = {"hardware_like": ("8", "60"), "straggler": ("8", "60")}
+TIMEOUTS = {"hardware_like": ("8", "60"), "straggler": ("8", "60"), "collective_order_inversion": ("8", "60")}
 DEFAULT_TIMEOUTS = ("10", "10")
 JOB_LIMIT_S = 240.0
 STUCK_PATTERNS = ("straggler", "not-a-desync", "rank-stopped")
