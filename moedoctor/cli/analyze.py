@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
+from moedoctor.render.width import console as screen_console
 from moedoctor.cli._command import Command
 from moedoctor.cli.params import render_params_check, run_params_check
 from moedoctor.analysis import analyze as analyze_run
@@ -91,7 +91,7 @@ def analyze(
         if json_out:
             typer.echo(json.dumps(check.to_json(), indent=1))
         else:
-            render_params_check(check, Console())
+            render_params_check(check, screen_console())
         raise typer.Exit(EXIT_FINDING if check.problem_found else EXIT_OK)
     with reading(path):
         run = load_runs(paths)
@@ -105,10 +105,10 @@ def analyze(
             dumps(report) if check is None else json.dumps({**json.loads(dumps(report)), "params": check.to_json()})
         )
     else:
-        render_report(report, Console())
+        render_report(report, screen_console())
         if check is not None:
-            render_params_check(check, Console())
-    err = Console(stderr=True)
+            render_params_check(check, screen_console())
+    err = screen_console(stderr=True)
     if perfetto is not None:
         err.print(f"Perfetto trace: {write_perfetto(run, report, perfetto)}", highlight=False, soft_wrap=True)
     if html is not None:
