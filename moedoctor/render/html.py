@@ -19,6 +19,7 @@ from moedoctor.analysis.load import RunData
 from moedoctor.analysis.model import Divergence, DivergenceKind, OpView, Report, Verdict, WaitEdge
 from moedoctor.analysis.timing import megabytes
 from moedoctor.render.labels import phase_label
+from moedoctor.run_records import Frame, is_library_frame
 from moedoctor.wording import rank_names
 
 #: Collectives shown before and after the divergence in each group's lanes.
@@ -76,6 +77,7 @@ border-radius:6px;padding:2px 10px;margin-right:8px;letter-spacing:.04em}
 .op.empty{background:transparent;border-style:dashed;color:var(--mut)}
 .op.never{border:2px dashed var(--bad);background:var(--badbg);color:var(--bad);font-weight:600}
 .wait{color:var(--warn);font-weight:600}
+.frames .lib{color:var(--mut)}
 .card{border:1px solid var(--line);border-radius:8px;padding:10px 14px;margin:10px 0}
 .fix{border-color:#4ac26b;background:#f0fff4}
 .cmd{display:flex;gap:8px;align-items:flex-start}
@@ -85,6 +87,7 @@ background:#fff;border-radius:6px;padding:3px 10px;cursor:pointer}
 details{border:1px solid var(--line);border-radius:6px;margin:6px 0;padding:4px 10px}
 details>summary{cursor:pointer}
 td:first-child{white-space:nowrap}
+td ul{margin:0;padding-left:18px}
 table{border-collapse:collapse;margin:6px 0}
 td,th{border-bottom:1px solid var(--line);padding:3px 10px 3px 0;text-align:left;vertical-align:top}
 .score{display:inline-block;height:8px;background:var(--acc);border-radius:4px;vertical-align:middle}
@@ -420,8 +423,8 @@ def _evidence_section(report: Report) -> list[str]:
     if others:
         out.append("<h2>Other candidates, and what they lacked</h2>")
         out.append(
-            '<p class="mut">Patterns considered and not chosen: their score (the chosen pattern wins on '
-            "score) and the evidence each had; what a candidate lacked is what the chosen one has beyond it.</p>"
+            '<p class="mut">The patterns also considered, with their score and the evidence each found: '
+            "each lacked the evidence above that made the chosen pattern score higher.</p>"
         )
         out.append('<table id="candidates"><tr><th>pattern</th><th>score</th><th>its evidence</th></tr>')
         for c in others[:12]:
@@ -438,7 +441,7 @@ def _evidence_section(report: Report) -> list[str]:
 def _fix_section(report: Report) -> list[str]:
     if not (report.fixes or report.verify_command or report.fix_note or report.suggestion):
         return []
-    out = ['<h2>Fix</h2><div class="card fix">']
+    out = [f'<h2>{"Fix" if report.fixes else "Suggestion"}</h2><div class="card fix">']
     if report.fixes:
         out.append("<p><b>Fix:</b> " + ", ".join(f"<code>{escape(f)}</code>" for f in report.fixes) + "</p>")
     if report.verify_command:
@@ -553,17 +556,18 @@ def _stacks_section(report: Report, run: RunData | None) -> list[str]:
         body: list[str] = []
         if dump is not None and dump.main_thread:
             frames = dump.main_thread[:MAX_FRAMES]
+            more = len(dump.main_thread) - MAX_FRAMES
             body.append(
-                "<pre>"
-                + "\n".join(f"{escape(f.function)}  {escape(f.file)}:{f.line}" for f in frames)
-                + (f"\n... {len(dump.main_thread) - MAX_FRAMES} more" if len(dump.main_thread) > MAX_FRAMES else "")
+                '<p class="mut">main thread, innermost first; the job\'s own frames in bold</p><pre class="frames">'
+                + "\n".join(_frame(f) for f in frames)
+                + (f"\n... {more} more" if more > 0 else "")
                 + "</pre>"
             )
             others = {k: v for k, v in dump.threads.items() if v and v != dump.main_thread}
             for name, tframes in list(others.items())[:8]:
                 body.append(
                     f'<details><summary class="mut">thread {escape(str(name))}</summary><pre>'
-                    + "\n".join(f"{escape(f.function)}  {escape(f.file)}:{f.line}" for f in tframes[:MAX_FRAMES])
+                    + "\n".join(_frame(f) for f in tframes[:MAX_FRAMES])
                     + "</pre></details>"
                 )
         elif dump is not None and dump.error:
@@ -575,6 +579,12 @@ def _stacks_section(report: Report, run: RunData | None) -> list[str]:
         out.append(f'<p class="mut">... {len(ranks) - 64} more ranks (see --json)</p>')
     out.append("</div>")
     return out
+
+
+def _frame(frame: Frame) -> str:
+    """One frame: the job's own in bold, the libraries' (torch, the standard library...) dimmed."""
+    text = f"{escape(frame.function)}  {escape(frame.file)}:{frame.line}"
+    return f'<span class="lib">{text}</span>' if is_library_frame(frame) else f"<b>{text}</b>"
 
 
 def _coverage_section(report: Report) -> list[str]:
