@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from moedoctor.render.labels import phase_label
+from moedoctor.wording import phase_label
 from moedoctor.analysis import Verdict, analyze, load_run
 from moedoctor.analysis.load import verdict_problem
 from moedoctor.errors import MoedoctorError, cannot_write

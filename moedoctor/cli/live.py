@@ -13,7 +13,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from moedoctor.render.labels import phase_label
+from moedoctor.wording import phase_label
 from moedoctor.cli.hang_report import report_after_hang
 from moedoctor.runner import Outcome, RunDir, RunObserver, RunStatus
 from moedoctor.runner.launch import RankStatus

@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from moedoctor.render.labels import phase_label
+from moedoctor.wording import phase_label
 from moedoctor.analysis.params import SHARD_IDENTICAL, ParamsCheck, check_run_dir, has_params
 
 _KIND_TEXT = {

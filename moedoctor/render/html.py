@@ -18,7 +18,7 @@ from pathlib import Path
 from moedoctor.analysis.load import RunData
 from moedoctor.analysis.model import Divergence, DivergenceKind, OpView, Report, Verdict, WaitEdge
 from moedoctor.analysis.timing import megabytes
-from moedoctor.render.labels import phase_label
+from moedoctor.wording import phase_label
 from moedoctor.run_records import Frame, is_library_frame
 from moedoctor.wording import rank_names
 

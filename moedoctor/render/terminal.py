@@ -12,8 +12,7 @@ from rich.text import Text
 
 from moedoctor.analysis.model import AlignedRow, DivergenceKind, OpView, Report, Verdict
 from moedoctor.analysis.timing import direct_call, megabytes
-from moedoctor.render.labels import phase_label
-from moedoctor.wording import rank_names
+from moedoctor.wording import phase_label, rank_names
 
 _VERDICT_STYLE = {
     Verdict.HEALTHY: "green",
