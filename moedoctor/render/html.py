@@ -86,7 +86,7 @@ button{font:inherit;font-size:12px;border:1px solid var(--line);
 background:#fff;border-radius:6px;padding:3px 10px;cursor:pointer}
 details{border:1px solid var(--line);border-radius:6px;margin:6px 0;padding:4px 10px}
 details>summary{cursor:pointer}
-td:first-child{white-space:nowrap}
+td:first-child,td.nw{white-space:nowrap}
 td ul{margin:0;padding-left:18px}
 table{border-collapse:collapse;margin:6px 0}
 td,th{border-bottom:1px solid var(--line);padding:3px 10px 3px 0;text-align:left;vertical-align:top}
@@ -389,7 +389,8 @@ def _wait_for_svg(edges: list[WaitEdge], cycle: list[WaitEdge], culprits: list[i
             lx, ly = (sx + 2 * mx + ex) / 4 + nx * 14, (sy + 2 * my + ey) / 4 + ny * 14 + 4
             parts.append(
                 f'<text x="{lx:.1f}" y="{ly:.1f}" text-anchor="middle" fill="#57606a" '
-                f'paint-order="stroke" stroke="#fff" stroke-width="3">{escape(e.op)} #{e.seq} g{escape(e.group)}</text>'
+                f'paint-order="stroke" stroke="#fff" stroke-width="3">'
+                f"{escape(e.op)} #{e.seq}, group {escape(e.group)}</text>"
             )
     for r, (x, y) in pos.items():
         culprit = r in culprits
@@ -431,8 +432,9 @@ def _evidence_section(report: Report) -> list[str]:
             width = max(2, round(60 * max(0.0, min(1.0, c.score))))
             ev = "".join(f"<li>{escape(e)}</li>" for e in c.evidence[:6]) or "<li class='mut'>none</li>"
             out.append(
-                f'<tr><td><code>{escape(c.pattern)}</code></td><td><span class="score" style="width:{width}px">'
-                f"</span> {c.score:.2f}</td><td><ul>{ev}</ul></td></tr>"
+                f"<tr><td><code>{escape(c.pattern)}</code></td>"
+                f'<td class="nw"><span class="score" style="width:{width}px"></span> {c.score:.2f}</td>'
+                f"<td><ul>{ev}</ul></td></tr>"
             )
         out.append("</table>")
     return out
