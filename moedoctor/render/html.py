@@ -14,13 +14,13 @@ import math
 import os
 from html import escape
 from pathlib import Path
+from urllib.parse import quote
 
 from moedoctor.analysis.load import RunData
 from moedoctor.analysis.model import Divergence, DivergenceKind, OpView, Report, Verdict, WaitEdge
 from moedoctor.analysis.timing import megabytes
-from moedoctor.wording import phase_label
 from moedoctor.run_records import Frame, is_library_frame
-from moedoctor.wording import rank_names
+from moedoctor.wording import phase_label, rank_names
 
 #: Collectives shown before and after the divergence in each group's lanes.
 BEFORE, AFTER = 5, 1
@@ -174,7 +174,7 @@ def write_html(
     path = Path(path)
     link = None
     if perfetto is not None:
-        link = os.path.relpath(Path(perfetto).resolve(), path.resolve().parent).replace(os.sep, "/")
+        link = quote(os.path.relpath(Path(perfetto).resolve(), path.resolve().parent).replace(os.sep, "/"))
     path.write_text(html_page(report, run, link, params), encoding="utf-8")
     return path
 
