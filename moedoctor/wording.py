@@ -1,4 +1,4 @@
-"""How reports word recurring things, written once: lists of ranks."""
+"""How reports word recurring things, written once: lists of ranks, phases."""
 
 from __future__ import annotations
 
@@ -37,3 +37,17 @@ def rank_numbers(ranks: Iterable[int], limit: int = 8) -> str:
     if len(ranks) > limit:
         return f"{', '.join(map(str, ranks[:limit]))} and {len(ranks) - limit} more"
     return ", ".join(map(str, ranks))
+
+
+#: How a recorded phase reads on screen (terminal and HTML reports, the live status). The JSON value
+#: stays ``other`` (the trace and report schemas, docs/report-format.md); on screen it says where the
+#: collective was issued.
+PHASE_LABELS = {"other": "outside forward/backward"}
+
+
+def phase_label(phase: str | None) -> str:
+    """``"other"`` -> ``"outside forward/backward"``; every other phase (``forward``, ``backward``,
+    ``optimizer``...) as recorded."""
+    if phase is None:
+        return "?"
+    return PHASE_LABELS.get(phase, phase)

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
+from moedoctor.render.width import console as screen_console
 from moedoctor.cli._command import Command
 from moedoctor.cli.params import render_params_check, run_params_check
 from moedoctor.analysis import analyze as analyze_run
@@ -61,7 +61,11 @@ def analyze(
     html: Annotated[
         Optional[Path],
         typer.Option(
-            "--html", metavar="FILE", help="Write the report as a self-contained HTML page.", show_default=False
+            "--html",
+            metavar="FILE",
+            help="Write the report as a self-contained HTML page (no network): lanes of collectives per "
+            "rank, the wait-for graph, stacks, evidence, fix; it links the --perfetto trace when given.",
+            show_default=False,
         ),
     ] = None,
     params: Annotated[
@@ -88,7 +92,7 @@ def analyze(
         if json_out:
             typer.echo(json.dumps(check.to_json(), indent=1))
         else:
-            render_params_check(check, Console())
+            render_params_check(check, screen_console())
         raise typer.Exit(EXIT_FINDING if check.problem_found else EXIT_OK)
     with reading(path):
         run = load_runs(paths)
@@ -102,14 +106,15 @@ def analyze(
             dumps(report) if check is None else json.dumps({**json.loads(dumps(report)), "params": check.to_json()})
         )
     else:
-        render_report(report, Console())
+        render_report(report, screen_console())
         if check is not None:
-            render_params_check(check, Console())
-    err = Console(stderr=True)
+            render_params_check(check, screen_console())
+    err = screen_console(stderr=True)
     if perfetto is not None:
         err.print(f"Perfetto trace: {write_perfetto(run, report, perfetto)}", highlight=False, soft_wrap=True)
     if html is not None:
-        err.print(f"HTML report: {write_html(report, html)}", highlight=False, soft_wrap=True)
+        page = write_html(report, html, run, perfetto, None if check is None else check.to_json())
+        err.print(f"HTML report: {page}", highlight=False, soft_wrap=True)
     if report.verdict == Verdict.INTERRUPTED and not (check and check.problem_found):
         # Nothing wrong up to the stop, but the run did not end: no verdict on the job (exit 2).
         raise MoedoctorError(f"{report.summary.split('. ')[0]}: no verdict on the job", EXIT_BAD_INPUT)

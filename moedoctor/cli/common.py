@@ -56,9 +56,11 @@ __all__ = [
 
 def pick_recorder(wanted: str, console: Console) -> RecorderChoice:
     """The recorder to use, saying on the screen when a build runs or ``auto`` falls back to Python."""
-    choice = choose_recorder(wanted, lambda message: console.print(f"moedoctor: {message}"))
+    choice = choose_recorder(
+        wanted, lambda message: console.print(f"moedoctor: {message}", highlight=False, soft_wrap=True)
+    )
     if wanted == "auto" and choice.kind == "python":
-        console.print(f"moedoctor: recording with the Python kernels ({choice.note})")
+        console.print(f"moedoctor: recording with the Python kernels ({choice.note})", highlight=False, soft_wrap=True)
     return choice
 
 

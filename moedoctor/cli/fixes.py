@@ -6,10 +6,10 @@ from typing import Annotated
 
 import typer
 from rich import box
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from moedoctor.render.width import console as screen_console
 from moedoctor.cli._command import Command
 from moedoctor.fixes import FIXES
 
@@ -24,7 +24,7 @@ def fixes(
 ) -> None:
     """List the fix modules `moedoctor verify --fix NAME` can inject, the deadlock patterns each
     fixes, and the classes and functions it patches (more can be named with --config)."""
-    console = Console()
+    console = screen_console()
     if not console.is_terminal:  # a pipe or a file: whole names, one per line, nothing cut mid-word
         _plain(verbose)
         return

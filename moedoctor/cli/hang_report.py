@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from moedoctor.wording import phase_label
 from moedoctor.analysis import Verdict, analyze, load_run
 from moedoctor.analysis.load import verdict_problem
 from moedoctor.errors import MoedoctorError, cannot_write
@@ -151,7 +152,7 @@ def _hang_table(hang, console: Console) -> None:
             f"{last.op} #{last.seq}",
             escape(last.group),
             "done" if last.completed else "waiting",
-            last.phase,
+            phase_label(last.phase),
             str(last.step),
             escape(site),
         )

@@ -13,6 +13,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+from moedoctor.wording import phase_label
 from moedoctor.cli.hang_report import report_after_hang
 from moedoctor.runner import Outcome, RunDir, RunObserver, RunStatus
 from moedoctor.runner.launch import RankStatus
@@ -63,7 +64,7 @@ def status_table(status: RunStatus) -> Table:
             str(e.seq),
             e.op,
             "done" if r.last_completed else "waiting",
-            e.phase.value,
+            phase_label(e.phase.value),
             str(e.step),
             _idle(r),
         )
@@ -81,7 +82,7 @@ def status_line(status: RunStatus) -> str:
             e = r.last
             parts.append(
                 f"rank {r.rank}: {e.op} #{e.seq} ({e.group.desc or e.group.name}) "
-                f"{'done' if r.last_completed else 'waiting'}, {e.phase.value}, step {e.step}, "
+                f"{'done' if r.last_completed else 'waiting'}, {phase_label(e.phase.value)}, step {e.step}, "
                 f"idle {_idle(r)}s"
             )
     ranks = "; ".join(parts) or "no rank started yet"

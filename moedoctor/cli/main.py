@@ -8,13 +8,13 @@ import os
 import sys
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 import moedoctor
 from moedoctor.cli import analyze, fixes, run, triage, verify
 from moedoctor.cli._command import Group
 from moedoctor.errors import EXIT_INTERNAL, MoedoctorError, internal_error_line
+from moedoctor.render.width import console, help_width
 
 app = typer.Typer(
     cls=Group,
@@ -54,15 +54,16 @@ def _root(
 
 
 def main(argv: list[str] | None = None) -> None:
+    help_width()
     try:
         app(args=argv, prog_name="moedoctor")
     except MoedoctorError as e:
-        Console(stderr=True).print(f"[bold red]moedoctor:[/] {escape(e.message)}", highlight=False, soft_wrap=True)
+        console(stderr=True).print(f"[bold red]moedoctor:[/] {escape(e.message)}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - moedoctor's own bug: one line and exit 3, never a traceback
         if os.environ.get("MOEDOCTOR_DEBUG"):
             raise
-        Console(stderr=True).print(
+        console(stderr=True).print(
             f"[bold red]moedoctor:[/] {escape(internal_error_line(e))}", highlight=False, soft_wrap=True
         )
         sys.exit(EXIT_INTERNAL)

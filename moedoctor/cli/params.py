@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from moedoctor.wording import phase_label
 from moedoctor.analysis.params import SHARD_IDENTICAL, ParamsCheck, check_run_dir, has_params
 
 _KIND_TEXT = {
@@ -60,7 +61,7 @@ def render_params_check(check: ParamsCheck, console: Console, limit: int = 12) -
         o = f.overwrite
         if o is not None:
             where = f" at {escape(o.call_site)}" if o.call_site else " (not matched in the trace)"
-            more = f" (phase {o.phase}, step {o.step})" if o.phase is not None else ""
+            more = f" (phase {phase_label(o.phase)}, step {o.step})" if o.phase is not None else ""
             console.print(
                 f"    overwritten by {o.op} from rank {o.src} on ranks {','.join(map(str, o.group))}{where}{more}",
                 highlight=False,

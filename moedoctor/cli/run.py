@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from rich.console import Console
 
+from moedoctor.render.width import console as screen_console
 from moedoctor.cli._command import Command
 from moedoctor.cli.common import (
     DEFAULT_STARTUP_TIMEOUT,
@@ -118,7 +118,7 @@ def run(
             metavar="",
             help="Multi-node (--nnodes above 1, c10d or static rendezvous): the nodes' moedoctors exchange "
             "digests of their ranks' collectives through the job's rendezvous store (its TCPStore, keys under "
-            "moedoctor/<rdzv id>/), so a desync across nodes is found, and the job stopped on every node, "
+            "`moedoctor/<rdzv id>/`), so a desync across nodes is found, and the job stopped on every node, "
             "with a run directory per node (no shared file system). Needs --online.",
         ),
     ] = True,
@@ -194,7 +194,7 @@ def run(
     if run_dir is None:
         run_dir = default_run_dir(Path("moedoctor-runs"))
     joined = prepare_run_dir(run_dir, command, force)
-    console = Console(stderr=True)
+    console = screen_console(stderr=True)
     choice = pick_recorder(recorder, console)
     run_config = RunConfig(
         command=command,

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from moedoctor.render.width import console as screen_console
 from moedoctor.cli._command import Command
 from moedoctor.errors import EXIT_FINDING, EXIT_OK, EXIT_USAGE
 from moedoctor.render.json_report import report_to_dict
@@ -93,7 +94,7 @@ def triage(
             doc["triage"] = {"merged": [str(d) for d in merge], "evidence": evidence, "notes": notes}
             typer.echo(json.dumps(doc, indent=1, allow_nan=False, default=str))
         else:
-            console = Console()
+            console = screen_console()
             console.print(
                 Text(f"Triage of {len(merge)} nodes' folders merged; report from the {evidence}", style="dim"),
                 soft_wrap=True,
@@ -112,14 +113,14 @@ def triage(
         doc["triage"] = result.to_dict()
         typer.echo(json.dumps(doc, indent=1, allow_nan=False, default=str))
     else:
-        console = Console()
+        console = screen_console()
         _preface(result, console)
         render_report(result.report, console)
     raise typer.Exit(EXIT_FINDING if result.report.problem_found else EXIT_OK)
 
 
 def _usage(message: str) -> NoReturn:
-    Console(stderr=True).print(f"[bold red]moedoctor:[/] {message}", highlight=False, soft_wrap=True)
+    screen_console(stderr=True).print(f"[bold red]moedoctor:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_USAGE)
 
 

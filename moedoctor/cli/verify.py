@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
+from moedoctor.render.width import console as screen_console
 from moedoctor.cli._command import Command
 from moedoctor.cli.common import (
     DEFAULT_STARTUP_TIMEOUT,
@@ -130,7 +130,7 @@ def verify(
     if run_dir is None:
         run_dir = _default_rerun_dir(original.path, fixes) if original else default_run_dir(Path("moedoctor-runs"))
     prepare_run_dir(run_dir, command, force)
-    console = Console(stderr=True)
+    console = screen_console(stderr=True)
     wanted = recorder or (original.manifest.get("recorder") if original else None) or "auto"
     choice = pick_recorder(wanted, console)
     timeout = hang_timeout or (original.hang_timeout if original else None) or DEFAULT_HANG_TIMEOUT
@@ -163,7 +163,7 @@ def verify(
         typer.echo(json.dumps(verification_to_dict(verification), indent=1))
     else:
         # A before/after table needs room: 140 columns when writing to a file or a pipe (rich's 80 wraps it).
-        render_verification(verification, Console(width=None if sys.stdout.isatty() else 140))
+        render_verification(verification, screen_console())
         console.print(f"Written: {written}", highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_OK if verification.passed else EXIT_FINDING)  # 1: not verified
 

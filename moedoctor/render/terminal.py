@@ -12,7 +12,7 @@ from rich.text import Text
 
 from moedoctor.analysis.model import AlignedRow, DivergenceKind, OpView, Report, Verdict
 from moedoctor.analysis.timing import direct_call, megabytes
-from moedoctor.wording import rank_names
+from moedoctor.wording import phase_label, rank_names
 
 _VERDICT_STYLE = {
     Verdict.HEALTHY: "green",
@@ -167,7 +167,7 @@ def render_slow(report: Report, console: Console) -> None:
         site = "?" if p.call_site is None else p.call_site.rsplit("/", 1)[-1]
         console.print(
             Text(
-                f"  {p.phase} {p.op} {site}: {p.count:,} in {p.seconds:.2f} s, {megabytes(p.bytes)}, "
+                f"  {phase_label(p.phase)} {p.op} {site}: {p.count:,} in {p.seconds:.2f} s, {megabytes(p.bytes)}, "
                 f"{p.mean_interval_s * 1e3:.2f} ms apart"
             ),
             soft_wrap=True,
@@ -202,7 +202,7 @@ def _cell(row: AlignedRow, rank: int, at_divergence: bool) -> Text:
     text = Text(f"{op.op} {_shapes(op)} {'/'.join(_DTYPES.get(d, d) for d in op.dtypes)}".rstrip(), style=style)
     if op.reduce_op:
         text.append(f" {op.reduce_op}", style=style)
-    detail = f"\n{op.phase} s{op.step}"
+    detail = f"\n{phase_label(op.phase)} s{op.step}"
     if op.short_site:
         detail += f" · {op.short_site}"
     text.append(detail, style="red" if diverging else "dim")

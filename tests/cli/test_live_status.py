@@ -27,3 +27,11 @@ def test_a_busy_silence_says_busy_not_idle_of_the_timeout():
     busy = "busy: rank 0 working in save (train.py:88) (progressing: 3.2 s CPU), while rank 1 waits in barrier"
     line = status_line(RunStatus(300, 240, 60, [RankStatus(0, 11, a.events[-1], True, 240)], busy=busy))
     assert f"silent 240s, {busy}" in line and "idle 240s of 60s" not in line
+
+
+def test_the_phase_other_reads_outside_forward_backward():
+    a, = ranks(1)
+    a.coll("all_reduce", (4,))  # Phase.OTHER: issued outside forward, backward, optimizer and checkpoint
+    assert a.events[-1].phase.value == "other"  # the trace's and the report's value, a schema, stays
+    line = status_line(RunStatus(30, 12, 60, [RankStatus(0, 11, a.events[-1], True, 12)]))
+    assert "done, outside forward/backward, step 0" in line and ", other," not in line

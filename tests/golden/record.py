@@ -10,11 +10,12 @@ from the repository root; ``python`` is the interpreter running this script)::
     python -m moedoctor run --run-dir TMP --force --hang-timeout 10 -- \\
         python -m torch.distributed.run --standalone --nproc_per_node 2 fixtures/<name>/train.py --pg-timeout 10
 
-except ``hardware_like`` and ``straggler``, which run with the options the end-to-end test
-(``tests/integration/conftest.py``) gives every fixture, ``--hang-timeout 8`` and ``--pg-timeout
-60``: they are diagnosed by the hang timeout (no collective mismatch for online detection to see),
-and with a process-group timeout as short as the hang timeout the job's own timeout would race
-moedoctor's diagnosis.
+except ``hardware_like``, ``straggler`` and ``collective_order_inversion``, which run with the
+options the end-to-end test (``tests/integration/conftest.py``) gives every fixture, ``--hang-timeout
+8`` and ``--pg-timeout 60``: they are diagnosed by the hang timeout (no collective mismatch for online
+detection to see: each group's own sequence agrees in an order inversion), and with a process-group
+timeout as short as the hang timeout the job's own timeout would race moedoctor's diagnosis (with
+10 s, Gloo's timeout ended collective_order_inversion's ranks first: crashed, not diagnosed).
 
 It then copies from the run directory the same entries the case holds now (``traces/``,
 ``manifest.json``, and where present ``stacks/``, ``gpu/``, ``flight_recorder/``; inside a folder only
@@ -61,7 +62,7 @@ from torchrun_util import JobResult, job_env, live_processes, run_command  # noq
 
 NPROC = 2
 #: (--hang-timeout, --pg-timeout); the cases diagnosed by the hang timeout take the end-to-end test's.
-TIMEOUTS = {"hardware_like": ("8", "60"), "straggler": ("8", "60")}
+TIMEOUTS = {"hardware_like": ("8", "60"), "straggler": ("8", "60"), "collective_order_inversion": ("8", "60")}
 DEFAULT_TIMEOUTS = ("10", "10")
 JOB_LIMIT_S = 240.0
 STUCK_PATTERNS = ("straggler", "not-a-desync", "rank-stopped")

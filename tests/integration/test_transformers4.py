@@ -5,8 +5,9 @@ block loops over for the routed experts only: when rank 1 routes no token to an 
 expert's parameters get no gradient there and FSDP2 reduce-scatters fewer elements on rank 1 than
 on rank 0 (Gloo aborts on the size mismatch, NCCL hangs). The system environment has transformers
 5.x, where experts are fused and the job completes, so these tests run every job with the python of
-a second environment, ``.venv-tf4`` (a ``--system-site-packages`` venv: the system torch and
-moedoctor, with ``ci/transformers4.txt`` installed over them), which README's test command creates.
+a second environment, ``.venv-tf4`` (``ci/make_venv.py``: a venv that sees the torch and
+moedoctor of the python that made it, with ``ci/transformers4.txt`` installed over them), which
+README's test command creates.
 
 - ``fixtures/inactive_experts/train_qwen3.py`` (``Qwen3MoeSparseMoeBlock``) fails by itself at the
   fault step, ``moedoctor run`` diagnoses ``inactive-experts`` with rank 1 as the culprit, and
@@ -49,7 +50,7 @@ EXPERT_NUMEL = 3 * 16 * 32
 pytestmark = pytest.mark.skipif(
     not VENV_PYTHON.exists(),
     reason="no .venv-tf4 (the transformers 4.53.2 environment): create it as README's test command does, "
-           "python -m venv --system-site-packages --without-pip .venv-tf4 && "
+           "python ci/make_venv.py .venv-tf4 && "
            ".venv-tf4/bin/python -m pip install -r ci/transformers4.txt")
 
 MIXTRAL_SCRIPT = '''\

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -69,7 +70,8 @@ def test_terminal_healthy_is_one_panel():
 def test_html_is_self_contained():
     page = html_page(analyze(SCENARIOS["straggler"][0]()))
     assert page.startswith("<!DOCTYPE html>") and "ShardReader._read_shard" in page
-    assert "<script" not in page and "http" not in page.split("<body>")[0]
+    assert "<title>moedoctor: STUCK" in page  # inline CSS and JS only: nothing is fetched
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page) and "@import" not in page
 
 
 def test_perfetto_one_track_per_rank_with_the_divergence_marked():
@@ -95,3 +97,14 @@ def test_analysis_and_renderers_import_no_torch():
             "moedoctor.render.perfetto; "
             "p.registry(); sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_the_phase_other_reads_outside_forward_backward_on_screen_and_stays_other_in_json():
+    report = analyze(SCENARIOS["inflight-metric-allreduce"][0]())
+    metric = [op for op in report.divergence.per_rank.values() if op is not None and op.op == "all_reduce"]
+    assert metric and metric[0].phase == "other"
+    table = render(report).split("Evidence")[0]
+    assert "outside forward/backward s" in table and "other s" not in table
+    doc = report_to_dict(report)
+    assert "other" in {op["phase"] for op in doc["divergence"]["per_rank"].values() if op}
+    assert "outside forward/backward" in html_page(report)

@@ -32,9 +32,11 @@ def test_the_build_key_names_the_environment_and_what_the_build_depends_on():
 
 
 def make_venv(path: Path) -> Path:
-    """A ``--system-site-packages`` venv: the same torch and Python as this interpreter."""
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(path)],
-                   check=True, capture_output=True, timeout=120)
+    """A venv that sees this interpreter's packages (the same torch and Python), made by
+    ``ci/make_venv.py`` (as README's ``.venv-tf4``): ``--system-site-packages`` alone would see the
+    base interpreter's packages when this one is itself a venv, without torch."""
+    subprocess.run([sys.executable, str(REPO / "ci" / "make_venv.py"), str(path)], check=True, capture_output=True,
+                   timeout=120)
     return path / "bin" / "python"
 
 

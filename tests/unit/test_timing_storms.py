@@ -268,3 +268,20 @@ def test_fix_target_of_a_method_is_class_dot_method(tmp_path):
         report = analyze(run_of(*builders, manifest_info=info))
         expected = {"coalesce-broadcasts": {"targets": [target]}} if target else None
         assert report.slow is not None and report.fix_config == expected
+
+
+def test_html_report_has_the_slow_busy_and_params_sections():
+    import re
+
+    from moedoctor.render.html import html_page
+    from moedoctor.run_records import BusyRecord
+
+    report = analyze(storm_run())
+    busy = BusyRecord(start=0.0, seconds=42.0, kind="busy", line="rank 0 working in save (train.py:88)", ended=True)
+    params = {"ranks": [0, 1], "points": ["prepared"], "findings": [], "notes": []}
+    page = html_page(dataclasses.replace(report, busy=[busy]), params=params)
+    assert '<h2 id="slow">Slow, not stuck (broadcast-storm)</h2>' in page
+    assert re.search(r"<td>outside forward/backward</td><td><code>broadcast</code></td>", page)
+    assert '<h2 id="busy">' in page and "42 s without a collective: rank 0 working in save" in page
+    assert '<h2 id="params">Parameter check</h2>' in page and "consistent" in page
+    assert '<h2 id="slow">' not in html_page(analyze(fsdp_run(steps=2)))
