@@ -101,32 +101,50 @@ _COMMUNICATION = (
 #: torch.distributed modules that compute on local data: DTensor's dispatch, sharding propagation
 #: and local ops are arithmetic on this rank's shards, not a wait on a peer (a DTensor op that does
 #: communicate goes through the functional collectives above).
-_COMPUTATION = ("/torch/distributed/tensor/", "/torch/distributed/_tensor/")
+_COMPUTATION = ("/torch/distributed/tensor/", "/torch/distributed/_tensor/", "/torch/distributed/device_mesh.py")
 #: How deep into the main thread's machinery (frames before the job's own code) a wait is looked for.
 _WAIT_DEPTH = 12
 
 
+#: Functions of torch.distributed that only look something up (a rank, a group, a mesh coordinate):
+#: DTensor's dispatch calls them for every op; a rank caught in one is computing, not waiting.
+_QUERY = re.compile(r"^_?(get|is|has|check|rank_not_in|world|canonicalize|warn|as_|tensor_to|object_to|to_)")
+
+
+def _waits(frame: Frame) -> bool:
+    """A frame of torch.distributed's communication code (a collective, a Work's or a functional
+    collective's wait, FSDP's unshard/reduce waits, a store or rendezvous), not a look-up in it."""
+    if frame.function == "wait" or frame.function.startswith("wait_"):
+        return "/torch/distributed/" in frame.file or "c10d" in frame.file
+    return any(m in frame.file for m in _COMMUNICATION) and not _QUERY.match(frame.function)
+
+
 def is_distributed_frame(frame: Frame) -> bool:
     """A frame inside torch.distributed's communication machinery (collectives, waits, stores,
-    process groups), not its local computation (DTensor dispatch)."""
+    process groups), not its local computation (DTensor dispatch, device-mesh look-ups) or a
+    look-up function (``get_rank``). Other torch.distributed code counts (the analysis reads the
+    top of a stack with it)."""
     file = frame.file
     if not ("/torch/distributed/" in file or "c10d" in file):
         return False
-    if any(m in file for m in _COMMUNICATION) or frame.function == "wait" or frame.function.startswith("wait_"):
+    if _waits(frame):
         return True
-    return not any(m in file for m in _COMPUTATION)
+    if _QUERY.match(frame.function) or any(m in file for m in _COMPUTATION):
+        return False
+    return True
 
 
 def communication_frame(frames: tuple[Frame, ...]) -> Frame | None:
     """The frame in which a main thread (innermost first) waits on its peers, or None when it is
     computing or in the job's own code. Only the library frames above the job's innermost frame
-    count (a launcher's ``@record`` wrapper far out is not a wait), and in them the innermost frame
-    of torch.distributed's communication machinery (``is_distributed_frame``): DTensor's dispatch
-    (``torch/distributed/tensor``) is arithmetic on local shards, not a wait."""
+    count (a launcher's ``@record`` wrapper far out is not a wait), and in them only positive
+    evidence of a wait (``_waits``: a collective, a wait, a store): DTensor's dispatch
+    (``torch/distributed/tensor``), a device-mesh or rank look-up and other torch.distributed code
+    are not. This is what the supervisor stops a job on, so it claims nothing it does not know."""
     for frame in frames[:_WAIT_DEPTH]:
         if not is_library_frame(frame) or frame.function == "<module>":
             return None  # the job's own code, or a module being imported (its top level runs)
-        if is_distributed_frame(frame):
+        if _waits(frame):
             return frame
     return None
 

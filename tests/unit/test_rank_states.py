@@ -244,3 +244,14 @@ def test_cpu_spent_at_one_stack_in_a_device_synchronize_is_not_progress(monkeypa
     dump[0]["frames"] = [{"name": "at::native::cpublas::gemm", "filename": "libtorch_cpu.so"}]
     Done.stdout = _json.dumps(dump)
     assert act.device_wait(me, "py-spy") is None  # real work in one long call
+
+
+def test_dtensor_dispatch_looking_up_its_mesh_or_rank_is_computation():
+    """DTensor's dispatch asks the device mesh for its coordinate and c10d for the rank on every op: a
+    sample caught there (on every rank, twice in a row: an EMA over many DTensors) is no wait."""
+    for innermost in (("get_coordinate", f"{TORCH}/distributed/device_mesh.py"),
+                      ("get_rank", f"{TORCH}/distributed/distributed_c10d.py"),
+                      ("_get_group_rank", f"{TORCH}/distributed/distributed_c10d.py")):
+        f = frames(innermost, ("dispatch", f"{TORCH}/distributed/tensor/_dispatch.py"),
+                   ("update_ema", "/job/train.py"))
+        assert communication_frame(f) is None, innermost
