@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from moedoctor.analysis.timing import SlowReport
 from moedoctor.events import CollectiveEvent
 from moedoctor.run_records import BusyRecord
+from moedoctor.wording import phase_label
 
 if TYPE_CHECKING:
     from moedoctor.analysis.mechanism import MechanismFinding
@@ -104,7 +105,7 @@ class OpView:
     def describe(self) -> str:
         """``all_reduce #30 [1] float32 (sharded_optim.py:45, optimizer, step 2)``."""
         shapes = ", ".join(str(list(s)) for s in self.shapes) or "no tensors"
-        where = ", ".join(x for x in (self.short_site, self.phase, f"step {self.step}") if x)
+        where = ", ".join(x for x in (self.short_site, phase_label(self.phase), f"step {self.step}") if x)
         return f"{self.op} #{self.seq} {shapes} {'/'.join(self.dtypes)} ({where})"
 
 

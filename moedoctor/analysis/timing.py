@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from moedoctor.analysis.source import calls_in, line_text, qualified_function
 from moedoctor.events import CollectiveEvent
+from moedoctor.wording import phase_label
 
 #: A storm: at least this many consecutive collectives of one op, group and call site on a rank...
 MIN_STORM_COUNT = 500
@@ -129,7 +130,8 @@ class Storm:
         kind = "latency-bound" if self.latency_bound else "not latency-bound"
         return (
             f"{self.count:,} {plural(self.op)} from {self.short_site}{fn} in {self.seconds:.1f} s, "
-            f"{self.per_collective_s * 1e3:.2f} ms each, {megabytes(self.bytes)} in all, {self.phase} phase: {kind}"
+            f"{self.per_collective_s * 1e3:.2f} ms each, {megabytes(self.bytes)} in all, "
+            f"phase {phase_label(self.phase)}: {kind}"
         )
 
 

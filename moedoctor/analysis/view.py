@@ -14,6 +14,7 @@ from moedoctor.analysis.model import GroupRef
 from moedoctor.events import CollectiveEvent, Evidence, Phase, RankException, TracebackFrame
 from moedoctor.process_state import ProcessState
 from moedoctor.run_records import Frame, StackDump, is_distributed_frame, is_own_frame
+from moedoctor.wording import phase_label
 
 #: Frames of libraries, for the job's own frame of a traceback.
 _LIBRARY_MARKERS = ("/torch/", "<frozen", "<string>")
@@ -221,7 +222,8 @@ class RunView:
         raised_in = f" (raised in {inner.short} {inner.function})" if inner is not None and inner != site else ""
         lines = exc.message.strip().splitlines()
         first = lines[0][:200] if lines else ""
-        return f"rank {rank} raised {exc.type}{at} in {exc.phase.value} of step {exc.step}{raised_in}: {first}"
+        phase = phase_label(exc.phase.value)
+        return f"rank {rank} raised {exc.type}{at} in {phase} of step {exc.step}{raised_in}: {first}"
 
     def exit_code(self, rank: int) -> int | None:
         m = self.run.manifest

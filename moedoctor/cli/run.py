@@ -24,11 +24,11 @@ from moedoctor.cli.common import (
 from moedoctor.cli.hang_report import report_after_run
 from moedoctor.cli.live import ConsoleObserver
 from moedoctor.cli.params import print_params_check
-from moedoctor.errors import MoedoctorError
+from moedoctor.errors import EXIT_USAGE, MoedoctorError
 from moedoctor.fixes import FIXES, get_fix
 from moedoctor.fixes.config import load_fix_config, write_fix_config
 from moedoctor.runner import RunConfig, default_run_dir, prepare_run_dir, run_job
-from moedoctor.runner.command import check_launcher
+from moedoctor.runner.command import check_launcher, missing_script
 
 app = typer.Typer()
 
@@ -185,6 +185,9 @@ def run(
     directory, stops the job's whole process tree and exits 124.
     """
     command = check_launcher(list(command or []))
+    missing = missing_script(command)
+    if missing is not None:  # before any run directory is made: nothing was started
+        raise MoedoctorError(f"{missing} (nothing was started)", EXIT_USAGE)
     fixes = tuple(get_fix(name).name for name in dict.fromkeys(fix or ()))
     fix_config = load_fix_config(config, FIXES.values()) if config is not None else {}
     if fix_config and not fixes:

@@ -30,6 +30,25 @@ def check_launcher(command: list[str]) -> list[str]:
     return command
 
 
+#: Launchers whose first ``.py`` argument is the script every rank runs.
+_SCRIPT_LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "lightning")
+
+
+def missing_script(command: list[str], cwd: str | None = None) -> str | None:
+    """The Python script ``command`` would run when it does not exist (``"train.py: no such file"``),
+    else None. The script is the first argument ending in ``.py`` (``torchrun ... train.py``, ``python
+    train.py``, ``accelerate launch train.py``); a module (``-m``) or a command without one is not checked."""
+    program = os.path.basename(command[0]) if command else ""
+    if program not in _SCRIPT_LAUNCHERS and _PYTHON.match(program) is None:
+        return None  # another program's arguments are its own business
+    for arg in command[1:]:
+        if arg.startswith("-") or not arg.endswith(".py"):
+            continue
+        path = arg if os.path.isabs(arg) or cwd is None else os.path.join(cwd, arg)
+        return None if os.path.exists(path) else f"{arg}: no such file"
+    return None
+
+
 def is_torchrun(command: list[str]) -> bool:
     """Whether ``command`` starts a torchrun launcher (``torchrun`` or ``python -m torch.distributed.run``)."""
     if not command:

@@ -73,8 +73,10 @@ def test_refuses_no_command(capsys):
     assert code == EXIT_USAGE and "no command" in err
 
 
-def test_refuses_a_non_empty_run_dir_without_force(tmp_path, capsys):
+def test_refuses_a_non_empty_run_dir_without_force(tmp_path, capsys, monkeypatch):
     (tmp_path / "old.txt").write_text("a previous run")
+    (tmp_path / "t.py").write_text("")
+    monkeypatch.chdir(tmp_path)
     code, err = run_main(["run", "--run-dir", str(tmp_path), "--", "torchrun", "t.py"], capsys)
     assert code == EXIT_USAGE and "--force" in err and "not empty" in err
 
@@ -105,3 +107,21 @@ def test_flags_show_no_type_placeholder(command):
 def test_usage_names_the_required_argument_plainly():
     result = runner.invoke(app, ["analyze", "--help"], terminal_width=200)
     assert "Usage: moedoctor analyze [OPTIONS] PATH" in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["torchrun", "--standalone", "--nproc_per_node", "2", "nosuch/train.py", "--steps", "3"],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "nosuch/train.py"],
+        [sys.executable, "nosuch/train.py"],
+    ],
+)
+def test_a_missing_script_is_one_line_and_leaves_no_run_folder(command, tmp_path, monkeypatch, capsys):
+    """Issue 32, point 4: not torchrun's 40-line traceback then "the job never started" and a useless
+    next step, but the file, and no run directory for a command that never started."""
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["run", "--run-dir", str(tmp_path / "run"), "--", *command], capsys)
+    assert code == EXIT_USAGE, err
+    assert err.strip() == "moedoctor: nosuch/train.py: no such file (nothing was started)", err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "moedoctor-runs").exists()

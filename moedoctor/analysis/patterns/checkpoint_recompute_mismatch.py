@@ -54,6 +54,7 @@ from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
 from moedoctor.analysis.view import user_frame
 from moedoctor.events import Phase, RankException
+from moedoctor.wording import phase_label
 
 _CHECKPOINT_FILE = "torch/utils/checkpoint.py"
 _MODULE = "torch.utils.checkpoint."
@@ -124,7 +125,9 @@ def classify(ctx: Context) -> Finding | None:
     evidence.append(view.exception_line(rank) or f"rank {rank} raised {exc.type}")
     if exc.phase != Phase.BACKWARD:
         score -= 0.2
-        evidence.append(f"the exception was raised in {exc.phase.value}, not in backward's recompute (-0.2)")
+        evidence.append(
+            f"the exception was raised in {phase_label(exc.phase.value)}, not in backward's recompute (-0.2)"
+        )
     differed = what_differed(exc.message)
     if differed is not None:
         evidence.append(f"forward and recompute differed: {differed}")
@@ -165,7 +168,7 @@ def classify(ctx: Context) -> Finding | None:
         v = next(iter(waiting.values()))
         evidence.append(
             f"{names(sorted(waiting))} wait{'s' if len(waiting) == 1 else ''} in {v.op} #{div.seq} of group "
-            f"{div.group.label()} ({v.short_site}, {v.phase}) that {names(div.missing)} never issued"
+            f"{div.group.label()} ({v.short_site}, {phase_label(v.phase)}) that {names(div.missing)} never issued"
             + (
                 f" ({names(failed)} until it failed, once the rank it waited for was gone)"
                 if (failed := sorted(r for r, x in waiting.items() if x.completed))

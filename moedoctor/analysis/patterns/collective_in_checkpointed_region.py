@@ -43,6 +43,7 @@ from __future__ import annotations
 from moedoctor.analysis.model import DivergenceKind, Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb
 from moedoctor.events import CollectiveEvent, Phase
+from moedoctor.wording import phase_label
 
 #: A file of torch.utils.checkpoint (the recompute) in a stack dump's frames.
 _CHECKPOINT_FILE = "torch/utils/checkpoint.py"
@@ -207,7 +208,7 @@ def classify(ctx: Context) -> Finding | None:
             else ("" if t.group.name == e.group.name else "nothing here; it waits in ")
             + f"{t.op} {[list(s) for s in t.in_shapes]}"
             + ("" if t.group.name == e.group.name else f" #{t.seq} of group {_label(view, t.group.name)}")
-            + f" in {t.phase.value}"
+            + f" in {phase_label(t.phase.value)}"
             + (f" of FSDP unit {t.module or '(root)'}" if t.module is not None else "")
             + (f" from {t.call_site.short}" if t.call_site else "")
         )

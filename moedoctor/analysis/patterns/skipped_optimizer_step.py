@@ -47,6 +47,7 @@ from moedoctor.analysis.source import checks_finiteness, finite_side
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb
 from moedoctor.analysis.steps import CLOSING, RESTART
 from moedoctor.events import Evidence
+from moedoctor.wording import phase_label
 
 
 def _nonfinite(ev: Evidence) -> bool:
@@ -136,7 +137,7 @@ def classify(ctx: Context) -> Finding | None:
             + (
                 "never issued it"
                 if div.per_rank[r] is None
-                else f"issued {div.per_rank[r].op} ({div.per_rank[r].short_site}, {div.per_rank[r].phase})"
+                else f"issued {div.per_rank[r].op} ({div.per_rank[r].short_site}, {phase_label(div.per_rank[r].phase)})"
             )
             for r in skipping[:4]
         )
