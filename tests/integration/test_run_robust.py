@@ -67,12 +67,23 @@ def cleanup(proc: subprocess.Popen, run_dir: Path) -> None:
 
 def test_a_job_that_never_started_is_reported_as_such(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_command(run_cmd(run_dir, tmp_path / "missing.py"), timeout=60)
+    script = tmp_path / "fails_at_once.py"
+    script.write_text("raise SystemExit('cannot read the config')\n")  # fails before any process group
+    result = run_command(run_cmd(run_dir, script), timeout=60)
     assert result.returncode not in (0, 124), result.tail()
     assert result.seconds < 45, result.tail()
     assert "the job never started" in result.output, result.tail()
     assert "Healthy" not in result.output, result.tail()
     assert not survivors(run_dir)
+
+
+def test_a_missing_script_is_refused_before_anything_starts(tmp_path):
+    """Issue 32, point 4: one line naming the file, no torchrun traceback, no run directory."""
+    run_dir = tmp_path / "run"
+    result = run_command(run_cmd(run_dir, tmp_path / "missing.py"), timeout=60)
+    assert result.returncode == EXIT_USAGE, result.tail()
+    assert f"{tmp_path / 'missing.py'}: no such file (nothing was started)" in result.output, result.tail()
+    assert "Traceback" not in result.output and not run_dir.exists(), result.tail()
 
 
 def test_a_second_run_on_the_same_dir_is_refused(tmp_path):
