@@ -91,13 +91,14 @@ class RankEvidence:
                 return RankState.UNKNOWN
             return RankState.WAITING if self.stack_stable else RankState.WORKING
         if self.pending is not None and self.completion_tracked:
-            # Issued and not completed. A rank whose stack moves while it progresses computes meanwhile
-            # (overlap: working); one that stays put waits for it (``work.wait()`` or ``loss.item()``
-            # from its own code, its CPU perhaps spinning in a device synchronize), or makes no progress.
-            moving = self.stack_read and self.stack_stable is not True
-            if moving and self.quiet_s is not None and self.quiet_s < timeout:
-                return RankState.WORKING
-            return RankState.WAITING
+            # Issued and not completed. A rank that progresses computes meanwhile (overlap: working);
+            # one that makes no progress waits for it (``work.wait()`` or ``loss.item()`` from its own
+            # code). CPU spent spinning in a device synchronize is no progress: the supervisor leaves
+            # it out of ``quiet_s`` (``runner.activity.device_wait``), and sets ``quiet_s`` to None
+            # where it could not tell (then nothing is claimed).
+            if self.quiet_s is None:
+                return RankState.UNKNOWN if self.stack_read else RankState.WAITING
+            return RankState.WORKING if self.quiet_s < timeout else RankState.WAITING
         if self.stack_read or self.quiet_s is not None:
             return RankState.WORKING
         return RankState.UNKNOWN

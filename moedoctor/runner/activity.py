@@ -153,15 +153,16 @@ _DEVICE_WAIT = re.compile(
 
 def device_wait(pid: int, py_spy: str | None, timeout: float = 10.0) -> str | None:
     """The native frame in which the process's main thread waits on the GPU (or NCCL) while it may
-    spin the CPU, e.g. ``cudaStreamSynchronize``; None when it does not, or when py-spy cannot tell.
-    ``py-spy dump --native`` pauses the process for the few milliseconds of one dump."""
+    spin the CPU, e.g. ``cudaStreamSynchronize``; ``""`` when its native stack shows no such wait
+    (it computes); None when py-spy could not read it. ``py-spy dump --native`` pauses the process
+    for the few milliseconds of one dump."""
     if py_spy is None:
         return None
     try:
         done = subprocess.run(
             [py_spy, "dump", "--native", "--json", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout
         )
-        threads = json.loads(done.stdout) if done.returncode == 0 else []
+        threads = json.loads(done.stdout) if done.returncode == 0 else None
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None
     for thread in threads if isinstance(threads, list) else ():
@@ -171,7 +172,7 @@ def device_wait(pid: int, py_spy: str | None, timeout: float = 10.0) -> str | No
             name = str(frame.get("name") or "")
             if _DEVICE_WAIT.search(name):
                 return name
-        return None
+        return ""
     return None
 
 

@@ -470,9 +470,12 @@ class _Run:
             key = (rank, frames)
             if key not in self._device_waits:
                 self._device_waits[key] = device_wait(pid, self.py_spy)
-            if self._device_waits[key] is not None:
+            found = self._device_waits[key]
+            if found:  # spinning in a device synchronize: its CPU is no progress
                 quiet = self.activity.quiet(rank, cpu=False)
-                where = f"{where or '?'} [{self._device_waits[key]}]"
+                where = f"{where or '?'} [{found}]"
+            elif found is None and (self.activity.quiet(rank, cpu=False) or 0.0) >= self.config.hang_timeout:
+                quiet = None  # CPU at one stack, the native stack unreadable: whether it progresses is unknown
         return RankEvidence(
             rank,
             alive=True,

@@ -41,9 +41,17 @@ def test_states_from_evidence():
     overlap = RankEvidence(0, pending=ALLREDUCE, completion_tracked=True, stack_read=True, stack_stable=False,
                            quiet_s=1.0)
     assert overlap.state(T) == RankState.WORKING
-    # Issued, not completed, its CPU busy at one stack (NCCL: loss.item() spinning in a CUDA synchronize): waits.
-    spin = RankEvidence(0, pending=ALLREDUCE, completion_tracked=True, stack_read=True, stack_stable=True, quiet_s=0.1)
+    # Issued, not completed, its CPU spinning in a CUDA synchronize (NCCL: loss.item()): the supervisor
+    # leaves that CPU out of quiet_s, so it waits.
+    spin = RankEvidence(0, pending=ALLREDUCE, completion_tracked=True, stack_read=True, stack_stable=True, quiet_s=30)
     assert spin.state(T) == RankState.WAITING
+    # Issued (an FSDP2 reduce-scatter whose completion was never seen), computing at one stack (a DTensor
+    # EMA in one long kernel): works, whatever the stacks look like.
+    ema = RankEvidence(0, pending=ALLREDUCE, completion_tracked=True, stack_read=True, stack_stable=True, quiet_s=0.2)
+    assert ema.state(T) == RankState.WORKING
+    # Whether it progresses could not be told (native stack unreadable): nothing claimed.
+    unsure = RankEvidence(0, pending=ALLREDUCE, completion_tracked=True, stack_read=True, quiet_s=None)
+    assert unsure.state(T) == RankState.UNKNOWN
     # Pending, but completions are not observed there (NCCL without Flight Recorder): no claim of a wait.
     assert RankEvidence(0, pending=ALLREDUCE, stack_read=True, quiet_s=60.0).state(T) == RankState.WORKING
     assert RankEvidence(0, alive=None, pending=ALLREDUCE).state(T) == RankState.UNKNOWN
@@ -243,7 +251,9 @@ def test_cpu_spent_at_one_stack_in_a_device_synchronize_is_not_progress(monkeypa
     assert act.device_wait(me, "py-spy") == "cudaStreamSynchronize"
     dump[0]["frames"] = [{"name": "at::native::cpublas::gemm", "filename": "libtorch_cpu.so"}]
     Done.stdout = _json.dumps(dump)
-    assert act.device_wait(me, "py-spy") is None  # real work in one long call
+    assert act.device_wait(me, "py-spy") == ""  # real work in one long call
+    Done.returncode = 1
+    assert act.device_wait(me, "py-spy") is None  # could not be read
 
 
 def test_dtensor_dispatch_looking_up_its_mesh_or_rank_is_computation():
