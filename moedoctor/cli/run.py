@@ -185,15 +185,15 @@ def run(
     directory, stops the job's whole process tree and exits 124.
     """
     command = check_launcher(list(command or []))
-    missing = missing_script(command)
-    if missing is not None:  # before any run directory is made: nothing was started
-        raise MoedoctorError(f"{missing} (nothing was started)", EXIT_USAGE)
     fixes = tuple(get_fix(name).name for name in dict.fromkeys(fix or ()))
     fix_config = load_fix_config(config, FIXES.values()) if config is not None else {}
     if fix_config and not fixes:
         raise MoedoctorError("--config only tells fixes where your code is: name a fix with --fix")
     if check_params_step != 1 and not check_params:
         raise MoedoctorError("--check-params-step only says when --check-params fingerprints: add --check-params")
+    missing = missing_script(command)
+    if missing is not None:  # before any run directory is made: nothing was started
+        raise MoedoctorError(f"{missing} (nothing was started)", EXIT_USAGE)
     if run_dir is None:
         run_dir = default_run_dir(Path("moedoctor-runs"))
     joined = prepare_run_dir(run_dir, command, force)
