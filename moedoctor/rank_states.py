@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from moedoctor.wording import rank_names
+
 
 class RankState(str, Enum):
     WAITING = "waiting"  # inside a collective that has not completed
@@ -169,13 +171,11 @@ def human_bytes(n: float) -> str:
 
 
 def ranks_label(ranks: Sequence[int]) -> str:
-    """``rank 3``, ``ranks 0,2``, ``ranks 1-7``."""
-    ranks = sorted(ranks)
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ",".join(map(str, ranks))
+    """``rank 3``, ``ranks 0,2``, ``ranks 1-7``: ``wording.rank_names``, as one range only when the
+    ranks are three or more consecutive ones."""
+    ordered = sorted(ranks)
+    consecutive = len(ordered) > 2 and ordered == list(range(ordered[0], ordered[-1] + 1))
+    return rank_names(ordered, ranges=consecutive)
 
 
 def _function_of(where: str | None) -> str | None:
@@ -183,7 +183,7 @@ def _function_of(where: str | None) -> str | None:
     return None if where is None else re.sub(r":\d+\)$", ")", where)
 
 
-def _working_line(ev: Sequence[RankEvidence], timeout: float, seconds: float) -> str:
+def _working_line(ev: Sequence[RankEvidence], timeout: float, seconds: float, doing: str = "working") -> str:
     """``rank 0 working in save (train.py:88) (progressing: 3.2 s CPU, 1.2 GB I/O)``, grouped by function."""
     by_where: dict[tuple[str | None, bool | None], list[RankEvidence]] = {}
     for e in ev:
@@ -198,7 +198,7 @@ def _working_line(ev: Sequence[RankEvidence], timeout: float, seconds: float) ->
             how += f": {total.activity()}" + (" together" if len(group) > 1 else "")
         where = group[0].where
         place = f" in {where}" if where else ""
-        parts.append(f"{ranks_label([e.rank for e in group])} working{place} ({how})")
+        parts.append(f"{ranks_label([e.rank for e in group])} {doing}{place} ({how})")
     return "; ".join(parts)
 
 
@@ -276,8 +276,7 @@ def judge(evidence: Sequence[RankEvidence], timeout: float, seconds: float, worl
     parts = [f"{head} for {seconds:.0f} s"]
     if stalled:
         parts.append(
-            f"{_working_line(stalled, timeout, seconds).replace(' working', ' outside any collective')}: "
-            "no CPU, no I/O, no new stack"
+            f"{_working_line(stalled, timeout, seconds, doing='outside any collective')}: no CPU, no I/O, no new stack"
         )
     for r in gone:
         if r in waited or not waited:

@@ -20,9 +20,11 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
-from moedoctor.run_records import Frame, StackDump, parse_stack_dump
+from moedoctor.rank_states import RankEvidence
+from moedoctor.run_records import Frame, StackDump, communication_frame, parse_stack_dump
 
 PROC = Path("/proc")
 #: CPU seconds of the main thread that count as progress (a thread that wakes to poll a flag uses
@@ -134,6 +136,26 @@ class Activity:
         if m is None or not m.readable:
             return None
         return self.clock() - (m.progressed if cpu else m.moved)
+
+    def evidence(self, rank: int, dump: StackDump | None, **known: Any) -> RankEvidence:
+        """A rank's evidence from these meters and its last sampled stack (``dump``): where its main
+        thread is, whether it waits in torch.distributed, whether its stack stayed put, its progress;
+        ``known``: what the caller read itself (alive, frozen, its pending collective...)."""
+        frames = dump.main_thread if dump is not None else ()
+        wait = communication_frame(frames) if frames else None
+        user = dump.user_frame if dump is not None else None
+        cpu, io = self.account(rank)
+        return RankEvidence(
+            rank,
+            stack_wait=wait.function if wait is not None else None,
+            stack_read=bool(frames),
+            stack_stable=self.stable_stack(rank),
+            where=str(user or (frames[0] if frames else "")) or None,
+            quiet_s=self.quiet(rank),
+            cpu_s=cpu,
+            io_bytes=io,
+            **known,
+        )
 
     def account(self, rank: int) -> tuple[float, int]:
         """Main-thread CPU seconds and I/O bytes since the current silence began."""

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from importlib import metadata
 from pathlib import Path
@@ -27,7 +27,6 @@ from moedoctor.events import CollectiveEvent
 from moedoctor.fixes.runtime import ENV_FIX_CHECKS, ENV_FIX_CONFIG, ENV_FIXES
 from moedoctor.recorder.install import ENV_MAX_EVENTS, ENV_RUN_DIR
 from moedoctor.rank_states import Judgement, Pending, RankEvidence, RankState, Silence, judge
-from moedoctor.run_records import communication_frame
 from moedoctor.runner import procs, ranks
 from moedoctor.runner.activity import Activity, device_wait, sample_stacks
 from moedoctor.runner.command import is_torchrun
@@ -452,44 +451,26 @@ class _Run:
         if rank not in pids:  # another host: only its trace speaks for it here
             return RankEvidence(rank, alive=None, pending=pending, completion_tracked=t.pending_tracked)
         pid = pids[rank]
-        st = procs.stat(pid)
-        if st is None or st[1] in "ZX":
-            return RankEvidence(rank, alive=False, pending=pending)
         state = procs.process_state(pid, readings=3, interval=0.02)
+        if state.state in "ZX?":  # exited (a zombie not reaped yet) or gone
+            return RankEvidence(rank, alive=False, pending=pending)
         dump = self._stacks.get(rank)
-        frames = dump.main_thread if dump is not None else ()
-        wait = communication_frame(frames) if frames else None
-        user = dump.user_frame if dump is not None else None
-        where = str(user or (frames[0] if frames else "")) or None
-        cpu, io = self.activity.account(rank)
-        stable = self.activity.stable_stack(rank)
-        quiet = self.activity.quiet(rank)
-        if stable and wait is None and quiet is not None and quiet < self.config.hang_timeout:
+        ev = self.activity.evidence(
+            rank, dump, alive=True, frozen=state.frozen, pending=pending, completion_tracked=t.pending_tracked
+        )
+        timeout = self.config.hang_timeout
+        if ev.stack_stable and ev.stack_wait is None and ev.quiet_s is not None and ev.quiet_s < timeout:
             # CPU at one unchanging stack: real work in one long call, or a spin in a device
             # synchronize (a rank blocked on its GPU). The native stack tells, once per stack.
-            key = (rank, frames)
+            key = (rank, dump.main_thread if dump is not None else ())
             if key not in self._device_waits:
                 self._device_waits[key] = device_wait(pid, self.py_spy)
             found = self._device_waits[key]
             if found:  # spinning in a device synchronize: its CPU is no progress
-                quiet = self.activity.quiet(rank, cpu=False)
-                where = f"{where or '?'} [{found}]"
-            elif found is None and (self.activity.quiet(rank, cpu=False) or 0.0) >= self.config.hang_timeout:
-                quiet = None  # CPU at one stack, the native stack unreadable: whether it progresses is unknown
-        return RankEvidence(
-            rank,
-            alive=True,
-            frozen=state.frozen,
-            pending=pending,
-            completion_tracked=t.pending_tracked,
-            stack_wait=wait.function if wait is not None else None,
-            stack_read=bool(frames),
-            stack_stable=stable,
-            where=where,
-            quiet_s=quiet,
-            cpu_s=cpu,
-            io_bytes=io,
-        )
+                ev = replace(ev, quiet_s=self.activity.quiet(rank, cpu=False), where=f"{ev.where or '?'} [{found}]")
+            elif found is None and (self.activity.quiet(rank, cpu=False) or 0.0) >= timeout:
+                ev = replace(ev, quiet_s=None)  # CPU at one stack, native stack unreadable: progress unknown
+        return ev
 
     def _peer_hang(self) -> bool:
         """Another node of this job, sharing the run directory, recorded a proven hang."""

@@ -37,8 +37,7 @@ from moedoctor.analysis.load import read_gpu_snapshots
 from moedoctor.analysis.diagnosis import slow_not_stuck
 from moedoctor.analysis.model import Report, Verdict
 from moedoctor.errors import EXIT_USAGE, MoedoctorError
-from moedoctor.rank_states import Judgement, RankEvidence, judge
-from moedoctor.run_records import communication_frame
+from moedoctor.rank_states import Judgement, judge
 from moedoctor.runner import procs
 from moedoctor.runner.activity import Activity, sample_stacks
 from moedoctor.runner.gpu import write_gpu_snapshot
@@ -202,27 +201,15 @@ def _progress(
     for rank, dump in sample_stacks(pids, find_py_spy()).items():
         activity.note_stack(rank, dump.main_thread)
     activity.sample(pids)
-    evidence = []
-    for r in ranks:
-        dump = stacks.get(r.rank)
-        frames = dump.main_thread if dump is not None else ()
-        wait = communication_frame(frames) if frames else None
-        where = dump.user_frame if dump is not None else None
-        cpu, io = activity.account(r.rank)
-        evidence.append(
-            RankEvidence(
-                r.rank,
-                alive=procs.stat(r.pid) is not None,
-                frozen=dump.frozen if dump is not None else None,
-                stack_wait=wait.function if wait is not None else None,
-                stack_read=bool(frames),
-                stack_stable=activity.stable_stack(r.rank),
-                where=str(where or (frames[0] if frames else "")) or None,
-                quiet_s=activity.quiet(r.rank),
-                cpu_s=cpu,
-                io_bytes=io,
-            )
+    evidence = [
+        activity.evidence(
+            r.rank,
+            stacks.get(r.rank),
+            alive=procs.stat(r.pid) is not None,
+            frozen=stacks[r.rank].frozen if r.rank in stacks else None,
         )
+        for r in ranks
+    ]
     elapsed = time.monotonic() - start
     return judge(evidence, elapsed * 0.9, elapsed)
 
