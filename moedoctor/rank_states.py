@@ -9,7 +9,8 @@ A rank is, from evidence:
 - ``working``: outside any collective, or computing (DTensor's dispatch is arithmetic, not a wait);
   whether it *progresses* is measured, not guessed: its main thread's CPU time, its I/O bytes, and a
   stack not seen before in this silence (``runner.activity``);
-- ``stopped``: its process does not run (state ``T``, ``t`` or ``D`` at every reading);
+- ``stopped``: its process does not run (state ``T`` or ``t`` at every reading, or ``D`` with no
+  progress for the whole timeout: a rank flushing a checkpoint is in ``D`` too, its bytes moving);
 - ``dead``: its process is gone;
 - ``unknown``: nothing to tell (no stack, no completion tracking, no ``/proc`` of it: another host).
 
@@ -84,7 +85,11 @@ class RankEvidence:
             return self.known
         if self.alive is False:
             return RankState.DEAD
-        if self.frozen:
+        if self.frozen in ("T", "t"):
+            return RankState.STOPPED
+        if self.frozen == "D" and (self.quiet_s is None or self.quiet_s >= timeout):
+            # Uninterruptible sleep with no progress: stuck in the kernel. A rank writing a
+            # checkpoint sits in D between its writes too, while its bytes move: that one works.
             return RankState.STOPPED
         if self.stack_wait is not None:
             # A wait is a stack that stays put: one sample is not enough (a rank passing through

@@ -34,6 +34,10 @@ def working(rank: int, quiet_s: float | None, where: str = "save (train.py:88)",
 def test_states_from_evidence():
     assert RankEvidence(0, alive=False).state(T) == RankState.DEAD
     assert RankEvidence(0, frozen="T").state(T) == RankState.STOPPED
+    # Disk sleep at every reading: stuck in the kernel only when nothing moved for the timeout; a rank
+    # writing a checkpoint is in D between writes while its bytes move (found in the suite under load).
+    assert RankEvidence(0, frozen="D", stack_read=True, quiet_s=60.0).state(T) == RankState.STOPPED
+    assert RankEvidence(0, frozen="D", stack_read=True, quiet_s=0.3).state(T) == RankState.WORKING
     assert RankEvidence(0, stack_wait="all_reduce", stack_read=True, quiet_s=0.0).state(T) == RankState.WAITING
     # Issued, not completed, completion observed in its group, no progress: waits (work.wait() in its own code).
     assert waiting(0).state(T) == RankState.WAITING
