@@ -59,6 +59,7 @@ def _rank_main(rank: int, store: str, broken: bool, out: str) -> None:
     try:
         checks = {case: run(rank, broken).checks for case, run in CASES.items()}
         Path(out, f"rank-{rank}.json").write_text(json.dumps(checks))
+        dist.barrier()  # neither rank tears the group down while the other is still in a check
     finally:
         dist.destroy_process_group()
 
@@ -69,7 +70,14 @@ def two_ranks(tmp_path_factory):
     results = {}
     for broken in (False, True):
         folder = tmp_path_factory.mktemp(f"broken-{broken}")
-        mp.spawn(_rank_main, args=(str(folder / "store"), broken, str(folder)), nprocs=2, join=True)
+        try:
+            mp.spawn(_rank_main, args=(str(folder / "store"), broken, str(folder)), nprocs=2, join=True)
+        except mp.ProcessExitedException as exc:
+            # Gloo sometimes aborts a rank in destroy_process_group under load (a PyTorch teardown race);
+            # what is tested was written before the teardown, and is used only if every rank wrote it
+            if exc.signal_name != "SIGABRT" or not all((folder / f"rank-{r}.json").exists() for r in (0, 1)):
+                raise
+            print(f"a rank aborted in teardown after writing its checks: {exc}")
         results[broken] = {r: json.loads((folder / f"rank-{r}.json").read_text()) for r in (0, 1)}
     return results
 
