@@ -9,7 +9,8 @@ stopping it.
    pipe where it set one (``flight_recorder/``), and the job's moedoctor traces when it runs under
    ``moedoctor run`` (``traces/``, after asking its recorders for a snapshot record).
 3. Analyze: the traces or the Flight Recorder dumps with the fresh stacks (``analyze``), else the
-   stacks alone (``report_from_stacks``).
+   stacks alone (``report_from_stacks``; where ranks wait in different collectives with no majority,
+   the ranks past a loop the others wait inside are named the culprits: ``loop_exit.py``).
 4. Busy is not stuck (``moedoctor.rank_states``): over ``progress_window`` seconds (2 by default,
    while the rest is collected) each rank's main-thread CPU, I/O and stack are read twice; when the
    ranks the others wait for are working and progressing, the report says *slow*, with the phase
@@ -45,6 +46,7 @@ from moedoctor.runner.rundir import RunDir
 from moedoctor.runner.stacks import StackDump, StackTarget, dump_stacks, find_py_spy
 from moedoctor.triage import discover
 from moedoctor.triage.flight_recorder import FlightRecorderResult, trigger_dumps
+from moedoctor.triage.loop_exit import name_culprit
 
 ENV_RUN_DIR = "MOEDOCTOR_RUN_DIR"
 #: Traces up to this size are copied into the triage folder; larger ones are linked.
@@ -248,7 +250,9 @@ def merge_triages(dirs: list[Path]) -> tuple[Report, str, list[str]]:
         raise MoedoctorError(f"no rank's stack in {', '.join(map(str, dirs))}: not triage folders?", EXIT_USAGE)
     world = max(worlds) if worlds else None
     source = " + ".join(str(d) for d in dirs)
-    from_stacks = report_from_stacks(stacks, source=source, world_size=world, gpus=gpus, states=states)
+    from_stacks = name_culprit(
+        report_from_stacks(stacks, source=source, world_size=world, gpus=gpus, states=states), stacks
+    )
     traced = [Path(d) for d in dirs if (Path(d) / "traces").is_dir()]
     fr = [Path(d) / "flight_recorder" for d in dirs if any((Path(d) / "flight_recorder").glob("fr_rank_*"))]
     report, evidence = _best_report(
@@ -428,8 +432,11 @@ def _report(
 ) -> tuple[Report, str]:
     states = {r.rank: r.state for r in ranks}
     world = _world(ranks)
-    from_stacks = report_from_stacks(
-        stacks, source=str(out_dir), world_size=world, gpus=read_gpu_snapshots(out_dir / "gpu", []), states=states
+    from_stacks = name_culprit(
+        report_from_stacks(
+            stacks, source=str(out_dir), world_size=world, gpus=read_gpu_snapshots(out_dir / "gpu", []), states=states
+        ),
+        stacks,
     )
     sources = (
         ([out_dir] if traces else [], "traces"),

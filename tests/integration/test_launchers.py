@@ -184,7 +184,7 @@ def test_ray_actor_skipping_a_non_finite_micro_batch_is_diagnosed(tmp_path):
 def test_triage_of_a_stuck_ray_job_started_without_moedoctor(tmp_path):
     """No RANK in any process's environment (the actors set it at run time), the actors not children
     of the pid given: triage finds both ranks through their rendezvous store, names their call sites
-    and leaves the job running."""
+    and the culprit, and leaves the job running."""
     import re
     import subprocess
     import time
@@ -215,8 +215,12 @@ def test_triage_of_a_stuck_ray_job_started_without_moedoctor(tmp_path):
             pytest.fail(f"not stuck as expected; last triage: {doc.get('summary')}\n{log.read_text()[-3000:]}")
         assert {r: v["pid"] for r, v in doc["triage"]["ranks"].items()} == actors
         assert any("rendezvous store" in n and "the other is rank 1" in n for n in doc["triage"]["notes"])
+        # Both ranks' call sites, and the culprit: rank 1 is past the micro-batch loop (it skipped its
+        # last backward) while rank 0 waits inside it (the stacks and the job's source).
         assert "rank 0 in all_gather_single" in doc["summary"] and "ray_actor_trainer.py:72" in doc["summary"]
         assert "rank 1 in" in doc["summary"]
+        assert doc["culprit_ranks"] == [1], (doc["culprit_reasoning"], doc["evidence"])
+        assert "past the loop of ray_actor_trainer.py:66" in doc["culprit_reasoning"], doc["culprit_reasoning"]
         time.sleep(1)
         assert job.poll() is None and all(procs.is_alive(pid) for pid in actors.values())  # left running
     finally:
