@@ -228,85 +228,141 @@ def test_triage_of_a_stuck_ray_job_started_without_moedoctor(tmp_path):
         job.wait(timeout=10)
 
 
-def test_ray_job_on_an_existing_cluster_records_through_runtime_env(tmp_path):
-    """A cluster started beforehand (``ray start --head``, without moedoctor): its raylet starts the
-    workers, which inherit nothing from the driver. The driver's one line
-    (``runtime_env=ray_runtime_env()``) records them: diagnosed, the actors stopped with the job, the
-    cluster itself left running."""
+def _can_give_a_node_its_own_mounts() -> str | None:
+    """Why a Ray node cannot be given a file system view of its own here (None: it can)."""
+    import shutil
     import subprocess
-    import time
 
-    from moedoctor.runner import procs
-
-    port = free_port()
-    env = job_env(RAY_AUTH_MODE="disabled")
-    head = subprocess.Popen(["ray", "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
-                             "--include-dashboard", "false", "--disable-usage-stats"],
-                            stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while "--block" not in (tmp_path / "head.log").read_text() and time.monotonic() < deadline:
-            assert head.poll() is None, (tmp_path / "head.log").read_text()
-            time.sleep(1)
-        run_dir = tmp_path / "run"
-        cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", "60", "--",
-               sys.executable, str(LAUNCHERS / "ray_actor_trainer.py"), "--address", f"127.0.0.1:{port}", "--fault",
-               "--pg-timeout", "150"]
-        result = run_command(cmd, 240, env=env, cwd=tmp_path)
-        rep = assert_diagnosed(run_dir, result, "desync", [1], "ray_actor_trainer.py:73")
-        assert rep["pattern"] == "microbatch-count-mismatch", rep["summary"]
-        actors = [r["pid"] for r in manifest(run_dir)["hang"]["ranks"]]
-        assert not any(procs.is_alive(pid) for pid in actors), actors
-        assert head.poll() is None  # the user's cluster is not the job's: left running
-    finally:
-        procs.stop_processes(lambda: procs.job_processes(head.pid), grace=5)
-        head.wait(timeout=10)
-        current = Path("/tmp/ray/ray_current_cluster")  # left by a head stopped by a signal: a later
-        if current.is_file() and current.read_text().strip().endswith(f":{port}"):  # ray.init() would use it
-            current.unlink()
+    if shutil.which("unshare") is None:
+        return "no unshare(1)"
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True, text=True)
+    return None if done.returncode == 0 else f"unshare --mount refused: {done.stderr.strip()[:200]}"
 
 
-def test_ray_job_on_a_two_node_cluster_is_recorded_diagnosed_and_stopped(tmp_path):
-    """Two Ray nodes on one host (``ray start --head`` and ``ray start --address``), one actor on each
-    (custom resources): both ranks recorded through ``ray_runtime_env()``, the fault diagnosed, both
-    actors stopped with the job, both nodes left running."""
-    import subprocess
-    import time
+class RayCluster:
+    """Two Ray nodes on one host, started with ``ray start`` (without moedoctor): the head (custom
+    resource ``node0``) and a worker node (``node1``). The worker node runs in a mount namespace of
+    its own where ``node_local_run`` is another directory (``node1_run``): a run directory there is
+    per node, as on two hosts without a shared file system; every other path is shared."""
 
-    from moedoctor.runner import procs
+    def __init__(self, base: Path):
+        self.base = base
+        self.port = free_port()
+        self.env = job_env(RAY_AUTH_MODE="disabled")
+        self.node_local_run = base / "per-node" / "run"
+        self.node1_run = base / "per-node" / "run-node1"
+        self.own_mounts = _can_give_a_node_its_own_mounts()  # None: the worker node has them
+        self.nodes: list = []
 
-    port = free_port()
-    env = job_env(RAY_AUTH_MODE="disabled")
-    common = ["--block", "--num-cpus", "1", "--disable-usage-stats"]
-    head_cmd = ["ray", "start", "--head", "--port", str(port), "--include-dashboard", "false",
+    def start(self) -> None:
+        import shlex
+        import subprocess
+        import time
+
+        common = ["--block", "--num-cpus", "1", "--disable-usage-stats"]
+        head = ["ray", "start", "--head", "--port", str(self.port), "--include-dashboard", "false",
                 "--resources", '{"node0": 1}', *common]
-    worker_cmd = ["ray", "start", "--address", f"127.0.0.1:{port}", "--resources", '{"node1": 1}', *common]
-    nodes: list[subprocess.Popen] = []
-    try:
-        for i, cmd in enumerate((head_cmd, worker_cmd)):
-            log = tmp_path / f"node{i}.log"
-            nodes.append(subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-                                          start_new_session=True))
+        worker = ["ray", "start", "--address", f"127.0.0.1:{self.port}", "--resources", '{"node1": 1}', *common]
+        if self.own_mounts is None:
+            self.node_local_run.mkdir(parents=True)
+            self.node1_run.mkdir()
+            worker = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                      f"mount --bind {self.node1_run} {self.node_local_run} && exec {shlex.join(worker)}"]
+        for i, cmd in enumerate((head, worker)):
+            log = self.base / f"node{i}.log"
+            self.nodes.append(subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=self.env,
+                                               cwd=self.base, start_new_session=True))
             deadline = time.monotonic() + 120
             while "--block" not in log.read_text() and time.monotonic() < deadline:
-                assert nodes[-1].poll() is None, log.read_text()
+                assert self.nodes[-1].poll() is None, log.read_text()
                 time.sleep(1)
-        run_dir = tmp_path / "run"
-        cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", "60", "--",
-               sys.executable, str(LAUNCHERS / "ray_actor_trainer.py"), "--address", f"127.0.0.1:{port}", "--spread",
-               "--fault", "--pg-timeout", "150"]
-        result = run_command(cmd, 240, env=env, cwd=tmp_path)
-        assert "driver: actors on 2 node(s)" in result.output, result.tail()
-        rep = assert_diagnosed(run_dir, result, "desync", [1], "ray_actor_trainer.py:73")
-        assert rep["pattern"] == "microbatch-count-mismatch", rep["summary"]
-        actors = [r["pid"] for r in manifest(run_dir)["hang"]["ranks"]]
-        assert not any(procs.is_alive(pid) for pid in actors), actors
-        assert all(node.poll() is None for node in nodes)  # the cluster is the user's: left running
-    finally:
-        for node in reversed(nodes):
+
+    def alive(self) -> bool:
+        return all(node.poll() is None for node in self.nodes)
+
+    def stop(self) -> None:
+        from moedoctor.runner import procs
+
+        for node in reversed(self.nodes):
             procs.stop_processes(lambda node=node: procs.job_processes(node.pid), grace=5)
             node.wait(timeout=10)
-        current = Path("/tmp/ray/ray_current_cluster")
-        if current.is_file() and current.read_text().strip().endswith(f":{port}"):
+        current = Path("/tmp/ray/ray_current_cluster")  # left by a head stopped by a signal: a later
+        if current.is_file() and current.read_text().strip().endswith(f":{self.port}"):  # ray.init() would use it
             current.unlink()
+
+    def driver(self, run_dir: Path, *args: str, timeout: float = 240, hang_timeout: str = "60") -> JobResult:
+        """``moedoctor run`` on the driver, joined to this cluster with ``ray_runtime_env()``, one actor
+        on each node."""
+        cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", hang_timeout, "--",
+               sys.executable, str(LAUNCHERS / "ray_actor_trainer.py"), "--address", f"127.0.0.1:{self.port}",
+               "--spread", *args]
+        return run_command(cmd, timeout, env=self.env, cwd=self.base)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """One cluster for the tests of jobs on an existing cluster, started once."""
+    cluster = RayCluster(tmp_path_factory.mktemp("ray-cluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_ray_job_on_a_two_node_cluster_is_recorded_diagnosed_and_stopped(ray_cluster, tmp_path):
+    """A cluster started beforehand (``ray start --head``, ``ray start --address``: two nodes on one
+    host, one actor on each through custom resources), without moedoctor: its raylets start the
+    workers, which inherit nothing from the driver. The driver's one line
+    (``runtime_env=ray_runtime_env()``) records them into the shared run directory: both ranks
+    recorded, the fault diagnosed, every process of the job stopped (both actors, on both nodes),
+    the cluster left running."""
+    from moedoctor.runner import procs
+
+    run_dir = tmp_path / "run"
+    result = ray_cluster.driver(run_dir, "--fault", "--pg-timeout", "150")
+    assert "driver: actors on 2 node(s)" in result.output, result.tail()
+    rep = assert_diagnosed(run_dir, result, "desync", [1], "ray_actor_trainer.py:73")  # and no survivor
+    assert rep["pattern"] == "microbatch-count-mismatch", rep["summary"]
+    assert any(s.endswith("ray_actor_trainer.py:72") for s in call_sites(rep))  # rank 0's backward
+    actors = [r["pid"] for r in manifest(run_dir)["hang"]["ranks"]]
+    assert not any(procs.is_alive(pid) for pid in actors), actors
+    assert ray_cluster.alive()  # the cluster is the user's: left running
+
+
+def test_ray_job_with_a_run_directory_per_node_is_merged_by_analyze(ray_cluster):
+    """The same job where the nodes share no file system (the worker node sees its own directory at
+    the run directory's path): each node's directory holds its own rank's trace. The driver's
+    moedoctor sees rank 0 only, so it cannot prove a hang (it says so) and the job ends at its own
+    process-group timeout, with nothing of it left running; ``moedoctor analyze DIR1 DIR2`` on the
+    gathered directories gives the diagnosis: the culprit and both call sites."""
+    if ray_cluster.own_mounts is not None:
+        pytest.skip(f"no node-local directory can be made here: {ray_cluster.own_mounts}")
+    import subprocess
+
+    run_dir, node1_run = ray_cluster.node_local_run, ray_cluster.node1_run
+    result = ray_cluster.driver(run_dir, "--fault", "--pg-timeout", "45", hang_timeout="15")
+    assert "driver: actors on 2 node(s)" in result.output, result.tail()
+    assert result.returncode == 1, result.tail()  # the job's own failure (Gloo's timeout), not stopped
+    m = manifest(run_dir)
+    assert m["hang"] is None, m["hang"]  # no hang declared without proof
+    unproven = [b["line"] for b in m["busy"] if b["kind"] == "unproven"]
+    assert any("rank 1: no evidence" in line for line in unproven), (m["busy"], result.tail())
+    assert [p.name for p in (run_dir / "traces").glob("rank-*.jsonl")] == ["rank-00000.jsonl"]
+    assert [p.name for p in (node1_run / "traces").glob("rank-*.jsonl")] == ["rank-00001.jsonl"]
+    assert survivors(run_dir) == [], "the job's processes outlived it"
+    assert ray_cluster.alive()
+
+    merged = subprocess.run([sys.executable, "-m", "moedoctor", "analyze", str(run_dir), str(node1_run), "--json"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    rep = json.loads(merged.stdout)
+    context = (rep["summary"], rep["evidence"], merged.stderr[-2000:])
+    assert rep["verdict"] == "desync" and rep["pattern"] == "microbatch-count-mismatch", context
+    assert rep["culprit_ranks"] == [1], context
+    sites = call_sites(rep)
+    assert any(s.endswith("ray_actor_trainer.py:72") for s in sites), sites
+    assert any(s.endswith("ray_actor_trainer.py:73") for s in sites), sites
+    # Neither directory alone tells: each lacks the other rank's trace.
+    alone = subprocess.run([sys.executable, "-m", "moedoctor", "analyze", str(run_dir), "--json"],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert "no readable trace of rank 1" in alone.stdout + alone.stderr, (alone.stdout[-1500:], alone.stderr[-1500:])
