@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from moedoctor.analysis.mechanism import Mechanism as M
 from moedoctor.analysis.mechanism import MechanismFinding, RankState
+from moedoctor.analysis.steps import another_pass
 from moedoctor.events import Phase
 
 #: Evidence the sources classifiers read.
@@ -167,6 +168,19 @@ def gradient_accumulation(ctx, mech) -> bool:
     return False
 
 
+def another_pass_begun(ctx, mech) -> bool:
+    """The ranks are in different micro-batches at the divergence: they had begun different numbers
+    of backward passes in the step when they issued its collectives, or a rank issued again a
+    collective that opens each pass (first issued in the step before its first backward pass: a
+    forward all-gather, a per-micro-batch count). A collective issued after each backward pass (a
+    per-micro-batch metric) issued again by a rank that has run as many passes as the others is not
+    another pass: its reductions were held back, the ranks are in the same micro-batch."""
+    if ctx.div is None:
+        return False
+    events = [e for r in ctx.div.per_rank if (e := ctx.event(r)) is not None]
+    return another_pass(ctx.view, events, ctx.positions())
+
+
 def optimizer_step_signs(ctx, mech) -> bool:
     """The optimizer's own hooks or values: a rank began ``optimizer.step`` or cleared its gradients,
     a non-finite loss or gradient norm, a discarded step, or an inf/NaN test separating the ranks."""
@@ -211,6 +225,9 @@ NAMES = {
     "recomputed_in_backward": "a forward call site re-issued in backward (a recompute)",
     "sharded_or_bucketed_other_side": "a sharded-unit (FSDP) or backward-bucket collective on the other side",
     "gradient_accumulation": "more than one backward pass in a step (micro-batches)",
+    "another_pass_begun": (
+        "ranks in different micro-batches (different backward-pass counts, or a pass-opening collective issued again)"
+    ),
     "optimizer_step_signs": (
         "optimizer-step evidence (step or zero_grad hooks, a non-finite value, a discarded step, an inf/NaN test)"
     ),
@@ -270,7 +287,7 @@ DECLARATIONS: dict[str, Declaration] = {
         Declaration(
             "microbatch-count-mismatch",
             _DESYNC | _SAME_POSITION | {M.RANK_OUTSIDE},
-            (_req(gradient_accumulation),),
+            (_req(gradient_accumulation), _req(another_pass_begun)),
             ev("backward_begin", "backward_end", "grad_norm", "optimizer_step_begin") | {"discarded_in"} | SOURCE,
         ),
         Declaration(
