@@ -92,12 +92,18 @@ def experts_without_gradients(ctx, mech) -> bool:
     """Some rank's recorder listed parameters of indexed module-list members without a gradient
     (``...experts.2.w1``, stacked ``moe.wi:4``) at the end of a backward or at an optimizer step; or,
     at the divergence, the ranks reduce the gradients of sharded units (FSDP, ``mod`` set) in
-    backward with different sizes or different units (a unit's parameters got no gradient on some)."""
+    backward with different sizes or different units (a unit's parameters got no gradient on some);
+    or some ranks left out the collectives of sharded units that are indexed module-list members
+    (``inactive_experts.member_units_left_out``: the experts they did not run)."""
     if ctx.div is None:
         return False
     present = ctx.present()
     units = [v for v in present.values() if v.module is not None and v.phase == Phase.BACKWARD.value]
     if len(units) == len(present) > 1 and len({(v.module, v.shapes) for v in units}) > 1:
+        return True
+    from moedoctor.analysis.patterns.inactive_experts import member_units_left_out
+
+    if member_units_left_out(ctx):
         return True
     for r in ctx.div.per_rank:
         for e in ctx.view.evidence(r, "params_without_grad"):

@@ -470,6 +470,52 @@ def expected_next(history: list[tuple]) -> tuple[int, tuple] | None:
     return found
 
 
+def _history(view: RunView, group: str, seq: int, ranks: list[int]) -> tuple[int, dict, list[tuple]] | None:
+    """(first position where the ranks part, their collectives there, the tokens of the history every
+    rank shares before it); None: no such position, or the ranks' streams differ before it too
+    (per-rank sizes: no shared history to align on)."""
+    start = _first_parting(view, group, seq, ranks)
+    if start is None:
+        return None
+    history = [shape_token(e) for e in view.events(ranks[0], group, before=start)][-HISTORY:]
+    if len(history) < 2:
+        return None
+    if any([shape_token(e) for e in view.events(r, group, before=start)][-HISTORY:] != history for r in ranks[1:]):
+        return None
+    return start, {r: view.event(r, group, start) for r in ranks}, history
+
+
+def left_out(view: RunView, group: str, seq: int, ranks: list[int]) -> dict[int, list[CollectiveEvent]] | None:
+    """The collectives each skipping rank left out, read by aligning the ranks' streams on their
+    shared history (``_aligned``): rank -> the history's collectives it went past (as the first rank
+    issued them earlier). None or empty: no rank skipped any by that reading."""
+    found = _history(view, group, seq, ranks)
+    if found is None:
+        return None
+    start, here, history = found
+    following = expected_next(history)
+    if following is None:
+        return None
+    at, expected = following
+    tokens = {r: shape_token(e) for r, e in here.items() if e is not None}
+    normal = [r for r in ranks if tokens.get(r) == expected]
+    deviating = [r for r in ranks if r not in normal]
+    if not normal or not deviating:
+        return None
+    ahead = history[at + 1 : at + 1 + AHEAD]
+    skips = {r: ahead.index(tokens[r]) + 1 for r in deviating if tokens.get(r) in ahead}
+    if len(skips) < len(deviating):
+        return None
+    if any(
+        _issued_later(view, r, group, start, set(history[at : at + n]))
+        or _held_back(view, r, here[r], start, history, at, n)
+        for r, n in skips.items()
+    ):
+        return None
+    events = view.events(ranks[0], group, before=start)[-HISTORY:]
+    return {r: events[at : at + n] for r, n in skips.items()}
+
+
 def _aligned(view: RunView, group: str, seq: int, ranks: list[int], made) -> MechanismFinding | None:
     """Skipped or extra collectives, read by aligning the ranks' streams on their shared history.
 
@@ -480,40 +526,27 @@ def _aligned(view: RunView, group: str, seq: int, ranks: list[int], made) -> Mec
     k+m). With no such continuation: a deviating rank that issued again the collective all ranks
     issued just before, a repeat the history never shows, issued an extra one (the others went on).
     """
-    start = _first_parting(view, group, seq, ranks)
-    if start is None:
+    found = _history(view, group, seq, ranks)
+    if found is None:
         return None
-    here = {r: view.event(r, group, start) for r in ranks}
-    history = [shape_token(e) for e in view.events(ranks[0], group, before=start)][-HISTORY:]
-    if len(history) < 2:
-        return None
-    if any([shape_token(e) for e in view.events(r, group, before=start)][-HISTORY:] != history for r in ranks[1:]):
-        return None  # the ranks' streams differ before it too (per-rank sizes): no shared history to align on
+    start, here, history = found
     tokens = {r: shape_token(e) for r, e in here.items() if e is not None}
     following = expected_next(history)
-    if following is not None:
-        at, expected = following
-        normal = [r for r in ranks if tokens.get(r) == expected]
-        deviating = [r for r in ranks if r not in normal]
-        if normal and deviating:
-            ahead = history[at + 1 : at + 1 + AHEAD]
-            skips = {r: ahead.index(tokens[r]) + 1 for r in deviating if tokens.get(r) in ahead}
-            left_out = {r: set(history[at : at + n]) for r, n in skips.items()}
-            if len(skips) == len(deviating) and not any(
-                _issued_later(view, r, group, start, left_out[r]) or _held_back(view, r, here[r], start, history, at, n)
-                for r, n in skips.items()
-            ):
-                n = max(skips.values())
-                return made(
-                    Mechanism.SKIPPED_COLLECTIVE,
-                    deviating,
-                    f"{rank_names(deviating)} issued {_what(here, deviating)} at #{start} where "
-                    f"{rank_names(normal)} issued {_what(here, normal)}, as every earlier occurrence of the "
-                    f"preceding collectives was followed: {rank_names(deviating)} left out "
-                    f"{n} collective{'s' if n > 1 else ''} the others issue",
-                    seq=start,
-                    sites=_sites(here),
-                )
+    skipped = left_out(view, group, seq, ranks)
+    if skipped:
+        normal = [r for r in ranks if r not in skipped]
+        deviating = sorted(skipped)
+        n = max(len(x) for x in skipped.values())
+        return made(
+            Mechanism.SKIPPED_COLLECTIVE,
+            deviating,
+            f"{rank_names(deviating)} issued {_what(here, deviating)} at #{start} where "
+            f"{rank_names(normal)} issued {_what(here, normal)}, as every earlier occurrence of the "
+            f"preceding collectives was followed: {rank_names(deviating)} left out "
+            f"{n} collective{'s' if n > 1 else ''} the others issue",
+            seq=start,
+            sites=_sites(here),
+        )
     last = history[-1]
     repeats = [r for r in ranks if tokens.get(r) == last]
     went_on = [r for r in ranks if r not in repeats]
