@@ -9,7 +9,7 @@ every factory-built scenario; what they read must be in their declaration's ``re
 from __future__ import annotations
 
 import pytest
-from analysis_scenarios import SCENARIOS
+from analysis_scenarios import SCENARIOS, units_skipped
 from pathlib import Path
 
 from event_factory import ranks, run_of
@@ -253,31 +253,14 @@ def test_a_rank_that_begins_another_pass_is_in_another_micro_batch():
     assert "microbatch-count-mismatch" not in report.not_named
 
 
-def _units_skipped(unit: str):
-    """Both ranks gather an embedding unit then three FSDP units ``{unit}0..2`` in forward (step 0,
-    then a reduce-scatter); in step 1 rank 1 skips the first two and gathers only the third."""
-    a, b = ranks(2)
-    for r in (a, b):
-        r.coll("all_gather", (560,), phase=Phase.FORWARD, step=0, line=79)
-        for e in range(3):
-            r.coll("all_gather", (536,), phase=Phase.FORWARD, step=0, line=61, module=f"{unit}{e}")
-        r.coll("reduce_scatter", (1120,), phase=Phase.BACKWARD, step=0, line=113)
-        r.coll("all_gather", (560,), phase=Phase.FORWARD, step=1, line=79)
-    a.coll("all_gather", (536,), phase=Phase.FORWARD, step=1, line=61, module=f"{unit}0")
-    a.coll("all_gather", (536,), phase=Phase.FORWARD, step=1, line=61, module=f"{unit}1", done=False)
-    b.coll("all_gather", (536,), phase=Phase.FORWARD, step=1, line=61, module=f"{unit}2")
-    b.coll("reduce_scatter", (1072,), phase=Phase.BACKWARD, step=1, line=113, module=f"{unit}2", done=False)
-    return run_of(a, b, hang=True)
-
-
 def test_module_list_members_left_out_in_forward_are_inactive_experts():
-    report = analyze(_units_skipped("moe.experts."))
+    report = analyze(units_skipped("moe.experts."))
     assert report.mechanism.mechanism == Mechanism.SKIPPED_COLLECTIVE
     assert report.pattern == "inactive-experts" and report.culprit_ranks == [1], report.not_named
     assert any("moe.experts.0, moe.experts.1" in e for e in report.evidence)
 
 
 def test_units_that_are_no_module_list_members_left_out_are_not_inactive_experts():
-    report = analyze(_units_skipped("head_"))  # head_0, head_1: no indexed member of a module list
+    report = analyze(units_skipped("head_"))  # head_0, head_1: no indexed member of a module list
     assert report.mechanism.mechanism == Mechanism.SKIPPED_COLLECTIVE
     assert report.pattern != "inactive-experts", report.summary

@@ -117,18 +117,9 @@ def test_a_rank_whose_collective_is_the_one_after_the_expected_one_skipped_it():
 def test_ranks_that_part_before_the_matched_divergence_are_aligned_where_they_part():
     """Same op and size at #7 (they pair silently), other FSDP units: rank 1 left out units e0 and
     e1 of the expert loop; the matcher's mismatch shows only at #8."""
-    a, b = ranks(2)
-    for r in (a, b):
-        r.coll("all_gather", (560,), phase=Phase.FORWARD, step=0, line=79)
-        for e in range(3):
-            r.coll("all_gather", (536,), phase=Phase.FORWARD, step=0, line=61, module=f"experts.{e}")
-        r.coll("reduce_scatter", (1120,), phase=Phase.BACKWARD, step=0, line=113)
-        r.coll("all_gather", (560,), phase=Phase.FORWARD, step=1, line=79)
-    a.coll("all_gather", (536,), phase=Phase.FORWARD, step=1, line=61, module="experts.0")
-    a.coll("all_gather", (536,), phase=Phase.FORWARD, step=1, line=61, module="experts.1", done=False)
-    b.coll("all_gather", (536,), phase=Phase.FORWARD, step=1, line=61, module="experts.2")
-    b.coll("reduce_scatter", (1072,), phase=Phase.BACKWARD, step=1, line=113, module="experts.2", done=False)
-    report = analyze(run_of(a, b, hang=True))
+    from analysis_scenarios import units_skipped
+
+    report = analyze(units_skipped("moe.experts."))
     mech = report.mechanism
     assert report.divergence.seq == 8
     assert mech.mechanism == Mechanism.SKIPPED_COLLECTIVE and mech.ranks == (1,) and mech.seq == 7, mech
