@@ -292,3 +292,58 @@ def test_a_shared_helper_called_again_under_a_rank_branch_is_a_rank_conditional_
         assert any("a second time in a row" in e for e in report.evidence)
     else:
         assert report.pattern != "rank-conditional-collective", report.summary
+
+
+_ROLES = """import torch.distributed as dist
+
+
+def main(rank, dp, sync, groups, x):
+    if rank < 2:
+        for step in range(3):
+            dist.all_reduce(x, group=dp)
+            dist.broadcast(x, rank, group=sync)
+    else:
+        for step in range(3):
+            for g in groups:
+                dist.broadcast(x, 0, group=g)
+"""
+
+
+def _rollout_sync(path: str, inverted_at: int | None):
+    """Trainers 0 and 1 (under ``if rank < 2``) all-reduce over their data group (line 7), then each
+    broadcasts its weights over its own pair group with the rollout engine, rank 2 (line 8); rank 2
+    receives on both pair groups from its own code (line 12). At step ``inverted_at`` trainer 1
+    pushes before it logs."""
+    from event_factory import ranks, run_of
+
+    from moedoctor.events import Group
+
+    dp, g02, g12 = Group("1", "dp", (0, 1)), Group("2", "sync0", (0, 2)), Group("3", "sync1", (1, 2))
+    a, b, c = ranks(3)
+    kw = dict(file=path)
+    for step in range(3):
+        stop = step == inverted_at
+        if stop:
+            b.coll("broadcast", (8,), group=g12, step=step, line=8, done=False, **kw)
+        else:
+            b.coll("all_reduce", (1,), group=dp, step=step, line=7, **kw)
+            b.coll("broadcast", (8,), group=g12, step=step, line=8, **kw)
+        a.coll("all_reduce", (1,), group=dp, step=step, line=7, done=not stop, **kw)
+        c.coll("broadcast", (8,), group=g02, step=step, line=12, done=not stop, **kw)
+        if stop:
+            break
+        a.coll("broadcast", (8,), group=g02, step=step, line=8, **kw)
+        c.coll("broadcast", (8,), group=g12, step=step, line=12, **kw)
+    return run_of(a, b, c, hang=True)
+
+
+def test_an_inversion_between_ranks_of_different_roles_is_named_from_their_paired_call_sites(tmp_path):
+    """The rollout engine never issues the trainers' call site: it meets it from its own code, every
+    step. That counterpart in the history makes the cycle a reordering of collectives every rank runs,
+    though the trainers' collectives sit under a branch on the rank (their role)."""
+    source = tmp_path / "train.py"
+    source.write_text(_ROLES)
+    report = analyze(_rollout_sync(str(source), 2))
+    assert report.mechanism.mechanism.value == "wait-cycle"
+    assert report.pattern == "collective-order-inversion", report.summary
+    assert report.culprit_ranks == [1]
