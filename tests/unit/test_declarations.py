@@ -264,3 +264,37 @@ def test_units_that_are_no_module_list_members_left_out_are_not_inactive_experts
     report = analyze(units_skipped("head_"))  # head_0, head_1: no indexed member of a module list
     assert report.mechanism.mechanism == Mechanism.SKIPPED_COLLECTIVE
     assert report.pattern != "inactive-experts", report.summary
+
+
+def _token_budget(rank1_passes: int):
+    """Per-micro-batch gradient all-reduces (train.py:90, two parameters) after each backward pass;
+    after the optimizer step (its hook moves the step counter on) a loss all-reduce (train.py:95).
+    Step 0: two micro-batches on both ranks; step 1: rank 0 runs two, rank 1 ``rank1_passes``."""
+    a, b = ranks(2)
+
+    def micro(r, step, done=True):
+        r.ev("backward_begin", step=step)
+        r.ev("backward_end", step=step)
+        r.coll("all_reduce", (50, 16), step=step, line=90, done=done)
+        if done:
+            r.coll("all_reduce", (16,), step=step, line=90)
+
+    for r in (a, b):
+        micro(r, 0)
+        micro(r, 0)
+        r.ev("optimizer_step_begin", step=0)
+        r.coll("all_reduce", (1,), step=1, line=95)
+        micro(r, 1)
+        micro(r, 1)
+    a.ev("optimizer_step_begin", step=1)
+    a.coll("all_reduce", (1,), step=2, line=95, done=False)
+    for _ in range(rank1_passes - 3):
+        micro(b, 1)
+    micro(b, 1, done=False)
+    return run_of(a, b, hang=True)
+
+
+def test_a_rank_in_more_micro_batches_while_the_other_stepped_is_a_microbatch_count_mismatch():
+    report = analyze(_token_budget(3))
+    assert report.mechanism.mechanism == Mechanism.LOOP_TRIP_COUNT, report.mechanism
+    assert report.pattern == "microbatch-count-mismatch" and report.culprit_ranks == [0], report.summary
