@@ -88,7 +88,29 @@ def read_rank_stack(dump: StackDump) -> RankStack | None:
     frames = dump.main_thread
     if not frames:
         return None
-    return RankStack(dump.rank, *_collective(frames), user_frame=dump.user_frame, key=_key(frames))
+    collective, api = _collective(frames)
+    if collective is None and _engine_wait(frames) and dump.process is not None and set(dump.process.samples) == {"S"}:
+        collective = _ENGINE_WAIT
+    return RankStack(dump.rank, collective, api, user_frame=dump.user_frame, key=_key(frames))
+
+
+#: torch machinery that runs collectives from C++ with no torch.distributed Python frame on the stack:
+#: the autograd engine (DDP's reducer all-reduces gradient buckets from its hooks and waits for them
+#: at the end of backward) and DDP's forward (its buffer broadcasts and bucket rebuild).
+_ENGINE_FILES = ("/torch/autograd/graph.py", "/torch/nn/parallel/distributed.py")
+_ENGINE_WAIT = "a collective torch runs from C++ (DDP's gradient or buffer sync; the process sleeps)"
+
+
+def _engine_wait(frames: tuple[Frame, ...]) -> bool:
+    """The innermost library frames (before the job's own code) include the autograd engine or DDP's
+    forward: a rank that sleeps there (every reading of its process state ``S``) waits in a
+    collective torch issued from C++, it is not working in its own code."""
+    for f in frames:
+        if not is_library_frame(f):
+            return False
+        if any(f.file.endswith(e) for e in _ENGINE_FILES):
+            return True
+    return False
 
 
 def classify_stacks(stacks: dict[int, StackDump]) -> list[StackClass]:

@@ -194,3 +194,17 @@ def test_a_history_whose_continuation_varies_does_not_say_who_skipped():
 
     history = [shape_token(e) for e in a.events[:-1]]
     assert expected_next(history) is None
+
+
+def test_a_rank_sleeping_in_the_autograd_engine_waits_in_a_collective_torch_runs_from_cpp():
+    """DDP's reducer all-reduces gradient buckets from C++ autograd hooks: a rank blocked in it shows
+    only ``_engine_run_backward`` and sleeps. It is not working in its own code, so the stacks show
+    ranks in different collectives, not a straggler; a rank running there (``R``) is still outside."""
+    torch = "/usr/lib/python3/site-packages/torch"
+    in_backward = (("_engine_run_backward", f"{torch}/autograd/graph.py", 979), ("main", TRAIN, 68))
+    asleep = {0: in_collective(0, 30), 1: stack(1, *in_backward, state="S")}
+    report = report_from_stacks(asleep, source="x")
+    assert report.mechanism.mechanism == Mechanism.DIFFERENT_OP and report.pattern != "straggler", report.summary
+    running = {0: in_collective(0, 30), 1: stack(1, *in_backward, state="R")}
+    mech = report_from_stacks(running, source="x").mechanism
+    assert (mech.mechanism, mech.state) == (Mechanism.RANK_OUTSIDE, RankState.WORKING)
