@@ -472,17 +472,24 @@ def expected_next(history: list[tuple]) -> tuple[int, tuple] | None:
 
 def _history(view: RunView, group: str, seq: int, ranks: list[int]) -> tuple[int, dict, list[tuple]] | None:
     """(first position where the ranks part, their collectives there, the tokens of the history every
-    rank shares before it); None: no such position, or the ranks' streams differ before it too
-    (per-rank sizes: no shared history to align on)."""
+    rank shares before it, its last ``HISTORY`` collectives); None: no such position, or the ranks'
+    streams differ before it too (per-rank sizes: no shared history to align on; compared on the
+    first ``NOVELTY_RANKS`` ranks, so a 256-rank job costs what an 8-rank one does)."""
     start = _first_parting(view, group, seq, ranks)
     if start is None:
         return None
-    history = [shape_token(e) for e in view.events(ranks[0], group, before=start)][-HISTORY:]
+    history = [shape_token(e) for e in _recent(view, ranks[0], group, start)]
     if len(history) < 2:
         return None
-    if any([shape_token(e) for e in view.events(r, group, before=start)][-HISTORY:] != history for r in ranks[1:]):
+    if any([shape_token(e) for e in _recent(view, r, group, start)] != history for r in ranks[1:NOVELTY_RANKS]):
         return None
     return start, {r: view.event(r, group, start) for r in ranks}, history
+
+
+def _recent(view: RunView, rank: int, group: str, start: int) -> list[CollectiveEvent]:
+    """The rank's collectives on the group at the ``HISTORY`` sequence numbers before ``start``."""
+    issued = view.seq_map(rank, group)
+    return [issued[s] for s in range(max(1, start - HISTORY), start) if s in issued]
 
 
 def left_out(view: RunView, group: str, seq: int, ranks: list[int]) -> dict[int, list[CollectiveEvent]] | None:
@@ -512,7 +519,7 @@ def left_out(view: RunView, group: str, seq: int, ranks: list[int]) -> dict[int,
         for r, n in skips.items()
     ):
         return None
-    events = view.events(ranks[0], group, before=start)[-HISTORY:]
+    events = _recent(view, ranks[0], group, start)
     return {r: events[at : at + n] for r, n in skips.items()}
 
 
@@ -567,7 +574,7 @@ def _aligned(view: RunView, group: str, seq: int, ranks: list[int], made) -> Mec
 
 def _issued_later(view: RunView, rank: int, group: str, start: int, tokens: set) -> bool:
     """The rank issued one of ``tokens`` after ``start``: it reordered them, it did not leave them out."""
-    return any(shape_token(e) in tokens for e in view.events(rank, group) if e.seq > start)
+    return any(shape_token(e) in tokens for s, e in view.seq_map(rank, group).items() if s > start)
 
 
 def _held_back(view: RunView, rank: int, event, start: int, history: list, at: int, n: int) -> bool:
@@ -585,7 +592,7 @@ def _held_back(view: RunView, rank: int, event, start: int, history: list, at: i
 
 def _phases(view: RunView, rank: int, group: str, start: int, at: int, n: int) -> list[str]:
     """The phases of the history's collectives ``at .. at+n`` (the rank's own stream before ``start``)."""
-    events = view.events(rank, group, before=start)[-HISTORY:]
+    events = _recent(view, rank, group, start)
     return [e.phase.value if hasattr(e.phase, "value") else str(e.phase) for e in events[at : at + n]]
 
 
