@@ -243,3 +243,20 @@ SCENARIOS = {
     "rank-stopped": (rank_stopped, [1], "stuck"),
     "unknown-desync": (unknown_desync, None, "desync"),
 }
+
+
+def units_skipped(unit: str):
+    """Both ranks gather an embedding unit then three FSDP units ``{unit}0..2`` in forward (step 0,
+    then a reduce-scatter); in step 1 rank 1 skips the first two and gathers only the third."""
+    a, b = ranks(2)
+    for r in (a, b):
+        r.coll("all_gather", (560,), phase=Phase.FORWARD, step=0, line=79)
+        for e in range(3):
+            r.coll("all_gather", (536,), phase=Phase.FORWARD, step=0, line=61, module=f"{unit}{e}")
+        r.coll("reduce_scatter", (1120,), phase=Phase.BACKWARD, step=0, line=113)
+        r.coll("all_gather", (560,), phase=Phase.FORWARD, step=1, line=79)
+    a.coll("all_gather", (536,), phase=Phase.FORWARD, step=1, line=61, module=f"{unit}0")
+    a.coll("all_gather", (536,), phase=Phase.FORWARD, step=1, line=61, module=f"{unit}1", done=False)
+    b.coll("all_gather", (536,), phase=Phase.FORWARD, step=1, line=61, module=f"{unit}2")
+    b.coll("reduce_scatter", (1072,), phase=Phase.BACKWARD, step=1, line=113, module=f"{unit}2", done=False)
+    return run_of(a, b, hang=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from moedoctor.analysis.mechanism import Mechanism as M
 from moedoctor.analysis.mechanism import MechanismFinding, RankState
+from moedoctor.analysis.steps import another_pass
 from moedoctor.events import Phase
 
 #: Evidence the sources classifiers read.
@@ -91,12 +92,18 @@ def experts_without_gradients(ctx, mech) -> bool:
     """Some rank's recorder listed parameters of indexed module-list members without a gradient
     (``...experts.2.w1``, stacked ``moe.wi:4``) at the end of a backward or at an optimizer step; or,
     at the divergence, the ranks reduce the gradients of sharded units (FSDP, ``mod`` set) in
-    backward with different sizes or different units (a unit's parameters got no gradient on some)."""
+    backward with different sizes or different units (a unit's parameters got no gradient on some);
+    or some ranks left out the collectives of sharded units that are indexed module-list members
+    (``inactive_experts.member_units_left_out``: the experts they did not run)."""
     if ctx.div is None:
         return False
     present = ctx.present()
     units = [v for v in present.values() if v.module is not None and v.phase == Phase.BACKWARD.value]
     if len(units) == len(present) > 1 and len({(v.module, v.shapes) for v in units}) > 1:
+        return True
+    from moedoctor.analysis.patterns.inactive_experts import member_units_left_out
+
+    if member_units_left_out(ctx):
         return True
     for r in ctx.div.per_rank:
         for e in ctx.view.evidence(r, "params_without_grad"):
@@ -167,6 +174,19 @@ def gradient_accumulation(ctx, mech) -> bool:
     return False
 
 
+def another_pass_begun(ctx, mech) -> bool:
+    """The ranks are in different micro-batches at the divergence: they had begun different numbers
+    of backward passes in the step when they issued its collectives, or a rank issued again a
+    collective that opens each pass (first issued in the step before its first backward pass: a
+    forward all-gather, a per-micro-batch count). A collective issued after each backward pass (a
+    per-micro-batch metric) issued again by a rank that has run as many passes as the others is not
+    another pass: its reductions were held back, the ranks are in the same micro-batch."""
+    if ctx.div is None:
+        return False
+    events = [e for r in ctx.div.per_rank if (e := ctx.event(r)) is not None]
+    return another_pass(ctx.view, events, ctx.positions())
+
+
 def optimizer_step_signs(ctx, mech) -> bool:
     """The optimizer's own hooks or values: a rank began ``optimizer.step`` or cleared its gradients,
     a non-finite loss or gradient norm, a discarded step, or an inf/NaN test separating the ranks."""
@@ -211,6 +231,9 @@ NAMES = {
     "recomputed_in_backward": "a forward call site re-issued in backward (a recompute)",
     "sharded_or_bucketed_other_side": "a sharded-unit (FSDP) or backward-bucket collective on the other side",
     "gradient_accumulation": "more than one backward pass in a step (micro-batches)",
+    "another_pass_begun": (
+        "ranks in different micro-batches (different backward-pass counts, or a pass-opening collective issued again)"
+    ),
     "optimizer_step_signs": (
         "optimizer-step evidence (step or zero_grad hooks, a non-finite value, a discarded step, an inf/NaN test)"
     ),
@@ -270,7 +293,7 @@ DECLARATIONS: dict[str, Declaration] = {
         Declaration(
             "microbatch-count-mismatch",
             _DESYNC | _SAME_POSITION | {M.RANK_OUTSIDE},
-            (_req(gradient_accumulation),),
+            (_req(gradient_accumulation), _req(another_pass_begun)),
             ev("backward_begin", "backward_end", "grad_norm", "optimizer_step_begin") | {"discarded_in"} | SOURCE,
         ),
         Declaration(

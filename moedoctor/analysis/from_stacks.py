@@ -39,33 +39,10 @@ from moedoctor.analysis.model import RankSummary, Report, Verdict
 from moedoctor.analysis import patterns
 from moedoctor.analysis.patterns import names
 from moedoctor.process_state import FROZEN_STATES
-from moedoctor.run_records import Frame, StackDump, is_distributed_frame, is_library_frame
+from moedoctor.analysis.stack_reading import RankStack, read_rank_stack
+from moedoctor.run_records import StackDump
 
 SOURCE_KIND = "stacks"
-_C10D = "/torch/distributed/distributed_c10d.py"
-#: Wrappers between the API the job called and the collective's implementation.
-_WRAPPERS = ("/torch/distributed/c10d_logger.py", "/torch/utils/_contextlib.py")
-
-
-@dataclass(frozen=True, slots=True)
-class RankStack:
-    """What one rank's main thread shows."""
-
-    rank: int
-    collective: str | None  # the innermost torch.distributed function it waits in (None: outside any)
-    api: str | None  # the outermost distributed_c10d function of that chain (what the job called)
-    user_frame: Frame | None
-    key: tuple[str, ...]  # the normalized stack, for grouping
-
-    @property
-    def waits_in(self) -> str | None:
-        if self.collective is None:
-            return None
-        return self.collective if self.api in (None, self.collective) else f"{self.api} -> {self.collective}"
-
-    def where(self) -> str:
-        f = self.user_frame
-        return "no frame of the job's own code" if f is None else str(f)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,14 +58,6 @@ class StackClass:
         if s.collective is None:
             return f"{who}: in {s.where()}, outside any collective"
         return f"{who}: {'waits' if len(self.ranks) == 1 else 'wait'} in {s.waits_in}, called from {s.where()}"
-
-
-def read_rank_stack(dump: StackDump) -> RankStack | None:
-    """The collective, own frame and normalized stack of a dump (None: no main-thread frames)."""
-    frames = dump.main_thread
-    if not frames:
-        return None
-    return RankStack(dump.rank, *_collective(frames), user_frame=dump.user_frame, key=_key(frames))
 
 
 def classify_stacks(stacks: dict[int, StackDump]) -> list[StackClass]:
@@ -224,27 +193,6 @@ def _frozen(stacks: dict[int, StackDump], states: dict[int, str]) -> dict[int, s
 
 
 # ---- reading a stack ----------------------------------------------------------------------------
-
-
-def _collective(frames: tuple[Frame, ...]) -> tuple[str | None, str | None]:
-    """Walk out from the innermost frame through library frames: the innermost torch.distributed
-    frame met before the job's own code is the collective; the outermost distributed_c10d frame of
-    that run is the API the job called."""
-    collective = api = None
-    for f in frames:
-        if not is_library_frame(f):
-            break
-        if not is_distributed_frame(f) or any(f.file.endswith(w) for w in _WRAPPERS):
-            continue
-        if collective is None:
-            collective = f.function
-        if f.file.endswith(_C10D):
-            api = f.function
-    return collective, api
-
-
-def _key(frames: tuple[Frame, ...]) -> tuple[str, ...]:
-    return tuple(f"{f.file}:{f.function}" if is_library_frame(f) else f"{f.file}:{f.function}:{f.line}" for f in frames)
 
 
 def _gpu_lines(gpus: list[GpuSnapshot]) -> list[str]:

@@ -11,9 +11,11 @@ with domain evidence; when none has the evidence it needs, the mechanism is the 
 Exactly one mechanism per divergence (``mechanism_of``), chosen in this order: a cycle of waits
 across groups; every member inside the same collective; an unmatched point-to-point op; a broken
 size contract; at one position, the same op with other shapes, dtypes or reduce op; a loop of one
-call site (or the step's repeated part) run a different number of times; a collective only some
-ranks issue, or one some ranks skip; the same position holding different collectives; ranks the
-others wait for that are outside any collective (their state said). Nothing here imports torch.
+call site run a different number of times; collectives some ranks skipped or added, read by
+aligning the ranks' streams on the history they share (``_aligned``); the step's repeated part run
+a different number of times; a collective no other rank issued; the same position holding
+different collectives; ranks the others wait for that are outside any collective (their state
+said). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -24,7 +26,18 @@ from typing import Any
 
 from moedoctor.analysis.culprits import Culprits
 from moedoctor.analysis.model import Divergence, DivergenceKind, Suggestion, WaitEdge
-from moedoctor.analysis.steps import CLOSING, RESTART, LoopExit, cycle_loop_exit, loop_exit, position, token
+from moedoctor.analysis.steps import (
+    CLOSING,
+    LOOKBACK,
+    RESTART,
+    LoopExit,
+    another_pass,
+    cycle_loop_exit,
+    loop_exit,
+    position,
+    shape_token,
+    token,
+)
 from moedoctor.analysis.view import RunView
 from moedoctor.analysis.waitfor import chain_roots
 from moedoctor.events import CollectiveEvent
@@ -37,18 +50,30 @@ class Mechanism(str, Enum):
 
     EXTRA_COLLECTIVE = "extra-collective"
     """Some ranks issued a collective the other members never issue at that point: its call site
-    appears nowhere in the others' streams of the group, or the others had ended normally."""
+    appears nowhere in the others' streams of the group, or the others had ended normally, or it
+    repeats the collective every rank issued just before while the others went on as the shared
+    history (at least two earlier occurrences of what they issued) says, a repeat that history
+    never shows. ``ranks``: those that issued it."""
 
     SKIPPED_COLLECTIVE = "skipped-collective"
-    """Some ranks left out a collective they issue at that point of their own earlier steps (the
-    others issue it): what they issued instead is what comes after it."""
+    """Some ranks left out one or more collectives that the others issue: aligned on the history
+    every rank shares up to where they part (op, call site, unit and shapes), the others issued what
+    that history always issued next, and the skipping ranks issued what it puts ``m >= 1`` places
+    further (their stream at k is the others' expected stream at k+m), without issuing the left-out
+    ones later (that is a reordering: ``DIFFERENT_OP``). ``ranks``: those that skipped. With two
+    sides, "A skipped" and "B issued an extra one" describe the same trace; the history's
+    continuation decides which side is the normal one."""
 
     DIFFERENT_OP = "different-op"
-    """The ranks issued different collectives at the same position of the group, each one a
-    collective both sides issue elsewhere (a reordering, or a decision that took another path)."""
+    """The ranks issued different collectives at the same position of the group (another op, or the
+    same op from another call site), each one a collective both sides issue elsewhere, and the
+    history does not show one side skipping or adding one (a reordering, collectives held back, or
+    a decision that took another path)."""
 
     DIFFERENT_SHAPE = "different-shape"
-    """Same op at the same position, with tensors of different sizes."""
+    """The same collective (op and call site) at the same position, with tensors of different
+    sizes. The same op from two call sites with different sizes is two collectives: ``DIFFERENT_OP``
+    (or a skip or an extra one where the history shows it)."""
 
     DIFFERENT_DTYPE = "different-dtype"
     """Same op and sizes at the same position, with different dtypes."""
@@ -61,9 +86,10 @@ class Mechanism(str, Enum):
     sizes of an all_to_all, the per-rank sizes of a gather or scatter)."""
 
     LOOP_TRIP_COUNT = "loop-trip-count"
-    """A loop ran a different number of times on different ranks: a run of collectives from one call
-    site that some ranks left after fewer iterations, or the step's repeated part (a pass with a
-    backward) that some ranks began again while the others closed the step."""
+    """A loop ran a different number of times on different ranks: a run (at least two in a row on
+    every rank) of collectives from one call site that some ranks left after fewer iterations, or
+    the step's repeated part (a pass with a backward) that some ranks began again while the others
+    closed the step, the ranks being in different passes (``steps.another_pass``)."""
 
     WAIT_CYCLE = "wait-cycle"
     """A cycle of waits across groups: each rank of the cycle waits in one group for a rank that
@@ -333,6 +359,9 @@ def _stream_tokens(view: RunView, rank: int, group: str, before: int) -> set:
 
 def _mismatch(view: RunView, div: Divergence, present: dict, culprits: Culprits, made) -> MechanismFinding:
     group = div.group.name
+    aligned = _aligned(view, group, div.seq, sorted(present), made)
+    if aligned is not None:
+        return aligned
     events = {r: view.event(r, group, div.seq) for r in present}
     positions = {r: position(view, e) for r, e in events.items() if e is not None}
     restart = [r for r, p in positions.items() if p == RESTART]
@@ -346,7 +375,7 @@ def _mismatch(view: RunView, div: Divergence, present: dict, culprits: Culprits,
             f"{rank_names(restart)} issued {_what(events, restart)} again during a backward pass, a call site "
             f"they issued earlier in this step; {rank_names(closing)} did not and went on ({_what(events, closing)})",
         )
-    if restart and closing:
+    if restart and closing and another_pass(view, [e for e in events.values() if e is not None], positions):
         return made(
             Mechanism.LOOP_TRIP_COUNT,
             closing,
@@ -399,6 +428,176 @@ def _mismatch(view: RunView, div: Divergence, present: dict, culprits: Culprits,
                 )
     per = " while ".join(f"{rank_names(c)} issued {_what(events, c)}" for c in classes[:3])
     return made(Mechanism.DIFFERENT_OP, deviating, f"at the same position {per}")
+
+
+#: Longest context (collectives every rank agreed on just before the divergence) looked up in the
+#: ranks' shared history, and how far past the expected collective a skipping rank's one is sought.
+CONTEXT, AHEAD = 4, 32
+#: How much of the shared history is read (the most recent collectives).
+HISTORY = 512
+
+
+def _first_parting(view: RunView, group: str, seq: int, ranks: list[int]) -> int | None:
+    """The first sequence number, at most ``LOOKBACK`` before ``seq``, where the ranks' collectives
+    differ in op, call site, FSDP unit or input shapes (ops of the same size pair silently, so the
+    ranks may have parted a few collectives before the divergence the matcher saw); None: a rank
+    lacks a collective there."""
+    for s in range(max(1, seq - LOOKBACK), seq + 1):
+        here = [view.event(r, group, s) for r in ranks]
+        if any(e is None for e in here):
+            continue
+        if len({shape_token(e) for e in here if e is not None}) > 1:
+            return s
+    return None
+
+
+def expected_next(history: list[tuple]) -> tuple[int, tuple] | None:
+    """What the ranks' shared history says comes next: what followed the suffixes of ``history`` (its
+    last collective, its last two, ... up to ``CONTEXT``) where they occurred earlier in it, when
+    every earlier occurrence of every such suffix was followed by the same collective: (index in
+    ``history`` of the most recent such continuation, the collective). None: the last collective
+    never occurred before, or some suffix was followed by different collectives (a loop whose count
+    varies: the history does not say which side is the normal one)."""
+    found = None
+    for c in range(1, min(CONTEXT, len(history) - 1) + 1):
+        suffix = history[-c:]
+        after = [j + c for j in range(len(history) - c) if history[j : j + c] == suffix]
+        if not after:
+            break
+        if len({history[a] for a in after}) > 1 or (found is not None and history[after[-1]] != found[1]):
+            return None
+        found = after[-1], history[after[-1]]
+    return found
+
+
+def _history(view: RunView, group: str, seq: int, ranks: list[int]) -> tuple[int, dict, list[tuple]] | None:
+    """(first position where the ranks part, their collectives there, the tokens of the history every
+    rank shares before it, its last ``HISTORY`` collectives); None: no such position, or the ranks'
+    streams differ before it too (per-rank sizes: no shared history to align on; compared on the
+    first ``NOVELTY_RANKS`` ranks, so a 256-rank job costs what an 8-rank one does)."""
+    start = _first_parting(view, group, seq, ranks)
+    if start is None:
+        return None
+    history = [shape_token(e) for e in _recent(view, ranks[0], group, start)]
+    if len(history) < 2:
+        return None
+    if any([shape_token(e) for e in _recent(view, r, group, start)] != history for r in ranks[1:NOVELTY_RANKS]):
+        return None
+    return start, {r: view.event(r, group, start) for r in ranks}, history
+
+
+def _recent(view: RunView, rank: int, group: str, start: int) -> list[CollectiveEvent]:
+    """The rank's collectives on the group at the ``HISTORY`` sequence numbers before ``start``."""
+    issued = view.seq_map(rank, group)
+    return [issued[s] for s in range(max(1, start - HISTORY), start) if s in issued]
+
+
+def left_out(view: RunView, group: str, seq: int, ranks: list[int]) -> dict[int, list[CollectiveEvent]] | None:
+    """The collectives each skipping rank left out, read by aligning the ranks' streams on their
+    shared history (``_aligned``): rank -> the history's collectives it went past (as the first rank
+    issued them earlier). None or empty: no rank skipped any by that reading."""
+    found = _history(view, group, seq, ranks)
+    if found is None:
+        return None
+    start, here, history = found
+    following = expected_next(history)
+    if following is None:
+        return None
+    at, expected = following
+    tokens = {r: shape_token(e) for r, e in here.items() if e is not None}
+    normal = [r for r in ranks if tokens.get(r) == expected]
+    deviating = [r for r in ranks if r not in normal]
+    if not normal or not deviating:
+        return None
+    ahead = history[at + 1 : at + 1 + AHEAD]
+    skips = {r: ahead.index(tokens[r]) + 1 for r in deviating if tokens.get(r) in ahead}
+    if len(skips) < len(deviating):
+        return None
+    if any(
+        _issued_later(view, r, group, start, set(history[at : at + n]))
+        or _held_back(view, r, here[r], start, history, at, n)
+        for r, n in skips.items()
+    ):
+        return None
+    events = _recent(view, ranks[0], group, start)
+    return {r: events[at : at + n] for r, n in skips.items()}
+
+
+def _aligned(view: RunView, group: str, seq: int, ranks: list[int], made) -> MechanismFinding | None:
+    """Skipped or extra collectives, read by aligning the ranks' streams on their shared history.
+
+    Before the first position where they part, every rank issued the same collectives (op, call site,
+    unit, shapes). What that history says comes next (``expected_next``) singles out the normal side:
+    the ranks that issued it. A deviating rank whose collective is the one the history puts ``m``
+    places further skipped ``m`` collectives (its stream at k equals the others' expected stream at
+    k+m). With no such continuation: a deviating rank that issued again the collective all ranks
+    issued just before, a repeat the history never shows, issued an extra one (the others went on).
+    """
+    found = _history(view, group, seq, ranks)
+    if found is None:
+        return None
+    start, here, history = found
+    tokens = {r: shape_token(e) for r, e in here.items() if e is not None}
+    following = expected_next(history)
+    skipped = left_out(view, group, seq, ranks)
+    if skipped:
+        normal = [r for r in ranks if r not in skipped]
+        deviating = sorted(skipped)
+        n = max(len(x) for x in skipped.values())
+        return made(
+            Mechanism.SKIPPED_COLLECTIVE,
+            deviating,
+            f"{rank_names(deviating)} issued {_what(here, deviating)} at #{start} where "
+            f"{rank_names(normal)} issued {_what(here, normal)}, as every earlier occurrence of the "
+            f"preceding collectives was followed: {rank_names(deviating)} left out "
+            f"{n} collective{'s' if n > 1 else ''} the others issue",
+            seq=start,
+            sites=_sites(here),
+        )
+    last = history[-1]
+    repeats = [r for r in ranks if tokens.get(r) == last]
+    went_on = [r for r in ranks if r not in repeats]
+    recurring = all(history.count(tokens[r]) >= 2 for r in went_on if r in tokens)
+    if repeats and went_on and recurring and all(a != b or a != last for a, b in zip(history, history[1:])):
+        if following is None or all(tokens.get(r) == following[1] for r in went_on):
+            return made(
+                Mechanism.EXTRA_COLLECTIVE,
+                repeats,
+                f"{rank_names(repeats)} issued {_what(here, repeats)} a second time in a row at #{start}, "
+                f"a repeat the earlier collectives never show, while {rank_names(went_on)} went on "
+                f"({_what(here, went_on)})",
+                seq=start,
+                sites=_sites(here),
+            )
+    return None
+
+
+def _issued_later(view: RunView, rank: int, group: str, start: int, tokens: set) -> bool:
+    """The rank issued one of ``tokens`` after ``start``: it reordered them, it did not leave them out."""
+    return any(shape_token(e) in tokens for s, e in view.seq_map(rank, group).items() if s > start)
+
+
+def _held_back(view: RunView, rank: int, event, start: int, history: list, at: int, n: int) -> bool:
+    """Every collective the rank went past is one the history issues during a backward pass, and the
+    rank ran a backward pass since its previous collective: gradient reductions held back to be
+    issued later (hooks, buckets, a deferred sync), not left out; what it issued meanwhile is a
+    reordering."""
+    phases = _phases(view, rank, event.group.name, start, at, n) if event is not None else []
+    if not phases or any(p != "backward" for p in phases):
+        return False
+    before = view.events(rank, event.group.name, before=start)
+    since = before[-1].time if before else float("-inf")
+    return any(since < b.time < event.time for b in view.evidence(rank, "backward_begin"))
+
+
+def _phases(view: RunView, rank: int, group: str, start: int, at: int, n: int) -> list[str]:
+    """The phases of the history's collectives ``at .. at+n`` (the rank's own stream before ``start``)."""
+    events = _recent(view, rank, group, start)
+    return [e.phase.value if hasattr(e.phase, "value") else str(e.phase) for e in events[at : at + n]]
+
+
+def _sites(events: dict) -> dict[int, str]:
+    return {r: e.call_site.where for r, e in events.items() if e is not None and e.call_site is not None}
 
 
 def _previous_step(view: RunView, rank: int, e: CollectiveEvent, whole: bool = False) -> list[CollectiveEvent] | None:

@@ -198,7 +198,27 @@ def _reads_rank(enc: Enclosing) -> bool:
         names = _operand_names(ast.parse(enc.text, mode="eval").body)
     except SyntaxError:
         return False
-    return any(_RANK_TEST.search(rhs) for name in sorted(names) for rhs in _assigned(enc.file, name, enc.line))
+    return any(_rank_valued(rhs) for name in sorted(names) for rhs in _assigned(enc.file, name, enc.line))
+
+
+#: Calls that only convert or wrap their argument: ``bool(rank == 0)`` is still the rank's test.
+_WRAPPERS = frozenset({"bool", "int", "float", "tensor", "as_tensor", "Tensor", "all", "any", "item"})
+
+
+def _rank_valued(rhs: str) -> bool:
+    """Whether an assigned value is a test on the rank. A value a call computes (``finite =
+    scaler.unscale_and_check(opt, inject=rank == 1)``) is the call's result, read from data: a rank
+    among the call's arguments only parameterises it; the called name itself may read the rank
+    (``accelerator.is_main_process()``), and a conversion (``bool(rank == 0)``) is still the test."""
+    try:
+        node = ast.parse(rhs.strip(), mode="eval").body
+    except SyntaxError:
+        return bool(_RANK_TEST.search(rhs))
+    if isinstance(node, ast.Call):
+        func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if func not in _WRAPPERS:
+            return bool(_RANK_TEST.search(ast.unparse(node.func)))
+    return bool(_RANK_TEST.search(rhs))
 
 
 def frames(stack: tuple[str, ...]) -> list[Frame]:

@@ -46,6 +46,29 @@ def position(view: RunView, event: CollectiveEvent) -> str | None:
     return CLOSING
 
 
+def another_pass(view: RunView, events: list[CollectiveEvent], positions: dict[int, str | None]) -> bool:
+    """The ranks that issued ``events`` (their collectives at one divergence) are in different
+    micro-batches: they had begun different numbers of backward passes in the step, or a rank at
+    ``restart`` (``positions``) issued again a collective that opens each pass (first issued in the
+    step before its first backward pass). A collective issued after each backward pass (a
+    per-micro-batch metric) issued again by a rank that has run as many passes as the others does
+    not begin another pass."""
+    begun = {e.rank: sum(1 for b in view.evidence(e.rank, "backward_begin", e.step) if b.time < e.time) for e in events}
+    if len(set(begun.values())) > 1:
+        return True
+    for e in events:
+        if positions.get(e.rank) != RESTART:
+            continue
+        first = next(
+            (x for x in view.events(e.rank, e.group.name, before=e.seq) if x.step == e.step and token(x) == token(e)),
+            None,
+        )
+        backwards = [b.time for b in view.evidence(e.rank, "backward_begin", e.step)]
+        if first is not None and backwards and first.time < min(backwards):
+            return True
+    return False
+
+
 def _backward_windows(view: RunView, rank: int, step: int) -> list[tuple[float, float | None]]:
     """(begin, end) of each backward pass of ``rank`` in ``step``, in order; ``end`` is None when the
     pass was not recorded whole (not ended, or overlapping the next)."""
@@ -177,7 +200,8 @@ class Omission:
     missing: tuple[CollectiveEvent, ...]  # from the reference (previous step's) sequence
 
 
-def _shape_token(e: CollectiveEvent) -> tuple:
+def shape_token(e: CollectiveEvent) -> tuple:
+    """``token`` with the input shapes: one collective of a repeated sequence, item by item."""
     return (*token(e), e.in_shapes)
 
 
@@ -192,8 +216,8 @@ def omission(view: RunView, group: str, seq: int, rank: int, others, context: in
     ref = [e for e in view.events(sorted(others)[0], group, before=seq + 1)]
     if len(ref) < context + 2 or ref[-1].seq != seq:
         return None
-    tokens = [_shape_token(e) for e in ref]
-    wanted, mine = tokens[-context - 1 : -1], _shape_token(here)
+    tokens = [shape_token(e) for e in ref]
+    wanted, mine = tokens[-context - 1 : -1], shape_token(here)
     for j in range(len(tokens) - context - 2, -1, -1):
         if tokens[j : j + context] != wanted:
             continue

@@ -239,3 +239,111 @@ def test_an_inversion_at_the_first_step_where_the_awaited_rank_is_on_its_way_nam
     assert report.pattern == "collective-order-inversion", [(c.pattern, c.score) for c in report.candidates]
     assert report.culprit_ranks == [0]
     assert any("earlier in the same pass of the loop" in e for e in report.evidence), report.evidence
+
+
+_SOUP = '''import torch.distributed as dist
+
+
+def reduce_tensor(t):
+    dist.all_reduce(t)
+    return t
+
+
+def main(rank, model, ema, soup):
+    for step in range(4):
+        model.sync()
+        reduce_tensor(ema)
+        if rank == 0:
+            reduce_tensor(soup)
+'''
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["rank-branch", "no-branch"])
+def test_a_shared_helper_called_again_under_a_rank_branch_is_a_rank_conditional_collective(tmp_path, guarded):
+    """Every rank all-reduces the EMA accuracy through ``reduce_tensor`` (line 5); rank 0 then calls
+    it again for the soup under ``if rank == 0:`` while rank 1 goes on to the next step's gradient
+    all-reduce. Without the branch on the rank (a second call every rank makes), no name."""
+    import dataclasses
+
+    from event_factory import ranks, run_of
+
+    from moedoctor.events import CallSite
+
+    source = tmp_path / "train.py"
+    source.write_text(_SOUP if guarded else _SOUP.replace("        if rank == 0:\n    ", ""))
+    path = str(source)
+    a, b = ranks(2)
+    for step in range(3):
+        for r in (a, b):
+            r.coll("all_reduce", (32, 10), step=step, line=11, file=path)
+            r.coll("all_reduce", (32,), step=step, line=11, file=path)
+    for r in (a, b):
+        r.coll("all_reduce", (), step=3, line=5, file=path, function="reduce_tensor")
+    a.coll("all_reduce", (), step=3, line=5, file=path, function="reduce_tensor", done=False)
+    b.coll("all_reduce", (32, 10), step=3, line=11, file=path, done=False)
+    outer = 14 if guarded else 13
+    a.events[-1] = dataclasses.replace(
+        a.events[-1], call_site=CallSite(path, 5, "reduce_tensor", (f"{path}:5 reduce_tensor", f"{path}:{outer} main"))
+    )
+    report = analyze(run_of(a, b, hang=True))
+    assert report.mechanism.mechanism.value == "extra-collective" and report.mechanism.ranks == (0,)
+    if guarded:
+        assert report.pattern == "rank-conditional-collective" and report.culprit_ranks == [0], report.summary
+        assert any("a second time in a row" in e for e in report.evidence)
+    else:
+        assert report.pattern != "rank-conditional-collective", report.summary
+
+
+_ROLES = """import torch.distributed as dist
+
+
+def main(rank, dp, sync, groups, x):
+    if rank < 2:
+        for step in range(3):
+            dist.all_reduce(x, group=dp)
+            dist.broadcast(x, rank, group=sync)
+    else:
+        for step in range(3):
+            for g in groups:
+                dist.broadcast(x, 0, group=g)
+"""
+
+
+def _rollout_sync(path: str, inverted_at: int | None):
+    """Trainers 0 and 1 (under ``if rank < 2``) all-reduce over their data group (line 7), then each
+    broadcasts its weights over its own pair group with the rollout engine, rank 2 (line 8); rank 2
+    receives on both pair groups from its own code (line 12). At step ``inverted_at`` trainer 1
+    pushes before it logs."""
+    from event_factory import ranks, run_of
+
+    from moedoctor.events import Group
+
+    dp, g02, g12 = Group("1", "dp", (0, 1)), Group("2", "sync0", (0, 2)), Group("3", "sync1", (1, 2))
+    a, b, c = ranks(3)
+    kw = dict(file=path)
+    for step in range(3):
+        stop = step == inverted_at
+        if stop:
+            b.coll("broadcast", (8,), group=g12, step=step, line=8, done=False, **kw)
+        else:
+            b.coll("all_reduce", (1,), group=dp, step=step, line=7, **kw)
+            b.coll("broadcast", (8,), group=g12, step=step, line=8, **kw)
+        a.coll("all_reduce", (1,), group=dp, step=step, line=7, done=not stop, **kw)
+        c.coll("broadcast", (8,), group=g02, step=step, line=12, done=not stop, **kw)
+        if stop:
+            break
+        a.coll("broadcast", (8,), group=g02, step=step, line=8, **kw)
+        c.coll("broadcast", (8,), group=g12, step=step, line=12, **kw)
+    return run_of(a, b, c, hang=True)
+
+
+def test_an_inversion_between_ranks_of_different_roles_is_named_from_their_paired_call_sites(tmp_path):
+    """The rollout engine never issues the trainers' call site: it meets it from its own code, every
+    step. That counterpart in the history makes the cycle a reordering of collectives every rank runs,
+    though the trainers' collectives sit under a branch on the rank (their role)."""
+    source = tmp_path / "train.py"
+    source.write_text(_ROLES)
+    report = analyze(_rollout_sync(str(source), 2))
+    assert report.mechanism.mechanism.value == "wait-cycle"
+    assert report.pattern == "collective-order-inversion", report.summary
+    assert report.culprit_ranks == [1]

@@ -9,7 +9,7 @@ every factory-built scenario; what they read must be in their declaration's ``re
 from __future__ import annotations
 
 import pytest
-from analysis_scenarios import SCENARIOS
+from analysis_scenarios import SCENARIOS, units_skipped
 from pathlib import Path
 
 from event_factory import ranks, run_of
@@ -93,7 +93,7 @@ def test_a_requirement_reads_only_its_patterns_declaration(scenario, pattern):
 
 
 EXPECTED = {
-    "skipped-optimizer-step": Mechanism.LOOP_TRIP_COUNT,
+    "skipped-optimizer-step": Mechanism.SKIPPED_COLLECTIVE,  # the history puts the clip first: left out
     "microbatch-count-mismatch": Mechanism.LOOP_TRIP_COUNT,
     "rank-conditional-collective": Mechanism.EXTRA_COLLECTIVE,
     "collective-order-inversion": Mechanism.WAIT_CYCLE,
@@ -117,7 +117,7 @@ RECORDED_MECHANISMS = {
     "hardware_like": (Mechanism.TRANSPORT_HANG, "rank-stopped"),  # stopped inside the collective
     "inactive_experts": (Mechanism.DIFFERENT_SHAPE, "inactive-experts"),
     "inflight_metric_allreduce": (Mechanism.LOOP_TRIP_COUNT, "inflight-metric-allreduce"),  # a unit loop
-    "skipped_optimizer_step": (Mechanism.LOOP_TRIP_COUNT, "skipped-optimizer-step"),  # restart vs closing
+    "skipped_optimizer_step": (Mechanism.SKIPPED_COLLECTIVE, "skipped-optimizer-step"),  # the clip left out
     "straggler": (Mechanism.RANK_OUTSIDE, "straggler"),
     "uneven_dtensor_allgather": (Mechanism.EXTRA_COLLECTIVE, "uneven-dtensor-allgather"),  # the save's next one
     "healthy": (None, None),
@@ -201,3 +201,100 @@ def test_a_gather_loop_outside_the_passes_of_no_unit_is_the_checkpoint_patterns_
     ctx, mech = _context(_unit_loop(True, phase=Phase.OTHER, module=False))
     assert mech.mechanism == Mechanism.LOOP_TRIP_COUNT
     assert missing("uneven-dtensor-allgather", ctx, mech) == []
+
+
+def _two_microbatches(rank0_syncs_in_step1: bool, rank1_third_pass: bool = False):
+    """Two micro-batches per step: forward all-gather (train.py:20) before each backward, a metric
+    all-reduce after each backward (train.py:102), gradient buckets in the second backward pass
+    (train.py:56). In step 1 rank 0 syncs in its second backward; rank 1 either issues its metric
+    after the same second pass (its buckets held back: the same micro-batch) or, with
+    ``rank1_third_pass``, begins a third micro-batch's forward."""
+    a, b = ranks(2)
+
+    def micro(r, step, sync, metric=True, done=True):
+        r.coll("all_gather", (64,), phase=Phase.FORWARD, step=step, line=20)
+        r.ev("backward_begin", step=step)
+        if sync:
+            r.coll("all_reduce", (1088,), phase=Phase.BACKWARD, step=step, line=56, done=done)
+        r.ev("backward_end", step=step)
+        if metric:
+            r.coll("all_reduce", (1,), step=step, line=102, done=done)
+
+    for r in (a, b):
+        micro(r, 0, False)
+        micro(r, 0, True)
+        micro(r, 1, False)
+    a.coll("all_gather", (64,), phase=Phase.FORWARD, step=1, line=20)
+    a.ev("backward_begin", step=1)
+    a.coll("all_reduce", (1088,), phase=Phase.BACKWARD, step=1, line=56, done=False)
+    b.coll("all_gather", (64,), phase=Phase.FORWARD, step=1, line=20)
+    b.ev("backward_begin", step=1)
+    b.ev("backward_end", step=1)
+    if rank1_third_pass:
+        b.coll("all_gather", (64,), phase=Phase.FORWARD, step=1, line=20, done=False)
+    else:
+        b.coll("all_reduce", (1,), step=1, line=102, done=False)
+    return run_of(a, b, hang=True)
+
+
+def test_a_metric_after_the_same_backward_pass_is_not_another_micro_batch():
+    """Rank 1 ran as many backward passes as rank 0 and issued the metric that follows each pass:
+    the ranks are in the same micro-batch, so microbatch-count-mismatch's evidence is missing and
+    the pattern is not named (the loop-trip-count reading is not the mechanism either)."""
+    report = analyze(_two_microbatches(True))
+    assert report.pattern != "microbatch-count-mismatch", report.pattern
+    assert report.mechanism.mechanism != Mechanism.LOOP_TRIP_COUNT, report.mechanism
+    assert any("different micro-batches" in n for n in report.not_named.get("microbatch-count-mismatch", []))
+
+
+def test_a_rank_that_begins_another_pass_is_in_another_micro_batch():
+    report = analyze(_two_microbatches(True, rank1_third_pass=True))
+    assert report.mechanism.mechanism == Mechanism.LOOP_TRIP_COUNT, report.mechanism
+    assert "microbatch-count-mismatch" not in report.not_named
+
+
+def test_module_list_members_left_out_in_forward_are_inactive_experts():
+    report = analyze(units_skipped("moe.experts."))
+    assert report.mechanism.mechanism == Mechanism.SKIPPED_COLLECTIVE
+    assert report.pattern == "inactive-experts" and report.culprit_ranks == [1], report.not_named
+    assert any("moe.experts.0, moe.experts.1" in e for e in report.evidence)
+
+
+def test_units_that_are_no_module_list_members_left_out_are_not_inactive_experts():
+    report = analyze(units_skipped("head_"))  # head_0, head_1: no indexed member of a module list
+    assert report.mechanism.mechanism == Mechanism.SKIPPED_COLLECTIVE
+    assert report.pattern != "inactive-experts", report.summary
+
+
+def _token_budget(rank1_passes: int):
+    """Per-micro-batch gradient all-reduces (train.py:90, two parameters) after each backward pass;
+    after the optimizer step (its hook moves the step counter on) a loss all-reduce (train.py:95).
+    Step 0: two micro-batches on both ranks; step 1: rank 0 runs two, rank 1 ``rank1_passes``."""
+    a, b = ranks(2)
+
+    def micro(r, step, done=True):
+        r.ev("backward_begin", step=step)
+        r.ev("backward_end", step=step)
+        r.coll("all_reduce", (50, 16), step=step, line=90, done=done)
+        if done:
+            r.coll("all_reduce", (16,), step=step, line=90)
+
+    for r in (a, b):
+        micro(r, 0)
+        micro(r, 0)
+        r.ev("optimizer_step_begin", step=0)
+        r.coll("all_reduce", (1,), step=1, line=95)
+        micro(r, 1)
+        micro(r, 1)
+    a.ev("optimizer_step_begin", step=1)
+    a.coll("all_reduce", (1,), step=2, line=95, done=False)
+    for _ in range(rank1_passes - 3):
+        micro(b, 1)
+    micro(b, 1, done=False)
+    return run_of(a, b, hang=True)
+
+
+def test_a_rank_in_more_micro_batches_while_the_other_stepped_is_a_microbatch_count_mismatch():
+    report = analyze(_token_budget(3))
+    assert report.mechanism.mechanism == Mechanism.LOOP_TRIP_COUNT, report.mechanism
+    assert report.pattern == "microbatch-count-mismatch" and report.culprit_ranks == [0], report.summary

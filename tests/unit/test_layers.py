@@ -83,3 +83,22 @@ def test_importing_the_analysis_loads_no_runner_recorder_fix_cli_or_torch():
             "print(' '.join(bad)); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, f"moedoctor.analysis loaded: {result.stdout} {result.stderr[-2000:]}"
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """Modules a file imports when it runs (``if TYPE_CHECKING:`` blocks left out), at any depth."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+            for n in ast.walk(node)}
+    return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and id(n) not in skip}
+
+
+def test_the_analysis_cycles_are_broken():
+    """``load`` -> ``scan`` only (the trace-file readers both use live in ``trace_files``), and no
+    pattern imports ``from_stacks`` (the stack reader they share lives in ``stack_reading``)."""
+    analysis = PACKAGE / "analysis"
+    assert "moedoctor.analysis.load" not in _runtime_imports(analysis / "scan.py")
+    assert "moedoctor.analysis.load" not in _runtime_imports(analysis / "trace_files.py")
+    for path in (analysis / "patterns").glob("*.py"):
+        assert "moedoctor.analysis.from_stacks" not in _runtime_imports(path), path.name
+    assert "moedoctor.analysis.patterns" not in _runtime_imports(analysis / "stack_reading.py")

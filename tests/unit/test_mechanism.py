@@ -88,3 +88,123 @@ def test_stacks_alone_say_outside_stopped_transport_or_different_ops():
     other = {0: in_collective(0, 14), 1: in_collective(1, 30)}
     assert report_from_stacks(other, source="x").mechanism.mechanism == Mechanism.DIFFERENT_OP
     assert report_from_stacks({0: outside[1]}, source="x").mechanism is None  # nobody waits in a collective
+
+
+def _zero1(steps: int):
+    """A functional ZeRO-1 step with no optimizer hooks (the step counter stays 0): reduce_scatter
+    at train.py:57, all_gather at train.py:69, ``steps`` times on both ranks."""
+    a, b = ranks(2)
+    for _ in range(steps):
+        for r in (a, b):
+            r.coll("reduce_scatter", (388,), line=57)
+            r.coll("all_gather", (194,), line=69)
+    return a, b
+
+
+def test_a_rank_whose_collective_is_the_one_after_the_expected_one_skipped_it():
+    """Rank 0 leaves out its update's all_gather and issues the next step's reduce_scatter where
+    rank 1, as the shared history says, all-gathers: rank 0 skipped one (not a different op)."""
+    a, b = _zero1(2)
+    for r in (a, b):
+        r.coll("reduce_scatter", (388,), line=57)
+    a.coll("reduce_scatter", (388,), line=57, done=False)
+    b.coll("all_gather", (194,), line=69, done=False)
+    mech = analyze(run_of(a, b, hang=True)).mechanism
+    assert mech.mechanism == Mechanism.SKIPPED_COLLECTIVE and mech.ranks == (0,) and mech.seq == 6, mech
+    assert "left out 1 collective" in mech.detail
+
+
+def test_ranks_that_part_before_the_matched_divergence_are_aligned_where_they_part():
+    """Same op and size at #7 (they pair silently), other FSDP units: rank 1 left out units e0 and
+    e1 of the expert loop; the matcher's mismatch shows only at #8."""
+    from analysis_scenarios import units_skipped
+
+    report = analyze(units_skipped("moe.experts."))
+    mech = report.mechanism
+    assert report.divergence.seq == 8
+    assert mech.mechanism == Mechanism.SKIPPED_COLLECTIVE and mech.ranks == (1,) and mech.seq == 7, mech
+    assert "left out 2 collectives" in mech.detail
+
+
+def test_a_collective_issued_later_was_reordered_not_skipped():
+    """Rank 2 issues the metric all-reduce before the head's all_gather, then the all_gather: the
+    history's next collective comes later in its stream, a reordering (different op)."""
+    rs = ranks(3)
+    for r in rs:
+        for step in range(2):
+            r.coll("all_gather", (104,), phase=Phase.FORWARD, step=step, line=33, module="trunk")
+            r.coll("all_gather", (13,), phase=Phase.FORWARD, step=step, line=39, module="head")
+            r.coll("all_reduce", (1,), step=step, line=44)
+        r.coll("all_gather", (104,), phase=Phase.FORWARD, step=2, line=33, module="trunk")
+    for r in rs[:2]:
+        r.coll("all_gather", (13,), phase=Phase.FORWARD, step=2, line=39, module="head", done=False)
+    rs[2].coll("all_reduce", (1,), step=2, line=44)
+    rs[2].coll("all_gather", (13,), phase=Phase.FORWARD, step=2, line=39, module="head", done=False)
+    mech = analyze(run_of(*rs, hang=True)).mechanism
+    assert mech.mechanism != Mechanism.SKIPPED_COLLECTIVE, mech
+
+
+def test_a_repeat_the_history_never_shows_is_an_extra_collective():
+    """Every rank all-reduces an eval metric once (train.py:29); rank 0 then issues it a second
+    time while rank 1 goes on to the step's first gradient all-reduce, as every earlier step began."""
+    a, b = ranks(2)
+    for step in range(3):
+        for r in (a, b):
+            r.coll("all_reduce", (32, 10), step=step, line=64)
+            r.coll("all_reduce", (32,), step=step, line=64)
+    for r in (a, b):
+        r.coll("all_reduce", (), step=3, line=29)
+    a.coll("all_reduce", (), step=3, line=29, done=False)
+    b.coll("all_reduce", (32, 10), step=3, line=64, done=False)
+    mech = analyze(run_of(a, b, hang=True)).mechanism
+    assert mech.mechanism == Mechanism.EXTRA_COLLECTIVE and mech.ranks == (0,), mech
+
+
+def test_one_period_of_history_does_not_tell_a_repeat_from_a_skip():
+    """After a single step [reduce_scatter, all_gather, all_reduce], rank 1 all-reduces again where
+    rank 0 begins the next step: it may have skipped the step's first two (a skipped optimizer step)
+    as well as repeated the last one; neither extra nor skipped is claimed."""
+    a, b = ranks(2)
+    for r in (a, b):
+        r.coll("reduce_scatter", (450,), line=98)
+        r.coll("all_gather", (225,), line=109)
+        r.coll("all_reduce", (1,), line=164)
+    a.coll("reduce_scatter", (450,), line=98, done=False)
+    b.coll("all_reduce", (1,), line=164, done=False)
+    mech = analyze(run_of(a, b, hang=True)).mechanism
+    assert mech.mechanism not in (Mechanism.EXTRA_COLLECTIVE, Mechanism.SKIPPED_COLLECTIVE), mech
+
+
+def test_a_history_whose_continuation_varies_does_not_say_who_skipped():
+    """The context before the divergence was followed once by one collective and once by another
+    (a loop whose count varies): no side is the normal one, no skip is claimed from it."""
+    a, b = ranks(2)
+    for r in (a, b):
+        for n in (1, 2):
+            for _ in range(n):
+                r.coll("all_gather", (8,), line=30)
+                r.coll("all_reduce", (1,), line=40)
+            r.coll("broadcast", (4,), line=50)
+        r.coll("all_gather", (8,), line=30)
+        r.coll("all_reduce", (1,), line=40)
+    a.coll("all_gather", (8,), line=30, done=False)
+    b.coll("broadcast", (4,), line=50, done=False)
+    from moedoctor.analysis.mechanism import expected_next
+    from moedoctor.analysis.steps import shape_token
+
+    history = [shape_token(e) for e in a.events[:-1]]
+    assert expected_next(history) is None
+
+
+def test_a_rank_sleeping_in_the_autograd_engine_waits_in_a_collective_torch_runs_from_cpp():
+    """DDP's reducer all-reduces gradient buckets from C++ autograd hooks: a rank blocked in it shows
+    only ``_engine_run_backward`` and sleeps. It is not working in its own code, so the stacks show
+    ranks in different collectives, not a straggler; a rank running there (``R``) is still outside."""
+    torch = "/usr/lib/python3/site-packages/torch"
+    in_backward = (("_engine_run_backward", f"{torch}/autograd/graph.py", 979), ("main", TRAIN, 68))
+    asleep = {0: in_collective(0, 30), 1: stack(1, *in_backward, state="S")}
+    report = report_from_stacks(asleep, source="x")
+    assert report.mechanism.mechanism == Mechanism.DIFFERENT_OP and report.pattern != "straggler", report.summary
+    running = {0: in_collective(0, 30), 1: stack(1, *in_backward, state="R")}
+    mech = report_from_stacks(running, source="x").mechanism
+    assert (mech.mechanism, mech.state) == (Mechanism.RANK_OUTSIDE, RankState.WORKING)

@@ -49,6 +49,36 @@ def test_a_branch_on_the_rank_is_found_through_one_assignment(tmp_path):
     assert rank_guard(_stack(path, (4, "log"), (12, "train"))) is None      # in the micro-batch loop
 
 
+CHECKED = textwrap.dedent("""\
+    import torch.distributed as dist
+
+    def sync(x):
+        dist.all_reduce(x)
+
+    def train(rank, scaler, opt, step, accelerator):
+        finite = scaler.unscale_and_check(opt, inject_inf=(rank == 1 and step == 3))
+        if finite:
+            sync(opt)
+        main = bool(rank == 0)
+        if main:
+            sync(opt)
+        chief = accelerator.is_main_process()
+        if chief:
+            sync(opt)
+    """)
+
+
+def test_a_value_a_call_computes_is_data_even_when_a_rank_is_among_its_arguments(tmp_path):
+    """``if finite:`` where ``finite`` is what a check returned: a data decision (the fault injection's
+    ``rank == 1`` argument only parameterises the check); a conversion of a rank test, or a call whose
+    own name reads the rank, is still a branch on the rank."""
+    path = tmp_path / "train.py"
+    path.write_text(CHECKED)
+    assert rank_guard(_stack(path, (4, "sync"), (9, "train"))) is None
+    assert rank_guard(_stack(path, (4, "sync"), (12, "train"))).text == "main"
+    assert rank_guard(_stack(path, (4, "sync"), (15, "train"))).text == "chief"
+
+
 def test_the_loop_that_runs_backward_and_whether_it_steps(tmp_path):
     path = tmp_path / "train.py"
     path.write_text(TRAIN)

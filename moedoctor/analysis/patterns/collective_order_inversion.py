@@ -14,8 +14,10 @@ is why only each rank's last collective counts. A collective that only some rank
 rank-conditional all_reduce on a subgroup, a tensor-parallel all_reduce one rank skipped) closes a
 cycle too: the held-out jobs ``logging_subgroup_cond`` and ``mesh_tp_layerdrop`` were named
 inversions with 0.95. So the score is 0.95 only when every awaited rank has issued the call site it
-is awaited at, on that group, before (the history shows a reordering of collectives every rank
-runs); otherwise 0.35, with the ranks that never issued it in the evidence (an inversion at step
+is awaited at, on that group, before, or its counterpart (the same op at a sequence number where the
+waiting rank issued from that call site: ranks in different roles, a trainer and a rollout engine,
+meet each other's broadcasts from their own code every step), so the history shows a reordering of
+collectives every rank runs; otherwise 0.35, with the ranks that never issued it in the evidence (an inversion at step
 0, with no history, is then not named either).
 
 Culprits: the ranks of the cycle that changed their own order (their last earlier collectives from
@@ -231,15 +233,35 @@ def _first_time(ctx: Context) -> list[str]:
 
 def _unissued(ctx: Context):
     """(edge, its waiting rank's event, an awaited rank) for each awaited rank of the cycle that never
-    issued a collective from the call site the waiting rank is blocked at, on that group, before."""
+    issued, on that group before, a collective from the call site the waiting rank is blocked at, nor
+    its counterpart: the same op, at a sequence number where the waiting rank issued from that call
+    site (ranks in different roles, a trainer's broadcast met by a rollout engine's from its own
+    code, pair different call sites every step)."""
     view = ctx.view
     for edge in ctx.cycle:
         e = view.event(edge.rank, edge.group, edge.seq)
         if e is None or e.call_site is None:
             continue
         for m in edge.waits_for:
-            if not view.issued_from(m, edge.group, e.call_site.where):
+            if not view.issued_from(m, edge.group, e.call_site.where) and not _counterpart(
+                view, edge.group, edge.rank, e, m
+            ):
                 yield edge, e, m
+
+
+def _counterpart(view, group: str, waiter: int, e, m: int) -> bool:
+    """``m`` issued ``e``'s op on the group at an earlier sequence number where ``waiter`` issued it
+    from ``e``'s call site: it met that call site before, from its own code."""
+    mine = view.seq_map(m, group)
+    return any(
+        x.call_site is not None
+        and x.call_site.where == e.call_site.where
+        and x.op == e.op
+        and (y := mine.get(s)) is not None
+        and y.op == e.op
+        for s, x in view.seq_map(waiter, group).items()
+        if s < e.seq
+    )
 
 
 def _on_the_way(ctx: Context) -> list[tuple[str, int]]:

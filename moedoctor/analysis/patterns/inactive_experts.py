@@ -33,6 +33,11 @@ others wait in a backward gradient reduction that the culprits never issued, and
 ``params_without_grad`` at the end of that backward names idle module-list members. DDP then raises
 in the next forward; the finding ``explains_crash``, so the crash is named with this pattern.
 
+A fourth path, in forward (one FSDP unit per expert, the block looping over the experts that got
+tokens): aligned on the history every rank shares (``mechanism.left_out``), some ranks skipped
+collectives that are all of units that are indexed module-list members, where the others, as in
+every earlier step, gather them (culprits: the skipping ranks).
+
 Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 6 variants of `inactive-experts/` (FSDP2 per
 block, per expert, HSDP, checkpointed MoE, DDP static buckets, hand-written c10d grad sync): 6/6.
 Confusions seen: the hand-written per-parameter sync that skips None grads at its first iteration was
@@ -46,6 +51,7 @@ import, over the fix's patch).
 
 from __future__ import annotations
 
+from moedoctor.analysis.mechanism import left_out
 from moedoctor.analysis.model import Suggestion
 from moedoctor.events import Phase
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
@@ -84,7 +90,7 @@ def classify(ctx: Context) -> Finding | None:
     present = ctx.present()
     backward = {r: v for r, v in present.items() if v.phase == "backward"}
     if len(backward) < 2 or not any(v.op in _FSDP_BACKWARD_OPS for v in backward.values()):
-        return _reduced_per_parameter(ctx)
+        return _units_left_out(ctx) or _reduced_per_parameter(ctx)
     score = 0.35
     evidence = [
         f"the divergence at #{div.seq} of group {div.group.label()} is in backward: "
@@ -180,6 +186,44 @@ def classify(ctx: Context) -> Finding | None:
         tuple(evidence),
         culprits=culprits,
         suggestion=suggestion,
+        fix_config={"expert-zero-term": {"lists": "auto"}},
+    )
+
+
+def member_units_left_out(ctx: Context) -> dict[int, list[str]]:
+    """Rank -> the FSDP units it left out, when aligning the ranks' streams on their shared history
+    (``mechanism.left_out``) shows some ranks skipping collectives that are all of sharded units that
+    are indexed members of a module list (``moe.experts.0``): the members they did not run."""
+    if ctx.div is None:
+        return {}
+    skipped = left_out(ctx.view, ctx.div.group.name, ctx.div.seq, sorted(ctx.present()))
+    if not skipped:
+        return {}
+    units = {r: [e.module for e in events] for r, events in skipped.items()}
+    if not all(u and all(m is not None and _list_member(m) is not None for m in u) for u in units.values()):
+        return {}
+    return {r: sorted({m for m in u if m is not None}) for r, u in units.items()}
+
+
+def _units_left_out(ctx: Context) -> Finding | None:
+    """A fourth path, in forward: FSDP units of module-list members (one unit per expert) that some
+    ranks skipped where the others gather them (the loop runs only the experts that got tokens)."""
+    units = member_units_left_out(ctx)
+    if not units:
+        return None
+    culprits = tuple(sorted(units))
+    r = culprits[0]
+    v = ctx.present().get(r)
+    evidence = (
+        f"{names(list(culprits))} left out the collectives of FSDP unit(s) {', '.join(units[r][:4])} at "
+        f"#{ctx.div.seq} of group {ctx.div.group.label()}, where the other ranks, as in every earlier step, "
+        "issue them: members of a module list that did not run there (no tokens routed to them)",
+    )
+    return Finding(
+        0.7,
+        evidence,
+        culprits=culprits,
+        suggestion=Suggestion(None if v is None else v.call_site, None if v is None else v.function, _ADVICE),
         fix_config={"expert-zero-term": {"lists": "auto"}},
     )
 

@@ -8,7 +8,11 @@ of micro-batches. The rank that runs out first moves on to the step's closing co
 Evidence: at the divergence, some ranks are in forward/backward while the others have moved on
 (optimizer or other code) or never issued it; the in-loop ranks have logged at least as many
 backward passes in this step as the ranks that moved on, and have not computed this step's
-gradient norm yet; in earlier steps the ranks ran the same number of backward passes.
+gradient norm yet; in earlier steps the ranks ran the same number of backward passes. Where the
+per-micro-batch collectives follow each backward pass (no phase to split them), the ranks that
+stepped are told by their step counter: their collective is of a later step while the others issue
+again one of the earlier step's repeated part, after more backward passes in it than the stepping
+ranks ran (as many is the next iteration of a rank that skipped its step, not another micro-batch).
 
 Risk: a rank in the *next* iteration's forward (after skipping its optimizer step) looks alike;
 a gradient norm or optimizer step already logged for this step on the in-loop ranks rules it out.
@@ -47,6 +51,13 @@ def _split(ctx: Context) -> tuple[list[int], list[int], str] | None:
     moved_on = sorted(r for r in div.per_rank if r not in in_loop)
     if in_loop and moved_on and not any(where.get(r) == RESTART for r in moved_on):
         return in_loop, moved_on, "phase"
+    if restart and not closing:
+        # The others stepped: their collective is of a later step (the optimizer's step hook moved
+        # their counter on) while the restarting ranks are still in the step's repeated part.
+        step = min(present[r].step for r in restart)
+        later = sorted(r for r, v in present.items() if r not in restart and v.step > step)
+        if later and len(restart) + len(later) == len(present):
+            return restart, later + sorted(r for r in div.per_rank if r not in present), "step"
     return None
 
 
@@ -88,8 +99,18 @@ def classify(ctx: Context) -> Finding | None:
     done = max(backwards[r] for r in moved_on)
     if done == 0 or min(backwards[r] for r in in_loop) < done:
         return None
-    score = 0.55 if how == "structure" else 0.45
-    if how == "structure":
+    if how == "step" and min(backwards[r] for r in in_loop) <= done:
+        return None  # as many passes as the others before it began again: the next iteration (a skipped step)
+    score = 0.55 if how in ("structure", "step") else 0.45
+    if how == "step":
+        evidence = [
+            f"at #{div.seq} of group {div.group.label()} {names(in_loop)} issued again a collective of step "
+            f"{step}'s repeated part after more backward passes than {names(moved_on)} ran in that step, while "
+            f"{names(moved_on)} stepped and went on to step {min(present[r].step for r in moved_on if r in present)}; "
+            "backward passes in step "
+            f"{step}: " + ", ".join(f"rank {r}: {backwards[r]}" for r in sorted(div.per_rank))
+        ]
+    elif how == "structure":
         evidence = [
             f"at #{div.seq} of group {div.group.label()} {names(in_loop)} issued again a collective "
             f"{'it' if len(in_loop) == 1 else 'they'} had issued earlier in step {step} (another pass over "

@@ -28,7 +28,7 @@ Fix: none in the code. Check the hardware and the network.
 
 from __future__ import annotations
 
-from moedoctor.analysis.from_stacks import RankStack, read_rank_stack
+from moedoctor.analysis.stack_reading import RankStack, read_rank_stack
 from moedoctor.analysis.load import SourceKind
 from moedoctor.analysis.model import Divergence, DivergenceKind, Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb

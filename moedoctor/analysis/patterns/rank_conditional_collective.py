@@ -11,7 +11,9 @@ op); the extra call site recurs on the extra ranks. The mirror case, an *omissio
 site they issued in earlier iterations, what they issue instead is what the others issue next (or
 what followed that call site in the iterations every rank ran), and the function leaves early on a
 test that reads the rank before the call (``if rank == 1 and ...: continue``); the culprits are the
-ranks that skipped.
+ranks that skipped. A *repeat*: the call site every rank just issued once (a shared helper such as
+``reduce_tensor``), issued again by some ranks only, under a branch on the rank, while the others
+went on; a history that issues it twice in a row elsewhere is a loop, not a repeat.
 
 Risk: a rank that merely ran ahead into code the others have not reached yet (the next phase) also
 has a call site the others never used; that is why the inserted-op and missing signals weigh more
@@ -37,7 +39,7 @@ from __future__ import annotations
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
 from moedoctor.analysis.source import rank_guard
-from moedoctor.analysis.steps import loop_exit, omission
+from moedoctor.analysis.steps import loop_exit, omission, shape_token
 
 
 def _site(e) -> str | None:
@@ -61,9 +63,9 @@ def classify(ctx: Context) -> Finding | None:
         if not others:
             continue
         if any(site in sites[r] for r in others):
-            omitted = _omitted_under_guard(ctx, ranks, others)
-            if omitted is not None and (best is None or omitted.score > best.score):
-                best = omitted
+            for found in (_omitted_under_guard(ctx, ranks, others), _repeated_under_guard(ctx, ranks, others)):
+                if found is not None and (best is None or found.score > best.score):
+                    best = found
             continue
         score = 0.35
         evidence = [
@@ -167,6 +169,36 @@ def _omitted_under_guard(ctx: Context, ranks: list[int], others: list[int]) -> F
         "the rank, before the call",
     )
     return Finding(0.85, evidence, culprits=tuple(others), suggestion=Suggestion(v.call_site, v.function, _ADVICE))
+
+
+def _repeated_under_guard(ctx: Context, ranks: list[int], others: list[int]) -> Finding | None:
+    """The call site every rank just issued, issued again by ``ranks`` only, under a branch on the
+    rank (``if rank == 0: validate(soup)`` calling the same helper as the shared validation before
+    it), while ``others`` went on: an extra collective on a subset, its call site shared."""
+    div, view, present = ctx.div, ctx.view, ctx.present()
+    group = div.group.name
+    mine = [view.event(r, group, div.seq) for r in ranks]
+    before = [view.event(r, group, div.seq - 1) for r in (*ranks, *others)]
+    theirs = [ctx.event(r) for r in others]
+    if any(e is None for e in (*mine, *before)) or any(t is None for t in theirs):
+        return None
+    key = shape_token(before[0])
+    if any(shape_token(e) != key for e in (*mine, *before)) or any(shape_token(t) == key for t in theirs):
+        return None
+    earlier = [shape_token(e) for e in view.events(ranks[0], group, before=div.seq - 1)]
+    if any(a == b == key for a, b in zip(earlier, earlier[1:] + [key])):
+        return None  # the history issues it twice in a row: a loop, not an extra call
+    guard = rank_guard(ctx.stack(ranks[0]))
+    if guard is None or guard.text.endswith("(early exit)"):
+        return None
+    v = present[ranks[0]]
+    evidence = (
+        f"{names(ranks)} issued {v.op} from {v.short_site} at #{div.seq} of group {div.group.label()} a second "
+        f"time in a row, where every rank issued it once at #{div.seq - 1} and {names(others)} went on",
+        f"the second call is made under `{guard.kind} {guard.text}` ({guard.short}), a branch on the rank: only "
+        "the ranks that take it issue the collective",
+    )
+    return Finding(0.75, evidence, culprits=tuple(ranks), suggestion=Suggestion(v.call_site, v.function, _ADVICE))
 
 
 def _skipped(view, group: str, seq: int, rank: int, ranks: list[int], v) -> bool:
