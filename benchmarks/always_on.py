@@ -5,11 +5,11 @@ blocks of steps with the whole recorder on and paused (``Recorder.pause()``: the
 off the dispatcher, every evidence hook passing through, the progress thread, which writes the
 Work completions, deferred evidence and the Flight Recorder polls, idle). Blocks come in pairs whose
 order alternates (on-off, off-on, ...), so drift slower than a pair cancels; each pair gives one
-relative difference of the block medians, for the step time and for the training thread's CPU time
-(``time.thread_time()``, the thread that runs forward, backward and issues the collectives);
-the estimate is the median of the pairs' differences with a bootstrap 95% interval (the CPU time is
-summed over the ranks block by block: each rank's training thread is a measurement). The first step of
-every block is run, not timed (``--settle``): it absorbs the toggle itself.
+relative difference, for the step time and for the training thread's CPU time (``time.thread_time()``
+of the thread that runs forward and backward and issues the collectives, summed over the ranks: each
+rank's is a measurement), of the two blocks' least figures (other jobs on the host only ever add
+time). The estimate is the median of the pairs' differences with a bootstrap 95% interval. The first
+step of every block is run, not timed (``--settle``): it absorbs the toggle itself.
 
 What pausing cannot take away: the evidence hooks stay installed (torch cannot remove global hooks;
 paused, each costs one Python call that checks a flag: about 1 us a step in all), and the native
@@ -43,11 +43,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--nproc", type=int, default=2, help="ranks, when the script starts torchrun itself")
-    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=48, help="FSDP2 units: 3 collectives each per step, +1")
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--pairs", type=int, default=40, help="pairs of blocks (one on, one paused)")
-    parser.add_argument("--block", type=int, default=3, help="timed steps per block")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--pairs", type=int, default=60, help="pairs of blocks (one on, one paused)")
+    parser.add_argument("--block", type=int, default=2, help="timed steps per block")
     parser.add_argument("--settle", type=int, default=1, help="untimed steps at the start of every block")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before the first block (recording)")
     parser.add_argument(
@@ -151,8 +151,10 @@ def main() -> int:
     for _ in range(args.warmup):
         step()
     sync()
-    # blocks[on] = [(median step s, median thread CPU s), ...] in pair order
+    # blocks[on] = [(shortest step s, least thread CPU s), ...] in pair order: other jobs on the host
+    # only ever add time to a step, so a block's least is its figure least disturbed by them.
     blocks: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    steps: dict[bool, list[list[tuple[float, float]]]] = {True: [], False: []}  # every timed step, for --dump
     recorded = {True: 0, False: 0}  # collectives recorded during the on / paused blocks
     collectives = {True: 0, False: 0}  # collectives issued (the backends' counters) in timed steps
     timed_steps = {True: 0, False: 0}
@@ -180,7 +182,8 @@ def main() -> int:
                 sync()
                 wall.append(time.perf_counter() - start)
                 cpu.append(spent)
-            blocks[on].append((statistics.median(wall), statistics.median(cpu)))
+            blocks[on].append((min(wall), min(cpu)))
+            steps[on].append(list(zip(wall, cpu)))
             recorded[on] += recorder._events_recorded() - events
             collectives[on] += sequence() - issued
             timed_steps[on] += args.block
@@ -208,7 +211,7 @@ def main() -> int:
         )
         print(
             f"step time: off {statistics.median(wall_off) * 1e3:.3f} ms, on {statistics.median(wall_on) * 1e3:.3f} ms "
-            f"(medians of the blocks)"
+            f"(medians of the blocks' shortest)"
         )
         world = dist.get_world_size()
         print(
@@ -239,6 +242,7 @@ def main() -> int:
                         "cpu_on": cpu_on,
                         "cpu_off": cpu_off,
                         "cpu_by_rank": every,
+                        "rank0_steps": steps,
                     }
                 )
             )

@@ -546,8 +546,12 @@ class Recorder:
         record = {"k": fmt.EVIDENCE, "t": time.time(), "kind": kind, "step": self.step if step is None else step}
         if data:
             record["data"] = data
+        native = self._native
         with self._lock:
-            self._write(fmt.encode(record))
+            if native is not None:  # [native seam] buffered with the kernels' records: no write(2) here
+                native.append(fmt.encode(record))
+            else:
+                self._write(fmt.encode(record))
 
     def write_record(self, record: dict) -> None:
         """Write one record other than a collective (an exception) at once: the native kernel's
