@@ -236,14 +236,19 @@ class Recorder:
         self._libraries = list(libraries.values())
 
     def pause(self) -> None:
-        """Record nothing until ``resume()``: the kernels come off the dispatcher and the evidence
-        hooks pass through (they stay installed: torch offers no way to remove global hooks)."""
+        """Record nothing until ``resume()``: the kernels come off the dispatcher, the evidence hooks
+        pass through (they stay installed: torch offers no way to remove global hooks) and the
+        progress thread idles (it wakes, sees the pause and sleeps again). The benchmarks' in-process
+        toggle of the whole recorder; the native kernel's flush thread keeps waking every 2 ms, with
+        nothing to write."""
         self.paused = True
+        self._progress.idle = True
         self.unregister_kernels()
 
     def resume(self) -> None:
         self.register_kernels()
         self.paused = False
+        self._progress.idle = False
 
     def unregister_kernels(self) -> None:
         if self._native is not None and self._native.registered:  # [native seam]
@@ -541,8 +546,12 @@ class Recorder:
         record = {"k": fmt.EVIDENCE, "t": time.time(), "kind": kind, "step": self.step if step is None else step}
         if data:
             record["data"] = data
+        native = self._native
         with self._lock:
-            self._write(fmt.encode(record))
+            if native is not None:  # [native seam] buffered with the kernels' records: no write(2) here
+                native.append(fmt.encode(record))
+            else:
+                self._write(fmt.encode(record))
 
     def write_record(self, record: dict) -> None:
         """Write one record other than a collective (an exception) at once: the native kernel's

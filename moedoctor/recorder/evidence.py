@@ -96,7 +96,8 @@ def _install_optimizer_hooks(recorder: Recorder, gradients: _Gradients) -> None:
             gradients.primary = weakref.ref(optimizer)
         if gradients.primary() is optimizer:
             recorder.step += 1
-        recorder.write_evidence("optimizer_step_end", {"optimizer": type(optimizer).__name__})
+        if not recorder.paused:
+            recorder.write_evidence("optimizer_step_end", {"optimizer": type(optimizer).__name__})
 
     register_optimizer_step_pre_hook(pre_hook)
     register_optimizer_step_post_hook(post_hook)

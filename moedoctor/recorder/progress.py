@@ -41,6 +41,8 @@ class Progress:
         self._poll_lock = threading.Lock()  # the thread and the recorder's close() both poll
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
+        #: ``Recorder.pause()``: wake, do nothing, sleep again (what was waiting is done on resume).
+        self.idle = False
         #: Wake-ups of the thread and the seconds they took (holding the GIL, mostly): benchmarks.
         self.wakes = 0
         self.busy_s = 0.0
@@ -81,6 +83,8 @@ class Progress:
         next_control = 0.0
         failures = 0
         while not self._stop.wait(self.poll_interval) and recorder.is_open:
+            if self.idle:
+                continue
             woke = time.perf_counter()
             try:
                 self.check_native_writes()

@@ -318,6 +318,11 @@ class NativeKernels:
         handler of the signals that end a process)."""
         self._m.flush()
 
+    def append(self, record: bytes) -> None:
+        """Buffer a record of the Python side's after the kernels' (written with theirs, off the
+        caller's thread); dropped once recording stopped."""
+        self._m.append(record)
+
     def write_error(self) -> int:
         """The errno of the kernel's first failed write (0: none); it has stopped writing since."""
         return self._m.write_error()

@@ -1243,6 +1243,17 @@ static void flush() {
   py::gil_scoped_release no_gil;
   flush_buffer();
 }
+// A record the Python side made that may wait like the kernels' own (evidence): into the same
+// buffer, so the file keeps the order records were made in, and on to the file with them (the writer
+// thread, the signal handlers, close). No write(2) on the caller's thread; one that must reach the
+// file at once (an exception record) goes through flush() and the Python side's own write instead.
+static void append(py::bytes data) {
+  char* bytes = nullptr;
+  Py_ssize_t size = 0;
+  if (PyBytes_AsStringAndSize(data.ptr(), &bytes, &size) != 0) throw py::error_already_set();
+  if (S.fd.load() < 0 || size <= 0) return;
+  append_record(bytes, static_cast<size_t>(size));
+}
 static int write_error() { return write_errno.load(); }
 static void set_step(int64_t value) { S.step = value; }
 static void set_optimizer_depth(int64_t value) { S.optimizer_depth = value; }
@@ -1411,6 +1422,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_fd", &set_fd);
   m.def("write_error", &write_error);
   m.def("flush", &flush);
+  m.def("append", &append);
   m.def("set_step", &set_step);
   m.def("set_optimizer_depth", &set_optimizer_depth);
   m.def("set_checkpoint", &set_checkpoint);

@@ -1,0 +1,260 @@
+"""Always-on cost of the WHOLE recorder, measured in one process (issue 31).
+
+One FSDP2 training loop (2 ranks by default: Gloo on CPU, NCCL with ``--backend nccl``) alternates
+blocks of steps with the whole recorder on and paused (``Recorder.pause()``: the dispatcher kernels
+off the dispatcher, every evidence hook passing through, the progress thread, which writes the
+Work completions, deferred evidence and the Flight Recorder polls, idle). Blocks come in pairs whose
+order alternates (on-off, off-on, ...), so drift slower than a pair cancels; each pair gives one
+relative difference, for the step time and for the training thread's CPU time (``time.thread_time()``
+of the thread that runs forward and backward and issues the collectives, summed over the ranks: each
+rank's is a measurement), of the two blocks' least figures (other jobs on the host only ever add
+time). The estimate is the median of the pairs' differences with a bootstrap 95% interval. The first
+step of every block is run, not timed (``--settle``): it absorbs the toggle itself.
+
+What pausing cannot take away: the evidence hooks stay installed (torch cannot remove global hooks;
+paused, each is one more Python call that checks a flag, five a step, below what a timing of each
+wrapper against the function it wraps resolves on a loaded 2-core VM), and the native kernel's flush
+thread keeps waking every 2 ms (it writes only when records are buffered).
+
+  python benchmarks/always_on.py                       # 2 Gloo ranks on CPU, 145 collectives/step
+  python benchmarks/always_on.py --backend nccl        # 2 GPUs (same loop, bf16 params)
+  moedoctor run -- torchrun --nproc_per_node 2 benchmarks/always_on.py   # the recorder as installed by `moedoctor run`
+
+Without torchrun's environment the script starts itself under ``torch.distributed.run``. The last
+line is ``always-on: N collectives/step, training-thread CPU +X% (CI lo..hi), step time +Y% (CI lo..hi)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import kernel_split, paired  # noqa: E402
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    parser.add_argument("--nproc", type=int, default=2, help="ranks, when the script starts torchrun itself")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=48, help="FSDP2 units: 3 collectives each per step, +1")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--pairs", type=int, default=60, help="pairs of blocks (one on, one paused)")
+    parser.add_argument("--block", type=int, default=2, help="timed steps per block")
+    parser.add_argument("--settle", type=int, default=1, help="untimed steps at the start of every block")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before the first block (recording)")
+    parser.add_argument(
+        "--recorder",
+        default="native",
+        choices=["native", "python"],
+        help="the kernels, when the script installs the recorder (under `moedoctor run` the one it installed is used)",
+    )
+    parser.add_argument(
+        "--sync-debug", action="store_true", help="CUDA: every timed step under torch.cuda.set_sync_debug_mode('error')"
+    )
+    parser.add_argument(
+        "--kernel-clock",
+        action="store_true",
+        help="the native kernel times itself by part, printed (its clock's reads add to the cost)",
+    )
+    parser.add_argument("--dump", metavar="FILE", help="rank 0: every block's figures as JSON, for analysis")
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="rank 0: cProfile of the training thread over the recording blocks, written to FILE",
+    )
+    return parser.parse_args(argv)
+
+
+def relaunch(args: argparse.Namespace) -> int:
+    """Not under torchrun: run this script under ``torch.distributed.run`` with the same arguments."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        __file__,
+        *sys.argv[1:],
+    ]
+    return subprocess.call(cmd, env=env)
+
+
+def main() -> int:
+    args = parse()
+    if "LOCAL_RANK" not in os.environ:
+        return relaunch(args)
+    if args.recorder == "native":
+        os.environ.setdefault("MOEDOCTOR_NATIVE", "1")
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fsdp_step_overhead import Block  # the loop of the earlier step benchmarks
+    from moedoctor.recorder.install import install, installed_recorder
+
+    torch.set_num_threads(1)
+    if args.backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device, sync = torch.device("cuda"), torch.cuda.synchronize
+    else:
+        device, sync = torch.device("cpu"), (lambda: None)
+    dist.init_process_group(args.backend)
+    rank = dist.get_rank()
+    # Installed before the model is built, as `moedoctor run`'s bootstrap does at torch's import.
+    recorder = installed_recorder() or install(Path(tempfile.mkdtemp(prefix="moedoctor-always-on-")))
+    kernels = "native" if recorder._native is not None else "python"
+    if args.kernel_clock and recorder._native is not None:
+        recorder._native.set_clock(True)
+    torch.manual_seed(0)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+
+    model = torch.nn.Sequential(*[Block(args.dim) for _ in range(args.layers)]).to(device)
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if args.backend == "nccl"
+        else MixedPrecisionPolicy()
+    )
+    for block in model:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(args.tokens, args.dim, device=device)
+
+    def step() -> None:
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def sequence() -> int:
+        from torch.distributed.distributed_c10d import _world
+
+        return sum(int(pg._get_sequence_number_for_group()) for pg in list(_world.pg_names))
+
+    profiler = None
+    if args.profile and rank == 0:
+        import cProfile
+
+        profiler = cProfile.Profile()
+    for _ in range(args.warmup):
+        step()
+    sync()
+    # blocks[on] = [(shortest step s, least thread CPU s), ...] in pair order: other jobs on the host
+    # only ever add time to a step, so a block's least is its figure least disturbed by them.
+    blocks: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    steps: dict[bool, list[list[tuple[float, float]]]] = {True: [], False: []}  # every timed step, for --dump
+    recorded = {True: 0, False: 0}  # collectives recorded during the on / paused blocks
+    collectives = {True: 0, False: 0}  # collectives issued (the backends' counters) in timed steps
+    timed_steps = {True: 0, False: 0}
+    for pair in range(args.pairs):
+        for on in (True, False) if pair % 2 == 0 else (False, True):
+            recorder.resume() if on else recorder.pause()
+            for _ in range(args.settle):
+                step()
+            sync()
+            events, issued = recorder._events_recorded(), sequence()
+            wall, cpu = [], []
+            for _ in range(args.block):
+                checked = args.sync_debug and args.backend == "nccl"
+                if checked:
+                    torch.cuda.set_sync_debug_mode("error")
+                if profiler is not None and on:
+                    profiler.enable()
+                start, cpu_start = time.perf_counter(), time.thread_time()
+                step()
+                spent = time.thread_time() - cpu_start  # before the closing synchronize, which may spin
+                if profiler is not None and on:
+                    profiler.disable()
+                if checked:
+                    torch.cuda.set_sync_debug_mode("default")
+                sync()
+                wall.append(time.perf_counter() - start)
+                cpu.append(spent)
+            blocks[on].append((min(wall), min(cpu)))
+            steps[on].append(list(zip(wall, cpu)))
+            recorded[on] += recorder._events_recorded() - events
+            collectives[on] += sequence() - issued
+            timed_steps[on] += args.block
+    recorder.pause()  # the report's own collectives below are not the loop's
+    # The training threads' CPU of all ranks, summed block by block: each rank's is a measurement.
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {on: [b[1] for b in blocks[on]] for on in (True, False)})
+    progress = recorder._progress
+    if profiler is not None:
+        profiler.dump_stats(args.profile)
+    if rank == 0:
+        per_step = collectives[True] / max(timed_steps[True], 1)
+        wall_on, wall_off = [b[0] for b in blocks[True]], [b[0] for b in blocks[False]]
+        cpu_on, cpu_off = ([sum(column) for column in zip(*(r[on] for r in every))] for on in (True, False))
+        step_mid, step_lo, step_hi, pairs = paired(wall_on, wall_off)
+        cpu_mid, cpu_lo, cpu_hi, _ = paired(cpu_on, cpu_off)
+        print(
+            f"loop: backend={args.backend} world={dist.get_world_size()} dim={args.dim} layers={args.layers} "
+            f"tokens={args.tokens} {kernels} kernels; {pairs} pairs of blocks of {args.block} timed steps "
+            f"(+{args.settle} settling), order alternating"
+        )
+        print(
+            f"recorded: {recorded[True]} collectives in the on blocks' steps (issued {collectives[True]}), "
+            f"{recorded[False]} in the paused ones (issued {collectives[False]})"
+        )
+        print(
+            f"step time: off {statistics.median(wall_off) * 1e3:.3f} ms, on {statistics.median(wall_on) * 1e3:.3f} ms "
+            f"(medians of the blocks' shortest)"
+        )
+        world = dist.get_world_size()
+        print(
+            f"training thread CPU per step and rank: off {statistics.median(cpu_off) / world * 1e3:.3f} ms, "
+            f"on {statistics.median(cpu_on) / world * 1e3:.3f} ms (the ranks' sum per block, paired)"
+        )
+        poller = progress._fr_poller
+        polls = (
+            f"; Flight Recorder: {poller.polls} polls, {poller.total_cost * 1e3:.1f} ms"
+            if poller
+            else "; Flight Recorder polls off"
+        )
+        print(f"progress thread: {progress.wakes} wake-ups, {progress.busy_s * 1e3:.1f} ms busy in all{polls}")
+        split = kernel_split(recorder._native) if recorder._native is not None else None
+        if split:
+            print(split)
+        if args.dump:
+            import json
+
+            Path(args.dump).write_text(
+                json.dumps(
+                    {
+                        "args": vars(args),
+                        "kernels": kernels,
+                        "collectives_per_step": per_step,
+                        "step_on": wall_on,
+                        "step_off": wall_off,
+                        "cpu_on": cpu_on,
+                        "cpu_off": cpu_off,
+                        "cpu_by_rank": every,
+                        "rank0_steps": steps,
+                    }
+                )
+            )
+        print(
+            f"always-on: {per_step:.0f} collectives/step, training-thread CPU {cpu_mid:+.2f}% "
+            f"(CI {cpu_lo:+.2f}..{cpu_hi:+.2f}), step time {step_mid:+.2f}% (CI {step_lo:+.2f}..{step_hi:+.2f})",
+            flush=True,
+        )
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
