@@ -166,8 +166,11 @@ def _exit(window: dict, key: tuple, seq: int) -> LoopExit | None:
             return None
         n = 0
         for e in reversed(evs[: last + 1]):
-            if _key(e) != key or e.step != evs[last].step:
-                break  # a run within one step: a collective issued once per step is the step loop's
+            if _key(e) != key or e.step != evs[last].step or e.phase != evs[last].phase:
+                # A run within one step: a collective issued once per step is the step loop's. And
+                # within one pass: the call site issued again in backward after forward is a re-issue
+                # (a recompute), not one more iteration.
+                break
             n += 1
         counts[r] = n
         if last == len(evs) - 1 and evs[-1].seq == seq:

@@ -108,3 +108,18 @@ def test_a_gradient_sync_the_metric_rank_ran_past_in_the_first_step_is_not_a_met
     rank finished without it may be where the others synchronise gradients (no history to tell)."""
     report = analyze(_first_step(tmp_path))
     assert report.pattern != "inflight-metric-allreduce", report.pattern
+
+
+def test_a_call_site_issued_again_in_backward_after_forward_is_no_loop_iteration():
+    """Both ranks issue a statistics all-reduce twice in forward (line 44); in backward rank 0
+    issues it a third time (a recompute) while rank 1 goes on: a re-issue within another pass,
+    not a per-item loop that rank 1 left early."""
+    a, b = ranks(2)
+    for r in (a, b):
+        for _ in range(2):
+            r.coll("all_reduce", (65,), phase=Phase.FORWARD, step=0, line=44)
+        r.ev("backward_begin", 0)
+    a.coll("all_reduce", (65,), phase=Phase.BACKWARD, step=0, line=44, done=False)
+    b.coll("all_reduce", (32, 20), phase=Phase.OTHER, step=0, line=110, done=False)
+    report = analyze(run_of(a, b, hang=True))
+    assert report.mechanism.mechanism != Mechanism.LOOP_TRIP_COUNT, report.mechanism
