@@ -25,6 +25,7 @@ from enum import Enum
 from typing import Any
 
 from moedoctor.analysis.culprits import Culprits
+from moedoctor.analysis.source import same_loop
 from moedoctor.analysis.model import Divergence, DivergenceKind, Suggestion, WaitEdge
 from moedoctor.analysis.steps import (
     CLOSING,
@@ -376,6 +377,18 @@ def _mismatch(view: RunView, div: Divergence, present: dict, culprits: Culprits,
             f"they issued earlier in this step; {rank_names(closing)} did not and went on ({_what(events, closing)})",
         )
     if restart and closing and another_pass(view, [e for e in events.values() if e is not None], positions):
+        loop = _inside_loop(events, restart, closing)
+        if loop is not None:
+            # The "closing" collective is issued from inside the very loop the others go round again,
+            # outside forward and backward: those ranks did not leave the loop, they issued an extra
+            # collective within one of its iterations.
+            return made(
+                Mechanism.EXTRA_COLLECTIVE,
+                closing,
+                f"{rank_names(closing)} issued {_what(events, closing)} inside the loop at {loop.short} "
+                f"({loop.text}), which {rank_names(restart)} went on with ({_what(events, restart)}): "
+                "an extra collective within an iteration, not a loop left early",
+            )
         return made(
             Mechanism.LOOP_TRIP_COUNT,
             closing,
@@ -435,6 +448,23 @@ def _mismatch(view: RunView, div: Divergence, present: dict, culprits: Culprits,
 CONTEXT, AHEAD = 4, 32
 #: How much of the shared history is read (the most recent collectives).
 HISTORY = 512
+
+
+def _inside_loop(events: dict, restart: list[int], closing: list[int]):
+    """The loop the ``restart`` ranks go round again when every ``closing`` rank's collective is
+    issued outside forward and backward from inside that same loop (``source.same_loop``)."""
+    if not restart or not closing or events.get(restart[0]) is None or events[restart[0]].call_site is None:
+        return None
+    again = events[restart[0]].call_site.stack
+    loop = None
+    for r in closing:
+        e = events.get(r)
+        if e is None or e.call_site is None or e.phase.value in ("forward", "backward"):
+            return None
+        loop = same_loop(e.call_site.stack, again)
+        if loop is None:
+            return None
+    return loop
 
 
 def _first_parting(view: RunView, group: str, seq: int, ranks: list[int]) -> int | None:

@@ -408,6 +408,37 @@ def shared_loop(stack: tuple[str, ...], attribute: str = "backward") -> Enclosin
     return None
 
 
+def same_loop(inside: tuple[str, ...], again: tuple[str, ...]) -> Enclosing | None:
+    """The micro-batch loop (``shared_loop``) that encloses both calls, when it is the same loop
+    statement in both stacks: a rank whose collective ``inside`` is issued there has not left the
+    loop that the rank issuing ``again`` is going round once more (an extra collective within an
+    iteration, not fewer iterations). Only a loop nested in another one and that steps no optimizer
+    (not the training-step loop, which encloses the step's closing collectives as well)."""
+    mine, theirs = shared_loop(inside), shared_loop(again)
+    if mine is None or theirs is None or (mine.file, mine.line) != (theirs.file, theirs.line):
+        return None
+    if calls_in(mine.file, mine.line, "step") or not _nested(inside, mine):
+        return None  # the training-step loop: the optimizer's collectives are inside it too
+    return mine
+
+
+def _nested(stack: tuple[str, ...], loop: Enclosing) -> bool:
+    """Whether another loop encloses ``loop`` (in its frame or a caller's): a loop inside the
+    training-step loop, not the training-step loop itself."""
+    seen = False
+    for frame in frames(stack):
+        encs = enclosing(frame.file, frame.line)
+        keys = [(e.file, e.line) for e in encs]
+        if not seen and (loop.file, loop.line) in keys:
+            seen = True
+            encs = encs[: keys.index((loop.file, loop.line))]
+        elif not seen:
+            continue
+        if any(e.kind in ("for", "while") for e in encs):
+            return True
+    return False
+
+
 @dataclass(frozen=True)
 class Branch:
     """The ``if`` whose outcome decides whether a call runs: the call is in its body (``runs_when``

@@ -81,14 +81,16 @@ def _backward_windows(view: RunView, rank: int, step: int) -> list[tuple[float, 
     return windows
 
 
-def deferred_sync(view: RunView, event: CollectiveEvent, others) -> int | None:
+def deferred_sync(view: RunView, event: CollectiveEvent, others, *, habit: bool = True) -> int | None:
     """The backward pass (``n``, from 1, in the event's step) that issues ``event`` on its rank when
     every rank of ``others`` ran that same pass to its end without issuing any collective on the
     group, and the job's earlier steps show that habit (a backward pass without a collective on the
     group, then one with): the ranks disagree on which backward pass synchronises gradients (DDP's
     ``no_sync``, FSDP2's ``set_requires_gradient_sync``), i.e. on which micro-batch is the last. None
     otherwise (a job that syncs in every backward pass and skipped it once had its reductions held
-    back, e.g. buckets waiting for a gradient that never came: something else)."""
+    back, e.g. buckets waiting for a gradient that never came: something else). ``habit=False``
+    drops the earlier steps' condition: the pass alone, evidence against another reading, not for
+    this one."""
     if event.phase != "backward" or not others:
         return None
     n = sum(1 for b in view.evidence(event.rank, "backward_begin", event.step) if b.time <= event.time)
@@ -108,6 +110,8 @@ def deferred_sync(view: RunView, event: CollectiveEvent, others) -> int | None:
 
     if not all(len(c := per_pass(r, event.step)) >= n and c[n - 1] == 0 for r in others):
         return None
+    if not habit:
+        return n  # the pass alone, without the earlier steps' habit (e.g. a hang in the first step)
     for rank in ranks:
         for step in sorted({b.step for b in view.evidence(rank, "backward_begin") if b.step < event.step}):
             counts = per_pass(rank, step)
@@ -162,8 +166,11 @@ def _exit(window: dict, key: tuple, seq: int) -> LoopExit | None:
             return None
         n = 0
         for e in reversed(evs[: last + 1]):
-            if _key(e) != key or e.step != evs[last].step:
-                break  # a run within one step: a collective issued once per step is the step loop's
+            if _key(e) != key or e.step != evs[last].step or e.phase != evs[last].phase:
+                # A run within one step: a collective issued once per step is the step loop's. And
+                # within one pass: the call site issued again in backward after forward is a re-issue
+                # (a recompute), not one more iteration.
+                break
             n += 1
         counts[r] = n
         if last == len(evs) - 1 and evs[-1].seq == seq:

@@ -6,12 +6,13 @@ flat buffer for that unit) or fires that unit's post-backward hook late, in a di
 ranks' backward collectives no longer line up (Gloo aborts on the size mismatch, NCCL hangs).
 
 Evidence: the divergence is in backward, on collectives issued from FSDP units' hooks
-(``reduce_scatter`` / ``all_gather`` with ``mod`` set); the same unit reduce-scatters fewer
-elements on some ranks (culprits: those ranks), or different units are reduced at the same
-sequence number (culprits: the ranks that did not run, in the step's forward, the unit the others
-reduce); ``params_without_grad`` names, on those ranks only, parameters of members of a module list
-(``...experts.2.w1``: an indexed member, by the path's structure, not its words); the model shards
-the members of a module list as separate FSDP units.
+(``reduce_scatter`` / ``all_gather`` with ``mod`` set); the same unit reduce-scatters fewer elements
+on some ranks (culprits: those ranks; every rank, when even the largest reduction is smaller than
+the unit its all-gather gathered in that step: idle experts on every rank), or different units are
+reduced at the same sequence number (culprits: the ranks that did not run, in the step's forward,
+the unit the others reduce); ``params_without_grad`` names, on those ranks only, parameters of
+members of a module list (``...experts.2.w1``: an indexed member, by the path's structure, not its
+words); the model shards the members of a module list as separate FSDP units.
 
 Risk: a genuinely non-deterministic bucket order also gives backward shape mismatches
 (``shape-mismatch``); the same-unit smaller size and list members without gradients are what point
@@ -50,6 +51,8 @@ import, over the fix's patch).
 """
 
 from __future__ import annotations
+
+from math import prod
 
 from moedoctor.analysis.mechanism import left_out
 from moedoctor.analysis.model import Suggestion
@@ -115,6 +118,30 @@ def classify(ctx: Context) -> Finding | None:
                 + ", ".join(f"{sizes[r]} on rank {r}" for r in fewer)
                 + ": gradients of some of its parameters are missing there (parameters without gradients)"
             )
+            # The unit's full size, from its all-gather in this step: a rank whose reduction is smaller
+            # than that lacks gradients too, though fewer than the others (idle experts on every rank).
+            unit, step = next(iter(modules)), min(v.step for v in backward.values())
+            full = {
+                r: {
+                    sum(prod(s) for s in e.out_shapes)
+                    for e in view.events(r, div.group.name, before=div.seq)
+                    if e.module == unit and e.op == "all_gather" and e.step == step
+                }
+                for r in backward
+            }
+            whole = set.union(*full.values()) if full else set()
+            if (
+                next(iter(ops)) == "reduce_scatter"
+                and len(whole) == 1
+                and all(full.values())
+                and most < (n_full := next(iter(whole)))
+            ):
+                culprits = tuple(sorted(backward))
+                evidence.append(
+                    f"its all_gather in step {step} gathered {n_full} elements on every rank: "
+                    + ", ".join(f"rank {r} reduces {sizes[r]}" for r in sorted(sizes))
+                    + ", every rank lacks gradients of some of its parameters"
+                )
     elif len(modules) > 1 and None not in modules:
         score += 0.25
         evidence.append(

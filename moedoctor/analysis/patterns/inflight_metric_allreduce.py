@@ -12,6 +12,10 @@ gather was not gathered yet this step on the metric ranks.
 
 Risk: a small all-reduce that is legitimately rank-conditional looks alike: that pattern needs a
 call site the other ranks never use, this one a call site every rank uses.
+A per-micro-batch all-reduce of a rank that ran more micro-batches than the others, which sync
+their gradients in their last backward pass (DDP ``no_sync``), looks alike too: the others'
+collective is in a backward pass the small all-reduce's rank ran to its end without any collective
+(``deferred_sync``); in the first step no earlier step tells the two apart, and the finding is 0.1.
 
 Fix ``metrics-after-microbatches``: accumulate metrics locally and all-reduce them once after the
 last micro-batch (or on a separate process group). It patches named functions only. When the other
@@ -101,6 +105,23 @@ def classify(ctx: Context) -> Finding | None:
                     f"{names(small)} ran to its end without any collective on group {div.group.label()}: "
                     "the ranks disagree on which backward pass synchronises gradients (the last "
                     "micro-batch), not on where a metric all_reduce lands",
+                ),
+            )
+        first = e is not None and not any(
+            b.step < e.step for q in (r, *small) for b in view.evidence(q, "backward_begin")
+        )
+        n = deferred_sync(view, e, small, habit=False) if first and e is not None else None
+        if n is not None:
+            # The first step: no earlier step can show the habit (or its absence), but the metric
+            # ranks ran this backward pass to its end without the collective the others issue in
+            # it: either reading fits, name neither.
+            return Finding(
+                0.1,
+                (
+                    f"rank {r}'s {e.op} is issued by its backward pass {n} of step {e.step}, which "
+                    f"{names(small)} ran to its end without any collective on group {div.group.label()}: "
+                    "the ranks may disagree on which backward pass synchronises gradients (a micro-batch "
+                    "count mismatch) rather than on where a metric all_reduce lands",
                 ),
             )
     score = 0.3 if history else 0.2

@@ -16,6 +16,9 @@ ranks ran (as many is the next iteration of a rank that skipped its step, not an
 
 Risk: a rank in the *next* iteration's forward (after skipping its optimizer step) looks alike;
 a gradient norm or optimizer step already logged for this step on the in-loop ranks rules it out.
+A rank whose "closing" collective is issued outside forward and backward from inside the very
+micro-batch loop the others go round again (``source.same_loop``) did not leave the loop: an extra
+collective within an iteration (an in-flight metric, corpus 24's TRL DPO and OLMoE), 0.1.
 
 Fix: agree on the number of micro-batches per step (all_reduce MAX of the local count, pad with
 empty micro-batches), or balance the batches so every rank has the same count.
@@ -34,7 +37,7 @@ from collections import Counter
 
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb
-from moedoctor.analysis.source import calls_in, shared_loop
+from moedoctor.analysis.source import calls_in, same_loop, shared_loop
 from moedoctor.analysis.steps import CLOSING, RESTART, deferred_sync
 
 
@@ -70,6 +73,19 @@ def classify(ctx: Context) -> Finding | None:
     if split is None:
         return None
     in_loop, moved_on, how = split
+    stuck = [r for r in moved_on if r in present and present[r].phase not in ("forward", "backward")]
+    loops = {r: same_loop(ctx.stack(r), ctx.stack(in_loop[0])) for r in stuck}
+    if stuck and len(stuck) == len([r for r in moved_on if r in present]) and all(loops.values()):
+        loop = loops[stuck[0]]
+        assert loop is not None
+        return Finding(
+            0.1,
+            (
+                f"{names(stuck)} issued {verb(stuck, 'its', 'their')} collective inside the loop at {loop.short} "
+                f"({loop.text}) that {names(in_loop)} went round again: {verb(stuck, 'it', 'they')} did not "
+                "leave the micro-batch loop early, an extra collective was issued within an iteration",
+            ),
+        )
     step = present[in_loop[0]].step
     since = min(present[r].time for r in in_loop)
     backwards = {r: len(view.evidence(r, "backward_begin", step)) for r in div.per_rank}
