@@ -151,9 +151,32 @@ def loop_exit(view: RunView, group: str, seq: int, ranks) -> LoopExit | None:
     keys = {_key(window[r][-1]) for r in ranks if window[r] and window[r][-1].seq == seq} - {None}
     for key in sorted(keys, key=str):
         found = _exit(window, key, seq)
-        if found is not None:
+        if found is not None and not _same_pass(view, window, found, seq):
             return found
     return None
+
+
+def _passes(view: RunView, e: CollectiveEvent) -> int:
+    """Backward passes ``e``'s rank began in ``e``'s step up to ``e``."""
+    return sum(1 for b in view.evidence(e.rank, "backward_begin", e.step) if b.time <= e.time)
+
+
+def _same_pass(view: RunView, window: dict, found: LoopExit, seq: int) -> bool:
+    """Did every rank that seems to have left the loop go on with a collective in a backward pass of
+    the step that the looping ranks had also reached (same step, as many passes begun)? Then it is
+    still in the loop that runs the passes (a micro-batch loop issuing the site once per pass): the
+    ranks disagree within one iteration (a gradient reduction held back or issued early), not on the
+    loop's trip count."""
+    here = [window[r][-1] for r in found.looping]
+    for r in found.left:
+        evs = window[r]
+        last = max(i for i, e in enumerate(evs) if e.call_site is not None and e.call_site.where == found.site)
+        nxt = evs[last + 1] if last + 1 < len(evs) else None
+        if nxt is None or nxt.phase != "backward" or any(h.step != nxt.step for h in here):
+            return False
+        if _passes(view, nxt) < max(_passes(view, h) for h in here):
+            return False
+    return True
 
 
 def _exit(window: dict, key: tuple, seq: int) -> LoopExit | None:

@@ -123,3 +123,35 @@ def test_a_call_site_issued_again_in_backward_after_forward_is_no_loop_iteration
     b.coll("all_reduce", (32, 20), phase=Phase.OTHER, step=0, line=110, done=False)
     report = analyze(run_of(a, b, hang=True))
     assert report.mechanism.mechanism != Mechanism.LOOP_TRIP_COUNT, report.mechanism
+
+
+def _held_back(in_backward: bool):
+    """Three micro-batches on both ranks, a metric all-reduce after each backward pass (line 120);
+    rank 0's gradient bucket was held back (a hook waiting for a gradient) and it issued the metric of
+    the third pass, while rank 1 goes on after its second metric with a collective in its third
+    backward pass (its bucket, line 65) or, ``in_backward`` False, outside any pass (line 140)."""
+    a, b = ranks(2)
+    for i in range(3):
+        for r in (a, b):
+            if r is b and i == 2 and not in_backward:
+                r.coll("all_reduce", (5956,), phase=Phase.OTHER, step=0, line=140, done=False)
+                continue
+            r.ev("backward_begin", 0)
+            if r is b and i == 2:
+                r.coll("all_reduce", (5956,), phase=Phase.BACKWARD, step=0, line=65, done=False)
+                continue
+            r.ev("backward_end", 0)
+            r.coll("all_reduce", (2,), phase=Phase.OTHER, step=0, line=120, done=i < 2)
+    return run_of(a, b, hang=True)
+
+
+def test_a_rank_in_the_same_backward_pass_did_not_leave_the_loop():
+    """Rank 1 began as many backward passes as rank 0: still in the loop that runs them, the ranks
+    disagree within one iteration, not on the loop's trip count (RecBole's held-back bucket)."""
+    report = analyze(_held_back(True))
+    assert report.mechanism.mechanism != Mechanism.LOOP_TRIP_COUNT, report.mechanism
+
+
+def test_a_rank_that_went_on_outside_the_passes_left_the_loop():
+    report = analyze(_held_back(False))
+    assert report.mechanism.mechanism == Mechanism.LOOP_TRIP_COUNT, report.mechanism
