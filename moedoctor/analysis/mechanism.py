@@ -35,6 +35,7 @@ from moedoctor.analysis.steps import (
     another_pass,
     cycle_loop_exit,
     loop_exit,
+    period_exit,
     position,
     shape_token,
     token,
@@ -290,6 +291,8 @@ def mechanism_of(
         and not all(view.finished(r) or _moved_on(view, r, exit_.site) for r in exit_.left)
     ):
         exit_ = None  # a rank that issued nothing since its last iteration has not left the loop: not arrived
+    if exit_ is None and div.kind == DivergenceKind.MISMATCH:
+        exit_ = period_exit(view, div.group.name, div.seq, list(div.per_rank))
     if exit_ is not None:
         return made(
             Mechanism.LOOP_TRIP_COUNT, exit_.left, _loop_text(exit_), counts=dict(exit_.counts), loop_site=exit_.site

@@ -19,6 +19,7 @@ passes its ``backward`` hook. No names are read.
 
 from __future__ import annotations
 
+import itertools
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
@@ -260,4 +261,61 @@ def omission(view: RunView, group: str, seq: int, rank: int, others, context: in
             if tokens[after + m] == mine:
                 return Omission(rank, here.step, tuple(ref[after : after + m]))
         return None
+    return None
+
+
+def _run_before(evs: list, end: int, key: tuple) -> int:
+    """How many collectives of ``key`` come in a row in ``evs`` just before index ``end``."""
+    n = 0
+    while end - n - 1 >= 0 and _key(evs[end - n - 1]) == key:
+        n += 1
+    return n
+
+
+def period_exit(view: RunView, group: str, seq: int, ranks) -> LoopExit | None:
+    """A loop of one collective per iteration (``looped``, one optimizer step each, so no run within
+    a step) between two issues of a closing collective that every rank issued at the same position
+    before: after the previous close every rank ran the loop ``n`` times; now at ``seq`` some ranks
+    issue the closing collective after fewer iterations while the others are still in the loop
+    (they issue it again, fewer than ``n`` times so far). E.g. an update-epochs loop that one rank
+    leaves early on its local KL, each minibatch an optimizer step."""
+    at = {r: view.event(r, group, seq) for r in ranks}
+    if any(e is None for e in at.values()):
+        return None
+    keys = {r: _key(e) for r, e in at.items()}
+    if None in keys.values() or len(set(keys.values())) != 2:
+        return None
+    streams = {r: view.events(r, group, before=seq + 1) for r in ranks}
+    for close, looped in itertools.permutations(set(keys.values())):
+        left = tuple(sorted(r for r in ranks if keys[r] == close))
+        inside = tuple(sorted(r for r in ranks if keys[r] == looped))
+        counts: dict = {}
+        prev: set = set()
+        for r in ranks:
+            evs = streams[r]
+            # This period: the looped collective in a row up to seq (the inside ranks' one included).
+            n = _run_before(evs, len(evs) - (1 if r in left else 0), looped)
+            start = len(evs) - (1 if r in left else 0) - n
+            if start < 1 or _key(evs[start - 1]) != close:
+                break
+            p = evs[start - 1].seq
+            # The previous period: the same loop in a row before that close, as long on every rank.
+            prev.add((p, _run_before(evs, start - 1, looped)))
+            counts[r] = n
+        else:
+            if len(prev) != 1:
+                continue
+            _, full = prev.pop()
+            if (
+                full < 2
+                or min(counts[r] for r in left) < 1
+                or max(counts[r] for r in left) >= min(counts[r] for r in inside)
+            ):
+                continue  # a rank that ran no iteration skipped the loop; one that ran as many did not leave it
+            run = [e for e in streams[inside[0]] if e.seq <= seq][-min(counts[r] for r in inside) :]
+            if len({e.step for e in run}) != len(run):
+                continue  # iterations within one step: loop_exit's runs, not a loop of optimizer steps
+            if max(counts[r] for r in inside) > full:
+                continue  # the looping ranks went past the previous period: not a loop left early
+            return LoopExit(looped[1], looped[1].rsplit("/", 1)[-1], inside, left, counts)
     return None
