@@ -530,8 +530,13 @@ def left_out(view: RunView, group: str, seq: int, ranks: list[int]) -> dict[int,
     shared history (``_aligned``): rank -> the history's collectives it went past (as the first rank
     issued them earlier). None or empty: no rank skipped any by that reading."""
     found = _history(view, group, seq, ranks)
-    if found is None:
-        return None
+    return None if found is None else _skips(view, group, ranks, found)
+
+
+def _skips(
+    view: RunView, group: str, ranks: list[int], found: tuple[int, dict, list[tuple]]
+) -> dict[int, list[CollectiveEvent]] | None:
+    """``left_out`` on the ranks' shared history already read (``_history``)."""
     start, here, history = found
     following = expected_next(history)
     if following is None:
@@ -572,7 +577,7 @@ def _aligned(view: RunView, group: str, seq: int, ranks: list[int], made) -> Mec
     start, here, history = found
     tokens = {r: shape_token(e) for r, e in here.items() if e is not None}
     following = expected_next(history)
-    skipped = left_out(view, group, seq, ranks)
+    skipped = _skips(view, group, ranks, found)
     if skipped:
         normal = [r for r in ranks if r not in skipped]
         deviating = sorted(skipped)

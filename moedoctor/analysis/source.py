@@ -356,6 +356,11 @@ def line_text(path: str, line: int) -> str | None:
     return lines[line - 1].strip() if 0 < line <= len(lines) else None
 
 
+def loops_around(path: str, line: int) -> list[Enclosing]:
+    """The ``for`` and ``while`` statements enclosing ``line``, outermost first."""
+    return [e for e in enclosing(path, line) if e.kind in ("for", "while")]
+
+
 def calls_in(path: str, node_line: int, attribute: str) -> list[int]:
     """Lines inside the statement starting at ``node_line`` that call ``.attribute(...)`` or
     ``attribute(...)``."""
@@ -384,8 +389,7 @@ def on_the_way(there: tuple[str, ...], here: tuple[str, ...]) -> tuple[Frame, Fr
         for behind in frames(here):
             if (ahead.file, ahead.function) != (behind.file, behind.function) or behind.line >= ahead.line:
                 continue
-            loops = [e for e in enclosing(ahead.file, ahead.line) if e.kind in ("for", "while")]
-            theirs = [e for e in enclosing(behind.file, behind.line) if e.kind in ("for", "while")]
+            loops, theirs = loops_around(ahead.file, ahead.line), loops_around(behind.file, behind.line)
             if not loops or not theirs or loops[-1] != theirs[-1]:
                 continue
             tree = _tree(ahead.file)

@@ -94,7 +94,7 @@ def deferred_sync(view: RunView, event: CollectiveEvent, others, *, habit: bool 
     this one."""
     if event.phase != "backward" or not others:
         return None
-    n = sum(1 for b in view.evidence(event.rank, "backward_begin", event.step) if b.time <= event.time)
+    n = _passes(view, event)
     if n < 1:
         return None
     group = event.group.name

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from moedoctor.analysis.from_stacks import classify_stacks
 from moedoctor.analysis.model import Report
 from moedoctor.analysis.patterns import names
-from moedoctor.analysis.source import Enclosing, enclosing
+from moedoctor.analysis.source import Enclosing, enclosing, loops_around
 from moedoctor.run_records import Frame, StackDump, is_library_frame
 
 #: The report from stacks whose culprit this refines (ranks in different collectives, no majority).
@@ -55,10 +55,6 @@ def _own_frames(dump: StackDump) -> list[Frame]:
     return [f for f in reversed(dump.main_thread) if not is_library_frame(f)]
 
 
-def _loops(file: str, line: int) -> list[Enclosing]:
-    return [e for e in enclosing(file, line) if e.kind in ("for", "while")]
-
-
 def _function(frame: Frame) -> Enclosing | None:
     return next((e for e in reversed(enclosing(frame.file, frame.line)) if e.kind == "def"), None)
 
@@ -85,9 +81,10 @@ def left_loop(stacks: dict[int, StackDump]) -> LeftLoop | None:
 def _past(inside: Frame, out: Frame) -> Enclosing | None:
     """The loop around ``inside`` that ``out`` is after: ``out`` is in every loop around ``inside``
     but that one (and its inner ones), at a later line."""
-    if _function(inside) is None or _function(inside) != _function(out):
+    function = _function(inside)
+    if function is None or function != _function(out):
         return None  # not both in the one function the source has there (edited, or a line beyond it)
-    theirs, ours = _loops(inside.file, inside.line), _loops(out.file, out.line)
+    theirs, ours = loops_around(inside.file, inside.line), loops_around(out.file, out.line)
     if len(theirs) <= len(ours) or theirs[: len(ours)] != ours:
         return None
     loop = theirs[len(ours)]
