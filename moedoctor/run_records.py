@@ -248,6 +248,9 @@ class HangRecord:
     #: wait for cannot answer (waiting, stopped, dead, or no CPU, no I/O, no new stack); or, for the
     #: ``max-busy`` trigger, what the ranks were doing when the user's limit ran out.
     proof: str | None = None
+    #: ``desync``: the mechanism the online detector's first report named from the two collectives it
+    #: compared (``runner.online.first_mechanism``); the analysis may read another with the history.
+    mechanism: str | None = None
 
 
 @dataclass
@@ -305,6 +308,7 @@ def hang_of(manifest: dict) -> HangRecord | None:
         detection_latency_s=raw.get("detection_latency_s"),
         lags=list(raw.get("lags") or ()),
         proof=raw.get("proof"),
+        mechanism=raw.get("mechanism"),
     )
 
 

@@ -11,6 +11,8 @@ The rules, in order (the first that singles out a proper subset of the ranks win
    k-th collective of this step differs from the k-th of its previous step).
 4. Own period: the rank whose collective breaks the repeating pattern of its own recent ops (a
    per-key loop in a checkpoint save has no earlier step to compare with).
+5. Root: in a broadcast every member issued from one call site with one root, in other sizes, the
+   ranks whose size differs from the root's (the root's tensor is what travels).
 
 Nothing here depends on file order: ranks are compared by what they did, ties stay undecided.
 """
@@ -33,7 +35,7 @@ _UNKNOWN = object()  # no earlier step to compare with
 class Culprits:
     ranks: tuple[int, ...]
     reasoning: str
-    rule: str  # "missing", "extra", "minority", "own-steps", "own-period", "cycle", "none"
+    rule: str  # "missing", "extra", "minority", "own-steps", "own-period", "root", "cycle", "none"
 
 
 def find_culprits(
@@ -55,7 +57,7 @@ def find_culprits(
     found = _minority(div)
     if found is not None:
         return found
-    for rule in (_own_steps, _own_period):
+    for rule in (_own_steps, _own_period, _off_root):
         found = rule(view, div)
         if found is not None:
             return found
@@ -194,6 +196,39 @@ def _own_steps(view: RunView, div: Divergence) -> Culprits | None:
         f"is {did} where step {ref_step} had {due}; {_names(kept)} kept to "
         f"{'its' if len(kept) == 1 else 'their'} pattern",
         "own-steps",
+    )
+
+
+_ROOT_SENDS = ("broadcast",)
+
+
+def _off_root(view: RunView, div: Divergence) -> Culprits | None:
+    """A broadcast that every member issued from one call site with one root, in other sizes: the
+    root's tensor is what travels, so the ranks whose size differs from the root's are the ones
+    that deviate from what their peers assume."""
+    events = {r: view.event(r, div.group.name, div.seq) for r in div.per_rank}
+    if any(e is None for e in events.values()):
+        return None
+    first = next(iter(events.values()))
+    assert first is not None
+    if first.op not in _ROOT_SENDS or first.root is None or first.root not in events:
+        return None
+    site = first.call_site.where if first.call_site else None
+    if site is None or any(
+        e is None or e.op != first.op or e.root != first.root or (e.call_site.where if e.call_site else None) != site
+        for e in events.values()
+    ):
+        return None
+    root = events[first.root]
+    assert root is not None
+    off = tuple(sorted(r for r, e in events.items() if e is not None and e.in_shapes != root.in_shapes))
+    if not off or len(off) == len(events):
+        return None
+    return Culprits(
+        off,
+        f"every rank issued {first.op} #{div.seq} of group {div.group.label()} from {site.rsplit('/', 1)[-1]} with "
+        f"root {first.root}; {_names(off)} posted other sizes than the root sends",
+        "root",
     )
 
 

@@ -294,7 +294,9 @@ DECLARATIONS: dict[str, Declaration] = {
             "microbatch-count-mismatch",
             _DESYNC | _SAME_POSITION | {M.RANK_OUTSIDE},
             (_req(gradient_accumulation), _req(another_pass_begun)),
-            ev("backward_begin", "backward_end", "grad_norm", "optimizer_step_begin") | {"discarded_in"} | SOURCE,
+            ev("backward_begin", "backward_end", "grad_norm", "optimizer_step_begin", "zero_grad")
+            | {"discarded_in"}
+            | SOURCE,
         ),
         Declaration(
             "skipped-optimizer-step",

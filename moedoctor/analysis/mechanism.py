@@ -10,7 +10,8 @@ with domain evidence; when none has the evidence it needs, the mechanism is the 
 
 Exactly one mechanism per divergence (``mechanism_of``), chosen in this order: a cycle of waits
 across groups; every member inside the same collective; an unmatched point-to-point op; a broken
-size contract; at one position, the same op with other shapes, dtypes or reduce op; a loop of one
+size contract; at one position, the same op with other shapes, dtypes or reduce op; gradient
+reductions held back past a collective issued after the backward pass (a different op); a loop of one
 call site run a different number of times; collectives some ranks skipped or added, read by
 aligning the ranks' streams on the history they share (``_aligned``); the step's repeated part run
 a different number of times; a collective no other rank issued; the same position holding
@@ -39,6 +40,7 @@ from moedoctor.analysis.steps import (
     position,
     shape_token,
     token,
+    usual_pass,
 )
 from moedoctor.analysis.view import RunView
 from moedoctor.analysis.waitfor import chain_roots
@@ -70,7 +72,9 @@ class Mechanism(str, Enum):
     """The ranks issued different collectives at the same position of the group (another op, or the
     same op from another call site), each one a collective both sides issue elsewhere, and the
     history does not show one side skipping or adding one (a reordering, collectives held back, or
-    a decision that took another path)."""
+    a decision that took another path). Read before a loop exit or a skip where some ranks' backward
+    pass ended with fewer of its reductions and they issued a collective after it while the others,
+    in the same pass, issue the next reduction (``_held_back_pass``: held back past it)."""
 
     DIFFERENT_SHAPE = "different-shape"
     """The same collective (op and call site) at the same position, with tensors of different
@@ -91,7 +95,8 @@ class Mechanism(str, Enum):
     """A loop ran a different number of times on different ranks: a run (at least two in a row on
     every rank) of collectives from one call site that some ranks left after fewer iterations, or
     the step's repeated part (a pass with a backward) that some ranks began again while the others
-    closed the step, the ranks being in different passes (``steps.another_pass``)."""
+    closed the step (or stepped: ``_stepped``), the ranks being in different passes
+    (``steps.another_pass``)."""
 
     WAIT_CYCLE = "wait-cycle"
     """A cycle of waits across groups: each rank of the cycle waits in one group for a rank that
@@ -284,6 +289,10 @@ def mechanism_of(
         found = _same_op(div, present, culprits, made)
         if found is not None:
             return found
+    if div.kind == DivergenceKind.MISMATCH:
+        held = _held_back_pass(view, div.group.name, div.seq, sorted(present))
+        if held is not None:
+            return held_back_finding(view, div, held, made)
     exit_ = loop_exit(view, div.group.name, div.seq, list(div.per_rank))
     if (
         exit_ is not None
@@ -370,6 +379,8 @@ def _mismatch(view: RunView, div: Divergence, present: dict, culprits: Culprits,
     positions = {r: position(view, e) for r, e in events.items() if e is not None}
     restart = [r for r, p in positions.items() if p == RESTART]
     closing = [r for r, p in positions.items() if p == CLOSING]
+    if restart and not closing:
+        closing = _stepped(view, events, restart)
     if restart and closing and all(events[r].phase.value == "backward" for r in restart):
         # Issued again while a backward pass runs, from a call site of this step's forward: a re-issue
         # inside backward (a recompute) that the other ranks did not make.
@@ -451,6 +462,36 @@ def _mismatch(view: RunView, div: Divergence, present: dict, culprits: Culprits,
 CONTEXT, AHEAD = 4, 32
 #: How much of the shared history is read (the most recent collectives).
 HISTORY = 512
+
+
+def _stepped(view: RunView, events: dict, restart: list[int]) -> list[int]:
+    """The ranks that closed the step the ``restart`` ranks go on with: every other rank whose
+    collective is the first of the next step on the group (it ran the optimizer step) after at least
+    one backward pass in that step, and no more passes than the restart ranks had begun when they
+    began another, a pass their earlier steps show room for (``steps.usual_pass``: not the next
+    iteration of a rank that skipped its step). Empty: any other rank is elsewhere."""
+    steps = {events[r].step for r in restart if events.get(r) is not None}
+    if len(steps) != 1:
+        return []
+    (step,) = steps
+    if not all(usual_pass(view, events[r]) for r in restart):
+        return []
+    begun = min(sum(1 for b in view.evidence(r, "backward_begin", step) if b.time < events[r].time) for r in restart)
+    found = []
+    for r, e in events.items():
+        if r in restart:
+            continue
+        if e is None or e.step != step + 1:
+            return []
+        before = view.events(r, e.group.name, before=e.seq)
+        if not before or before[-1].step != step:
+            return []
+        ran = sum(1 for b in view.evidence(r, "backward_begin", step) if b.time < e.time)
+        stepped = any(before[-1].time < x.time < e.time for x in view.evidence(r, "optimizer_step_end"))
+        if not stepped or not 1 <= ran <= begun:
+            return []
+        found.append(r)
+    return found
 
 
 def _inside_loop(events: dict, restart: list[int], closing: list[int]):
@@ -613,6 +654,69 @@ def _aligned(view: RunView, group: str, seq: int, ranks: list[int], made) -> Mec
 def _issued_later(view: RunView, rank: int, group: str, start: int, tokens: set) -> bool:
     """The rank issued one of ``tokens`` after ``start``: it reordered them, it did not leave them out."""
     return any(shape_token(e) in tokens for s, e in view.seq_map(rank, group).items() if s > start)
+
+
+def _held_back_pass(view: RunView, group: str, seq: int, ranks: list[int]) -> tuple[list[int], list[int]] | None:
+    """(held, others) where, at the first position the ranks part, the ``held`` ranks' backward pass
+    ended since their previous collective on the group and they issued a collective outside forward
+    and backward, while the ``others``, in the same backward pass of the same step (as many passes
+    begun in it), issued a collective from a call site the held ranks issued during their own pass:
+    the held ranks' pass issued fewer of the gradient reductions it issues (held back to a later
+    flush, hooks that did not fire), and what they issued next lands where the others' reduction is.
+    None: any rank fits neither side, or a side is empty."""
+    start = _first_parting(view, group, seq, ranks) or seq
+    here = {r: view.event(r, group, start) for r in ranks}
+    if any(e is None or e.call_site is None for e in here.values()):
+        return None
+    held = [r for r, e in here.items() if _phase(e) not in ("forward", "backward")]
+    others = [r for r, e in here.items() if _phase(e) == "backward"]
+    if not held or not others or len(held) + len(others) != len(ranks):
+        return None
+    ref = here[others[0]]
+    ref_site = ref.call_site.where if ref.call_site is not None else None
+    if len({(here[r].op, here[r].call_site.where, here[r].step) for r in others}) > 1:
+        return None
+    passes = {_passes_begun(view, r, here[r]) for r in ranks}
+    if len(passes) > 1 or passes == {0} or len({e.step for e in here.values()}) > 1:
+        return None
+    for r in held:
+        e = here[r]
+        before = view.events(r, group, before=start)
+        since = before[-1].time if before else float("-inf")
+        ends = [b.time for b in view.evidence(r, "backward_end") if since < b.time < e.time]
+        begun = max((b.time for b in view.evidence(r, "backward_begin") if b.time < e.time), default=None)
+        if not ends or begun is None:
+            return None
+        mine = [x for x in before if x.time > begun and _phase(x) == "backward"]
+        if not any(x.op == ref.op and x.call_site is not None and x.call_site.where == ref_site for x in mine):
+            return None
+    return held, others
+
+
+def _phase(e: CollectiveEvent) -> str:
+    return e.phase.value if hasattr(e.phase, "value") else str(e.phase)
+
+
+def _passes_begun(view: RunView, rank: int, e: CollectiveEvent) -> int:
+    """Backward passes the rank began in ``e``'s step before issuing ``e``."""
+    return sum(1 for b in view.evidence(rank, "backward_begin", step=e.step) if b.time < e.time)
+
+
+def held_back_finding(view: RunView, div: Divergence, held_others: tuple[list[int], list[int]], made):
+    """``Mechanism.DIFFERENT_OP`` for ``_held_back_pass``'s reading."""
+    held, others = held_others
+    group = div.group.name
+    start = _first_parting(view, group, div.seq, sorted(held + others)) or div.seq
+    here = {r: view.event(r, group, start) for r in held + others}
+    return made(
+        Mechanism.DIFFERENT_OP,
+        held,
+        f"{rank_names(held)} ended the backward pass with fewer reductions from {_what(here, others)} and issued "
+        f"{_what(here, held)} at #{start}, where {rank_names(others)}, in the same backward pass, issued "
+        f"{_what(here, others)}: gradient reductions held back past a collective issued after the pass",
+        seq=start,
+        sites=_sites(here),
+    )
 
 
 def _held_back(view: RunView, rank: int, event, start: int, history: list, at: int, n: int) -> bool:

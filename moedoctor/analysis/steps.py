@@ -20,6 +20,7 @@ passes its ``backward`` hook. No names are read.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
@@ -68,6 +69,22 @@ def another_pass(view: RunView, events: list[CollectiveEvent], positions: dict[i
         if first is not None and backwards and first.time < min(backwards):
             return True
     return False
+
+
+def usual_pass(view: RunView, event: CollectiveEvent) -> bool:
+    """The rank that issued ``event`` begins, with it, a backward pass its step has room for: some
+    earlier step of the rank began more backward passes than this step has begun so far, and the
+    rank cleared no gradients (``zero_grad``) since its last backward pass. Evidence that a rank
+    issuing again a collective of its step's repeated part is in another micro-batch, not in the
+    next iteration of a rank that skipped its optimizer step (that one begins a pass its steps never
+    ran, or clears the gradients first)."""
+    begun = [b.time for b in view.evidence(event.rank, "backward_begin", event.step) if b.time < event.time]
+    if not begun:
+        return False
+    if any(max(begun) < z.time < event.time for z in view.evidence(event.rank, "zero_grad")):
+        return False
+    earlier = Counter(b.step for b in view.evidence(event.rank, "backward_begin") if b.step < event.step)
+    return any(n > len(begun) for n in earlier.values())
 
 
 def _backward_windows(view: RunView, rank: int, step: int) -> list[tuple[float, float | None]]:

@@ -68,7 +68,8 @@ def report_after_hang(run_dir: Path, console: Console) -> None:
             console.print(f"[bold]{label}[/]: {escape(hang.proof)}", highlight=False, soft_wrap=True)
     for lag in hang.lags[:5]:
         console.print(f"[yellow]Lag[/]: {escape(lag)}", highlight=False, soft_wrap=True)
-    written = analysis_report(layout, console)
+    first = hang.mechanism if hang.trigger == "desync" else None
+    written = analysis_report(layout, console, first_mechanism=first)
     if written is None:
         _hang_table(hang, console)
     _print_coverage(manifest.get("coverage") or {}, console)
@@ -100,9 +101,13 @@ def _other_nodes_note(layout: RunDir, manifest: dict, console: Console) -> None:
     )
 
 
-def analysis_report(layout: RunDir, console: Console, quiet_if_healthy: bool = False) -> Path | None:
+def analysis_report(
+    layout: RunDir, console: Console, quiet_if_healthy: bool = False, first_mechanism: str | None = None
+) -> Path | None:
     """Analyze the run directory, render the report and write ``report.json``; the path written, or
-    None when the analysis could not run (the reason is printed)."""
+    None when the analysis could not run (the reason is printed). ``first_mechanism``: the one the
+    online detector's first report named; said again when the analysis, with the ranks' history,
+    reads another."""
     try:
         run = load_run(layout.path)
         report = with_fix_reach(analyze(run), run)
@@ -134,6 +139,14 @@ def analysis_report(layout: RunDir, console: Console, quiet_if_healthy: bool = F
         render_slow(report, console)  # a healthy job can still be slow: say where its time went
     else:
         render_report(report, console)
+    final = report.mechanism.mechanism.value if report.mechanism is not None else None
+    if first_mechanism and final and final != first_mechanism:
+        console.print(
+            f"[dim]The first report's mechanism, {escape(first_mechanism)}, came from the two collectives the "
+            f"detector compared; read with the ranks' history it is {escape(final)}.[/]",
+            highlight=False,
+            soft_wrap=True,
+        )
     return path
 
 

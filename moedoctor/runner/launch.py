@@ -681,6 +681,7 @@ class _Run:
         if found is not None:
             hang.finding = found.line()
             hang.detection_latency_s = round(found.latency, 3)
+            hang.mechanism = found.mechanism
         if desync is not None:
             hang.trigger = "desync"
         elif no_trace:

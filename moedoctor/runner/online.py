@@ -46,8 +46,10 @@ def describe(e: CollectiveEvent, detail: bool = False) -> str:
 
 def first_mechanism(a: CollectiveEvent, b: CollectiveEvent) -> str:
     """The mechanism two members' events at one sequence number show (``analysis.mechanism``'s
-    vocabulary, without the history the offline analysis reads)."""
-    if a.op != b.op:
+    vocabulary and definitions, without the history the offline analysis reads): the same op from
+    two call sites is two collectives (``different-op``), as offline."""
+    sites = {x.call_site.where for x in (a, b) if x.call_site is not None}
+    if a.op != b.op or len(sites) > 1:
         return "different-op"
     if a.in_shapes != b.in_shapes or a.out_shapes != b.out_shapes:
         return "different-shape"
@@ -56,6 +58,12 @@ def first_mechanism(a: CollectiveEvent, b: CollectiveEvent) -> str:
     if a.reduce_op and b.reduce_op and a.reduce_op != b.reduce_op:
         return "different-reduce-op"
     return "different-op"  # same arguments, another signature field (another unit or root)
+
+
+#: What the first report says of level 2: two collectives at one position are a mechanism, never a
+#: pattern's evidence (``analysis.declarations``: every pattern needs the ranks' history or domain
+#: evidence the report reads once the stacks are in).
+NO_PATTERN_YET = "pattern not named yet: it needs the ranks' history and its own evidence, read next"
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,7 @@ class Desync:
         a, b = self.ranks
         desc = self.group_desc if self.group_desc and self.group_desc != self.group else None
         where = f"group {self.group}" + (f" ({desc})" if desc else "")
-        how = f" ({self.mechanism})" if self.mechanism else ""
+        how = f" (mechanism {self.mechanism}; {NO_PATTERN_YET})" if self.mechanism else ""
         if self.reason:
             return f"{where} #{self.seq}, {self.ops[a].split('[')[0]}: {self.reason}{how}"
         return f"{where} #{self.seq}, rank {a} {self.ops[a]} vs rank {b} {self.ops[b]}{how}"

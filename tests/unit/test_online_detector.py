@@ -10,7 +10,7 @@ from event_factory import ranks
 
 from moedoctor.analysis.matching import op_classes
 from moedoctor.events import Group, Phase
-from moedoctor.runner.online import DesyncDetector
+from moedoctor.runner.online import NO_PATTERN_YET, DesyncDetector
 from moedoctor.runner.progress import ProgressTracker
 
 PAIR_A = Group("1", "pair_a", (0, 1))
@@ -67,10 +67,25 @@ def test_mismatch_flagged_when_both_sides_issued():
     d = det.desync
     assert d is not None and (d.group, d.seq, d.ranks) == ("0", 4, (0, 1))
     assert d.ops == {0: "all_reduce", 1: "all_gather"}
-    assert d.line() == "group 0 (default_pg) #4, rank 0 all_reduce vs rank 1 all_gather (different-op)"
+    assert d.line() == (
+        "group 0 (default_pg) #4, rank 0 all_reduce vs rank 1 all_gather "
+        f"(mechanism different-op; {NO_PATTERN_YET})"
+    )
     assert d.issued_at == max(a.events[3].time, b.events[3].time)
     assert abs(d.latency - 0.25) < 1e-9
     assert d.classes == op_classes({0: a.events[3], 1: b.events[3]})
+
+
+def test_the_same_op_from_two_call_sites_is_a_different_op_as_offline():
+    """Offline, a different shape is the same op from the same call site; the same op from two call
+    sites is two collectives. The first report follows that definition."""
+    a, b = ranks(2)
+    a.coll("all_reduce", (4,), line=20, done=False)
+    b.coll("all_reduce", (2,), line=31, done=False)
+    det = DesyncDetector()
+    det.feed(0, a.events)
+    det.feed(1, b.events)
+    assert det.desync is not None and det.desync.mechanism == "different-op", det.desync
 
 
 def test_shape_and_dtype_mismatch_show_details():
@@ -80,7 +95,10 @@ def test_shape_and_dtype_mismatch_show_details():
     det = DesyncDetector()
     det.feed(1, b.events)
     det.feed(0, a.events)
-    assert det.desync.line() == "group 0 (default_pg) #1, rank 0 all_reduce[4] float32 vs rank 1 all_reduce[2] float32 (different-shape)"
+    assert det.desync.line() == (
+        "group 0 (default_pg) #1, rank 0 all_reduce[4] float32 vs rank 1 all_reduce[2] float32 "
+        f"(mechanism different-shape; {NO_PATTERN_YET})"
+    )
     a, b = ranks(2)
     a.coll("all_reduce", (4,), dtype="float32")
     b.coll("all_reduce", (4,), dtype="bfloat16")

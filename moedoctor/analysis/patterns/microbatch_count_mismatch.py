@@ -12,7 +12,9 @@ gradient norm yet; in earlier steps the ranks ran the same number of backward pa
 per-micro-batch collectives follow each backward pass (no phase to split them), the ranks that
 stepped are told by their step counter: their collective is of a later step while the others issue
 again one of the earlier step's repeated part, after more backward passes in it than the stepping
-ranks ran (as many is the next iteration of a rank that skipped its step, not another micro-batch).
+ranks ran, or as many where their earlier steps ran more passes and they cleared no gradients since
+their last one (``steps.usual_pass``; otherwise as many is the next iteration of a rank that skipped
+its step, not another micro-batch). That split is tried first.
 
 Risk: a rank in the *next* iteration's forward (after skipping its optimizer step) looks alike;
 a gradient norm or optimizer step already logged for this step on the in-loop ranks rules it out.
@@ -38,7 +40,7 @@ from collections import Counter
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb
 from moedoctor.analysis.source import calls_in, same_loop, shared_loop
-from moedoctor.analysis.steps import CLOSING, RESTART, deferred_sync
+from moedoctor.analysis.steps import CLOSING, RESTART, deferred_sync, usual_pass
 
 
 def _split(ctx: Context) -> tuple[list[int], list[int], str] | None:
@@ -50,10 +52,6 @@ def _split(ctx: Context) -> tuple[list[int], list[int], str] | None:
     closing = sorted(r for r, p in where.items() if p == CLOSING)
     if restart and closing and len(restart) + len(closing) == len(present):
         return restart, closing + sorted(r for r in div.per_rank if r not in present), "structure"
-    in_loop = sorted(r for r, v in present.items() if v.phase in ("forward", "backward"))
-    moved_on = sorted(r for r in div.per_rank if r not in in_loop)
-    if in_loop and moved_on and not any(where.get(r) == RESTART for r in moved_on):
-        return in_loop, moved_on, "phase"
     if restart and not closing:
         # The others stepped: their collective is of a later step (the optimizer's step hook moved
         # their counter on) while the restarting ranks are still in the step's repeated part.
@@ -61,6 +59,10 @@ def _split(ctx: Context) -> tuple[list[int], list[int], str] | None:
         later = sorted(r for r, v in present.items() if r not in restart and v.step > step)
         if later and len(restart) + len(later) == len(present):
             return restart, later + sorted(r for r in div.per_rank if r not in present), "step"
+    in_loop = sorted(r for r, v in present.items() if v.phase in ("forward", "backward"))
+    moved_on = sorted(r for r in div.per_rank if r not in in_loop)
+    if in_loop and moved_on and not any(where.get(r) == RESTART for r in moved_on):
+        return in_loop, moved_on, "phase"
     return None
 
 
@@ -115,8 +117,14 @@ def classify(ctx: Context) -> Finding | None:
     done = max(backwards[r] for r in moved_on)
     if done == 0 or min(backwards[r] for r in in_loop) < done:
         return None
-    if how == "step" and min(backwards[r] for r in in_loop) <= done:
-        return None  # as many passes as the others before it began again: the next iteration (a skipped step)
+    if (
+        how == "step"
+        and min(backwards[r] for r in in_loop) <= done
+        and not all((e := ctx.event(r)) is not None and usual_pass(view, e) for r in in_loop)
+    ):
+        # As many passes as the others before it began again, a pass its earlier steps never ran
+        # (or after clearing the gradients): the next iteration of a rank that skipped its step.
+        return None
     score = 0.55 if how in ("structure", "step") else 0.45
     if how == "step":
         evidence = [
