@@ -16,6 +16,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moedoctor import layout
 from moedoctor.process_state import ProcessState
 
 # ---- stack dumps -------------------------------------------------------------------------------
@@ -310,7 +311,7 @@ def hang_of(manifest: dict) -> HangRecord | None:
 
 # ---- supervisor locks --------------------------------------------------------------------------
 
-LOCK_GLOB = "supervisor-node*.lock"
+LOCK_GLOB = layout.LOCK_GLOB
 #: Lock files this process holds (path -> descriptor), for its whole life: the kernel drops them at exit.
 HELD_LOCKS: dict[str, int] = {}
 

@@ -22,7 +22,7 @@ from moedoctor.fixes.reach import with_fix_reach
 from moedoctor.render.json_report import write_json
 from moedoctor.render.terminal import render_report, render_slow
 from moedoctor.runner import RunResult
-from moedoctor.runner.manifest import hang_of, load_manifest
+from moedoctor.manifest_format import Manifest
 from moedoctor.runner.exchange import store_of
 from moedoctor.runner.ranks import unknown_exits_line
 from moedoctor.runner.rundir import RunDir
@@ -34,8 +34,8 @@ def report_after_hang(run_dir: Path, console: Console) -> None:
     """The hang in one line, then the analysis report; ``report.json`` written into the run directory.
     If the analysis cannot run, the per-rank table of the watchdog's hang record instead."""
     layout = RunDir(Path(run_dir))
-    manifest = load_manifest(layout.manifest)
-    hang = hang_of(manifest)
+    manifest = Manifest.read(layout.manifest)
+    hang = manifest.hang
     if hang is None:
         console.print(f"moedoctor: no hang recorded in {escape(str(layout.manifest))}", soft_wrap=True)
         return
@@ -71,7 +71,7 @@ def report_after_hang(run_dir: Path, console: Console) -> None:
     written = analysis_report(layout, console)
     if written is None:
         _hang_table(hang, console)
-    _print_coverage(manifest.get("coverage") or {}, console)
+    _print_coverage(manifest.coverage or {}, console)
     files = [f"{layout.stacks}/", f"{layout.gpu}/", str(layout.manifest), str(layout.job_log)]
     if written is not None:
         files.insert(0, str(written))
@@ -84,10 +84,10 @@ def report_after_hang(run_dir: Path, console: Console) -> None:
     _other_nodes_note(layout, manifest, console)
 
 
-def _other_nodes_note(layout: RunDir, manifest: dict, console: Console) -> None:
+def _other_nodes_note(layout: RunDir, manifest: Manifest, console: Console) -> None:
     """A node of a multi-node job with a run directory of its own holds its own ranks' traces only:
     say how to analyze the whole job."""
-    world, command = manifest.get("world_size"), manifest.get("command")
+    world, command = manifest.world_size, manifest.command
     traced = len(trace_paths(layout.traces)) if layout.traces.is_dir() else 0
     if not isinstance(world, int) or traced >= world or not isinstance(command, list) or store_of(command) is None:
         return

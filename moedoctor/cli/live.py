@@ -13,6 +13,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+from moedoctor.layout import JOB_LOG
 from moedoctor.wording import phase_label
 from moedoctor.cli.hang_report import report_after_hang
 from moedoctor.runner import Outcome, RunDir, RunObserver, RunStatus
@@ -220,7 +221,7 @@ class ConsoleObserver(RunObserver):
         self.muted = True
         self.console.print(
             f"[bold]moedoctor:[/] {why}: stopping the job's processes (SIGTERM, then SIGKILL); "
-            "their last output goes to job.log",
+            f"their last output goes to {JOB_LOG}",
             highlight=False,
             soft_wrap=True,
         )

@@ -23,6 +23,7 @@ from moedoctor.cli.common import (
 from moedoctor.cli.live import ConsoleObserver
 from moedoctor.errors import EXIT_FINDING, EXIT_OK, MoedoctorError
 from moedoctor.fixes import FIXES, get_fix
+from moedoctor.layout import RunDir
 from moedoctor.fixes.config import load_fix_config, validate_fix_config
 from moedoctor.render.verification import render_verification, verification_to_dict, write_verification
 from moedoctor.runner import RunConfig, default_run_dir, prepare_run_dir
@@ -125,13 +126,15 @@ def verify(
     if derived:
         # The settings the analysis derived from this job's code (the decision's `if`), for the fixes asked for.
         fix_config = validate_fix_config(
-            {k: v for k, v in derived.items() if k in fixes}, FIXES.values(), f"{original.path}/report.json fix_config"
+            {k: v for k, v in derived.items() if k in fixes},
+            FIXES.values(),
+            f"{RunDir(original.path).report} fix_config",
         )
     if run_dir is None:
         run_dir = _default_rerun_dir(original.path, fixes) if original else default_run_dir(Path("moedoctor-runs"))
     prepare_run_dir(run_dir, command, force)
     console = screen_console(stderr=True)
-    wanted = recorder or (original.manifest.get("recorder") if original else None) or "auto"
+    wanted = recorder or (original.manifest.recorder if original else None) or "auto"
     choice = pick_recorder(wanted, console)
     timeout = hang_timeout or (original.hang_timeout if original else None) or DEFAULT_HANG_TIMEOUT
     console.print(
@@ -156,7 +159,7 @@ def verify(
     except KeyboardInterrupt:
         console.print("moedoctor: interrupted; the rerun was stopped")
         raise typer.Exit(130) from None
-    written = write_verification(verification, run_dir / "verification.json")
+    written = write_verification(verification, RunDir(run_dir).verification)
     if json_out:
         import json
 

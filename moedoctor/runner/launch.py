@@ -22,16 +22,16 @@ from importlib import metadata
 from pathlib import Path
 
 import moedoctor
+from moedoctor import environment
 from moedoctor.errors import EXIT_HANG, EXIT_INTERRUPTED, MoedoctorError, cannot_write
 from moedoctor.events import CollectiveEvent
-from moedoctor.fixes.runtime import ENV_FIX_CHECKS, ENV_FIX_CONFIG, ENV_FIXES
-from moedoctor.recorder.install import ENV_MAX_EVENTS, ENV_RUN_DIR
 from moedoctor.rank_states import Judgement, Pending, RankEvidence, RankState, Silence, judge
 from moedoctor.runner import procs, ranks
 from moedoctor.runner.activity import Activity, device_wait, sample_stacks
 from moedoctor.runner.command import is_torchrun
 from moedoctor.runner.gpu import write_gpu_snapshot
 from moedoctor.runner.manifest import (
+    Key,
     BusyRecord,
     CoverageCheck,
     HangRecord,
@@ -52,10 +52,9 @@ from moedoctor.runner.progress import ProgressTracker, RankProgress
 from moedoctor.runner.rundir import RunDir
 from moedoctor.runner.stacks import StackDump, StackTarget, dump_stacks, find_py_spy
 from moedoctor.trace.format import recorder_markers
-from moedoctor.trace.params_format import ENV_CHECK_PARAMS
 
 #: Marks every process of one launch, so orphans of a dead launcher are still found and stopped.
-ENV_LAUNCH_ID = "MOEDOCTOR_LAUNCH_ID"
+ENV_LAUNCH_ID = environment.LAUNCH_ID.name
 EXIT_NOT_FOUND = 127
 
 
@@ -159,22 +158,22 @@ def job_environment(config: RunConfig, run_dir: RunDir, launch_id: str) -> dict[
     if env.get("PYTHONPATH"):
         path.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(path)
-    env[ENV_RUN_DIR] = str(run_dir.path)
-    env[ENV_LAUNCH_ID] = launch_id
+    env[environment.RUN_DIR.name] = str(run_dir.path)
+    env[environment.LAUNCH_ID.name] = launch_id
     if config.max_events is not None:
-        env[ENV_MAX_EVENTS] = str(config.max_events)
-    env["MOEDOCTOR_NATIVE"] = "1" if config.recorder == "native" else "0"
-    env.pop(ENV_CHECK_PARAMS, None)
+        env[environment.MAX_EVENTS.name] = str(config.max_events)
+    env[environment.NATIVE.name] = "1" if config.recorder == "native" else "0"
+    env.pop(environment.CHECK_PARAMS.name, None)
     if config.check_params is not None:
-        env[ENV_CHECK_PARAMS] = str(config.check_params)
-    for name in (ENV_FIXES, ENV_FIX_CONFIG, ENV_FIX_CHECKS):
-        env.pop(name, None)  # only what this run asks for
+        env[environment.CHECK_PARAMS.name] = str(config.check_params)
+    for var in environment.FIX_VARIABLES:
+        env.pop(var.name, None)  # only what this run asks for
     if config.fixes:
-        env[ENV_FIXES] = ",".join(config.fixes)
+        env[environment.FIXES.name] = ",".join(config.fixes)
         if config.fix_config is not None:
-            env[ENV_FIX_CONFIG] = str(config.fix_config)
+            env[environment.FIX_CONFIG.name] = str(config.fix_config)
         if config.fix_checks:
-            env[ENV_FIX_CHECKS] = "1"
+            env[environment.FIX_CHECKS.name] = "1"
     return env
 
 
@@ -212,7 +211,7 @@ def _versions() -> dict[str, str]:
         torch_version = metadata.version("torch")  # without importing torch: seconds saved
     except metadata.PackageNotFoundError:
         torch_version = None
-    return {"moedoctor_version": moedoctor.__version__, "torch_version": torch_version}
+    return {Key.MOEDOCTOR_VERSION: moedoctor.__version__, Key.TORCH_VERSION: torch_version}
 
 
 class _Run:
@@ -860,7 +859,7 @@ class _Run:
                 self.dir.manifest,
                 self.node,
                 command=list(self.config.command),
-                versions=_versions() | {"recorder": self.config.recorder, "fixes": list(self.config.fixes)},
+                versions=_versions() | {Key.RECORDER: self.config.recorder, Key.FIXES: list(self.config.fixes)},
                 world_size=self._world_size(),
                 hosts=hosts,
                 coverage=coverage,
