@@ -33,6 +33,7 @@ from torch._C._distributed_c10d import ProcessGroup, ReduceOp
 
 import moedoctor
 from moedoctor.events import Phase
+from moedoctor.layout import RunDir
 from moedoctor.recorder import callsite
 from moedoctor.recorder.ops import OpSpec, all_specs
 from moedoctor.recorder.progress import Progress
@@ -264,7 +265,7 @@ class Recorder:
             return
         rank, world = dist.get_rank(), dist.get_world_size()
         self._rank = rank
-        if not self._writer.open(self.run_dir / "traces", rank):
+        if not self._writer.open(RunDir(self.run_dir).traces, rank):
             return
         if self._native is not None:  # [native seam]
             self._native.set_fd(self._fd)
