@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup, ReduceOp
 
 import moedoctor
+from moedoctor import environment
 from moedoctor.events import Phase
 from moedoctor.layout import RunDir
 from moedoctor.recorder import callsite
@@ -41,7 +42,7 @@ from moedoctor.recorder.writer import TraceWriter
 from moedoctor.trace import format as fmt
 from moedoctor.trace.schema import encode_collective
 
-DEFAULT_MAX_EVENTS = 2_000_000
+DEFAULT_MAX_EVENTS = environment.DEFAULT_MAX_EVENTS
 _REDUCE_NAMES = {int(v): k.lower() for k, v in ReduceOp.RedOpType.__members__.items()}  # type: ignore[call-overload]
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
