@@ -90,6 +90,11 @@ VARIABLES = (
 FIX_VARIABLES = (FIXES, FIX_CONFIG, FIX_CHECKS)
 
 
+#: ``MOEDOCTOR_MAX_EVENTS``'s default: the recorder stops recording a rank's collectives after this many
+#: (``moedoctor run --max-events``; the coverage check then reports the drop).
+DEFAULT_MAX_EVENTS = 2_000_000
+
+
 # ---- typed readers ----------------------------------------------------------------------------------
 
 

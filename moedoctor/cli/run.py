@@ -13,6 +13,7 @@ import typer
 from moedoctor.render.width import console as screen_console
 from moedoctor.cli._command import Command
 from moedoctor.cli.common import (
+    DEFAULT_HANG_TIMEOUT,
     DEFAULT_STARTUP_TIMEOUT,
     RECORDER_HELP,
     FixConfigFile,
@@ -24,7 +25,7 @@ from moedoctor.cli.common import (
 from moedoctor.cli.hang_report import report_after_run
 from moedoctor.cli.live import ConsoleObserver
 from moedoctor.cli.params import print_params_check
-from moedoctor.environment import MAX_EVENTS
+from moedoctor.environment import DEFAULT_MAX_EVENTS, MAX_EVENTS
 from moedoctor.errors import EXIT_USAGE, MoedoctorError
 from moedoctor.layout import GPU, JOB_LOG, STACKS, TRACES
 from moedoctor.fixes import FIXES, get_fix
@@ -84,7 +85,7 @@ def run(
             "waits too, is stopped or dead, or works with no CPU, no I/O and no new stack for this long). Ranks "
             "that are busy (saving, evaluating, compiling) are reported, never stopped.",
         ),
-    ] = 180.0,
+    ] = DEFAULT_HANG_TIMEOUT,
     max_busy: Annotated[
         float | None,
         typer.Option(
@@ -148,7 +149,7 @@ def run(
             metavar="N",
             help=f"Stop recording a rank's collectives after N events (sets {MAX_EVENTS.name}; the "
             "coverage check then reports the drop).",
-            show_default="2000000",
+            show_default=str(DEFAULT_MAX_EVENTS),
         ),
     ] = None,
     fix: Annotated[

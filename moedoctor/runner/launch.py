@@ -58,6 +58,9 @@ ENV_LAUNCH_ID = environment.LAUNCH_ID.name
 EXIT_NOT_FOUND = 127
 
 
+#: Seconds of silence of the collectives after which they are judged (a hang only when the ranks are
+#: proven to wait on each other): the default of ``--hang-timeout``.
+DEFAULT_HANG_TIMEOUT = 180.0
 #: Seconds allowed before any rank has opened its trace (imports, rendezvous): the default of
 #: ``--startup-timeout``.
 DEFAULT_STARTUP_TIMEOUT = 300.0
@@ -70,7 +73,7 @@ class RunConfig:
     command: list[str]
     run_dir: Path
     env: Mapping[str, str]  # the environment to start the job in
-    hang_timeout: float = 180.0  # ranks proven to wait on each other with no progress this long = hang
+    hang_timeout: float = DEFAULT_HANG_TIMEOUT  # ranks proven to wait on each other with no progress this long = hang
     max_busy: float | None = None  # --max-busy: stop a silence this long even when the ranks are busy
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT  # allowance before any rank has opened its trace
     keep_alive: bool = False
