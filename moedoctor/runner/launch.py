@@ -24,7 +24,7 @@ from pathlib import Path
 import moedoctor
 from moedoctor import environment
 from moedoctor.errors import EXIT_HANG, EXIT_INTERRUPTED, MoedoctorError, cannot_write
-from moedoctor.events import CollectiveEvent
+from moedoctor.run_status import RankStatus, RunStatus  # noqa: F401 - a shared leaf; re-exported here
 from moedoctor.rank_states import Judgement, Pending, RankEvidence, RankState, Silence, judge
 from moedoctor.runner import procs, ranks
 from moedoctor.runner.activity import Activity, device_wait, sample_stacks
@@ -99,30 +99,6 @@ class Outcome(str, Enum):
     FINISHED = "finished"  # the job ended by itself
     HANG = "hang"  # a hang was detected (the job stopped unless keep_alive)
     INTERRUPTED = "interrupted"  # KeyboardInterrupt: the job was stopped
-
-
-@dataclass
-class RankStatus:
-    """One rank in the live status. ``last`` is None before its first collective."""
-
-    rank: int
-    pid: int | None
-    last: CollectiveEvent | None
-    last_completed: bool
-    idle_seconds: float | None  # None: no trace yet
-    unrecorded: bool = False  # its recorder stopped (a failed write): what the trace says is old
-    slow: str | None = None  # "slow, not stuck: ..." while a storm of small collectives goes on
-    slow_seconds: float = 0.0  # how long that storm has lasted on this rank
-
-
-@dataclass
-class RunStatus:
-    elapsed: float
-    idle_seconds: float
-    limit: float  # the timeout idle_seconds is compared with now
-    ranks: list[RankStatus]
-    #: Past the timeout without proof of a hang: ``busy: ...`` or ``not proven: ...`` (rank_states).
-    busy: str | None = None
 
 
 @dataclass
