@@ -5,22 +5,22 @@ anywhere else in the package); writers and readers go through the ``Var`` object
 readers below. A shared leaf: it imports only ``os`` (the bootstrap imports it in every process of
 the job, before torch), so the recorder, the fixes, the runner, triage and the analysis all may.
 
-=========================== ======================= ========================================================
-variable                    set by                  meaning
-=========================== ======================= ========================================================
-``MOEDOCTOR_RUN_DIR``       ``moedoctor run``       the run directory: set, the bootstrap installs the recorder
-``MOEDOCTOR_LAUNCH_ID``     ``moedoctor run``       marks every process of one launch (orphans are found by it)
-``MOEDOCTOR_MAX_EVENTS``    ``--max-events``        stop recording a rank's collectives after N events
-``MOEDOCTOR_NATIVE``        ``--recorder``          ``1``: the native (C++) recording kernel; else Python
-``MOEDOCTOR_NATIVE_VERBOSE`` the user               ``1``: the native kernel's build prints its compiler output
-``MOEDOCTOR_FAST_WALK``     the user                ``0``: the native kernel never walks CPython's frames directly
-``MOEDOCTOR_FR_COMPLETION`` the user                ``0``: no completion records from the Flight Recorder poller
-``MOEDOCTOR_CHECK_PARAMS``  ``--check-params``      the optimizer step whose parameters are fingerprinted
-``MOEDOCTOR_FIXES``         ``verify``, ``--fix``   comma-separated fix names the workers install
-``MOEDOCTOR_FIX_CONFIG``    ``verify``, ``--fix``   a JSON file: {fix name: normalized ``--config`` section}
-``MOEDOCTOR_FIX_CHECKS``    ``verify``              ``1``: run the fixes' numerical checks
-``MOEDOCTOR_DEBUG``         the user                set: moedoctor's own errors print their traceback
-=========================== ======================= ========================================================
+============================ ===================== ===============================================================
+variable                     set by                meaning
+============================ ===================== ===============================================================
+``MOEDOCTOR_RUN_DIR``        ``moedoctor run``     the run directory: set, the bootstrap installs the recorder
+``MOEDOCTOR_LAUNCH_ID``      ``moedoctor run``     marks every process of one launch (orphans are found by it)
+``MOEDOCTOR_MAX_EVENTS``     ``--max-events``      stop recording a rank's collectives after N (default 2,000,000)
+``MOEDOCTOR_NATIVE``         ``--recorder``        ``1``: the native (C++) recording kernel; else Python
+``MOEDOCTOR_NATIVE_VERBOSE`` the user              ``1``: the native kernel's build prints its compiler output
+``MOEDOCTOR_FAST_WALK``      the user              ``0``: the native kernel never walks CPython's frames directly
+``MOEDOCTOR_FR_COMPLETION``  the user              ``0``: no completion records from the Flight Recorder poller
+``MOEDOCTOR_CHECK_PARAMS``   ``--check-params``    the optimizer step whose parameters are fingerprinted
+``MOEDOCTOR_FIXES``          ``verify``, ``--fix`` comma-separated fix names the workers install
+``MOEDOCTOR_FIX_CONFIG``     ``verify``, ``--fix`` a JSON file: {fix name: normalized ``--config`` section}
+``MOEDOCTOR_FIX_CHECKS``     ``verify``            ``1``: run the fixes' numerical checks
+``MOEDOCTOR_DEBUG``          the user              set: moedoctor's own errors print their traceback
+============================ ===================== ===============================================================
 """
 
 from __future__ import annotations
