@@ -11,11 +11,11 @@ A run directory (``moedoctor run --run-dir``, ``moedoctor triage``'s folder) hol
     job.log, job-<node>.log  the job's output on the first node, on each node that joined
     traces/                  per-rank traces and status files (trace/format.py names the files)
     stacks/                  per-rank stack dumps at the hang (``rank-N.json``: runner/stacks.py)
-    gpu/                     NVML snapshots (runner/gpu.py)
+    gpu/                     NVML snapshots, ``<host>.json`` (runner/gpu.py)
     control/                 the snapshot request, the recorders' markers (trace/format.py)
     fixes/                   what each fix did in each worker (``<fix>/rank-N.json``: fixes/runtime.py)
     flight_recorder/         Flight Recorder dumps
-    params/                  --check-params fingerprints (trace/params_format.py)
+    params/                  --check-params fingerprints (trace/params_format.py), check.json
 
 A shared leaf (no torch, nothing of moedoctor's): the recorder, the runner, triage, the fixes and the
 analysis all take their paths from here. ``tests/unit/test_owners.py`` fails on these names spelled
@@ -75,6 +75,14 @@ def stack_file_name(rank: int) -> str:
     """A rank's stack dump in ``stacks/``."""
     return f"rank-{rank}.json"
 
+
+def gpu_file_name(host: str) -> str:
+    """A host's NVML snapshot in ``gpu/``."""
+    return f"{host}.json"
+
+
+#: In ``params/``: the parameter check's result (``moedoctor run --check-params``).
+PARAMS_CHECK = "check.json"
 
 #: Every stack dump in ``stacks/``.
 STACK_FILES = "rank-*.json"
@@ -136,6 +144,13 @@ class RunDir:
     @property
     def params(self) -> Path:
         return self.path / PARAMS
+
+    def gpu_file(self, host: str) -> Path:
+        return self.gpu / gpu_file_name(host)
+
+    @property
+    def params_check(self) -> Path:
+        return self.params / PARAMS_CHECK
 
     @property
     def snapshot_request(self) -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from moedoctor.layout import PARAMS, RunDir
+from moedoctor.layout import PARAMS, PARAMS_CHECK, RunDir
 from moedoctor.wording import phase_label
 from moedoctor.analysis.report_json import add_params
 from moedoctor.analysis.params import SHARD_IDENTICAL, ParamsCheck, check_run_dir, has_params
@@ -18,7 +18,7 @@ _KIND_TEXT = {
     "replicated-differs": "replicated, but differs across ranks",
     "optimizer-state-differs": "optimizer state differs where the parameter agrees",
 }
-CHECK_FILE = "check.json"
+CHECK_FILE = PARAMS_CHECK
 
 
 def run_params_check(path: Path) -> ParamsCheck | None:
@@ -34,7 +34,7 @@ def run_params_check(path: Path) -> ParamsCheck | None:
         pass
     check = check_run_dir(path, events)
     try:
-        (RunDir(Path(path)).params / CHECK_FILE).write_text(json.dumps(check.to_json(), indent=1) + "\n")
+        (RunDir(Path(path)).params_check).write_text(json.dumps(check.to_json(), indent=1) + "\n")
         add_params(RunDir(Path(path)).report, check.to_json())  # the run's report gets the section too
     except (OSError, ValueError):
         pass  # the check was printed; its files are a convenience

@@ -66,7 +66,7 @@ class HangEvidence:
         try:
             return write_gpu_snapshot(self.dir.gpu, self.config.host)
         except OSError as e:
-            self.write_failed(cannot_write(self.dir.gpu / f"{self.config.host}.json", e))
+            self.write_failed(cannot_write(self.dir.gpu_file(self.config.host), e))
             return None
 
     def last_coverage(self) -> None:
