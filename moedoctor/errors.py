@@ -33,6 +33,8 @@ import errno
 from collections.abc import Iterator
 from pathlib import Path
 
+from moedoctor import environment
+
 EXIT_OK = 0
 EXIT_FINDING = 1
 EXIT_BAD_INPUT = 2
@@ -86,9 +88,8 @@ def internal_error_line(e: BaseException, limit: int = 300) -> str:
     text = " ".join(text[:limit].split()) + ("..." if len(text) > limit else "")
     where = file_of(e)
     where = f" while reading {where[:500]}" if where else ""
-    return (
-        f"internal error{where}: {type(e).__name__}: {text} (a bug in moedoctor; MOEDOCTOR_DEBUG=1 shows the traceback)"
-    )
+    debug = environment.DEBUG.name
+    return f"internal error{where}: {type(e).__name__}: {text} (a bug in moedoctor; {debug}=1 shows the traceback)"
 
 
 def errno_text(number) -> str:

@@ -19,15 +19,15 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-_PREFIX = "MOEDOCTOR_"
+from moedoctor import environment
 
 
 def moedoctor_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables ``moedoctor run`` set for this job (empty outside it)."""
     environ = os.environ if environ is None else environ
-    if not environ.get("MOEDOCTOR_RUN_DIR"):
+    if not environment.run_dir(environ):
         return {}
-    env = {k: v for k, v in environ.items() if k.startswith(_PREFIX)}
+    env = environment.ours(environ)
     if environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = environ["PYTHONPATH"]
     return env

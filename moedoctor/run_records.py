@@ -16,6 +16,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moedoctor import layout
 from moedoctor.process_state import ProcessState
 
 # ---- stack dumps -------------------------------------------------------------------------------
@@ -288,33 +289,9 @@ def busy_of(raw: object) -> list[BusyRecord]:
     return out
 
 
-def load_manifest(path: Path) -> dict:
-    """The manifest as written (JSON); ``hang_of`` gives its hang as typed records."""
-    return json.loads(Path(path).read_text())
-
-
-def hang_of(manifest: dict) -> HangRecord | None:
-    raw = manifest.get("hang")
-    if not raw:
-        return None
-    ranks = [RankAtHang(**{**r, "last": LastCollective(**r["last"]) if r.get("last") else None}) for r in raw["ranks"]]
-    fields = {k: raw[k] for k in ("detected_at", "host", "hang_timeout", "idle_seconds", "stopped")}
-    return HangRecord(
-        **fields,
-        ranks=ranks,
-        gpu_file=raw.get("gpu_file"),
-        trigger=raw.get("trigger", "hang"),
-        finding=raw.get("finding"),
-        detection_latency_s=raw.get("detection_latency_s"),
-        lags=list(raw.get("lags") or ()),
-        proof=raw.get("proof"),
-        mechanism=raw.get("mechanism"),
-    )
-
-
 # ---- supervisor locks --------------------------------------------------------------------------
 
-LOCK_GLOB = "supervisor-node*.lock"
+LOCK_GLOB = layout.LOCK_GLOB
 #: Lock files this process holds (path -> descriptor), for its whole life: the kernel drops them at exit.
 HELD_LOCKS: dict[str, int] = {}
 

@@ -11,11 +11,13 @@ import sys
 
 
 def _activate() -> None:
-    record = bool(os.environ.get("MOEDOCTOR_RUN_DIR"))
-    fix = bool(os.environ.get("MOEDOCTOR_FIXES"))
-    if not (record or fix):
-        return
     try:
+        from moedoctor import environment  # the contract's leaf: imports only os
+
+        record = environment.RUN_DIR.is_set()
+        fix = environment.FIXES.is_set()
+        if not (record or fix):
+            return
         from moedoctor._imports import when_imported
 
         if record:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moedoctor.layout import FLIGHT_RECORDER, RunDir
 from moedoctor.trace.fr_completion import SOURCE_FR_DUMP, SOURCE_WORK, entries_from_events, fuse
 
 
 def fuse_flight_recorder(run) -> None:
     """Fill completions from ``RUN_DIR/flight_recorder`` into ``run.traces`` (a ``RunData`` of a
     run directory); notes what could not be fused in ``run.incomplete``. Never raises."""
-    folder = run.path / "flight_recorder"
+    folder = RunDir(run.path).flight_recorder
     if not run.traces or not folder.is_dir():
         return
     try:
@@ -35,7 +36,7 @@ def fuse_flight_recorder(run) -> None:
         fr = read_flight_recorder(folder)
     except Exception as e:  # noqa: BLE001 - the traces are still analyzed without it
         run.incomplete.append(
-            f"flight_recorder/: not read ({type(e).__name__}: {str(e)[:120]}); completion of "
+            f"{FLIGHT_RECORDER}/: not read ({type(e).__name__}: {str(e)[:120]}); completion of "
             "collectives whose Work was not observed stays unknown"
         )
         return

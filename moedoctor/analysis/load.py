@@ -22,17 +22,9 @@ from pathlib import Path
 from moedoctor.analysis.completion import fuse_flight_recorder
 from moedoctor.analysis.model import Verdict
 from moedoctor.errors import EXIT_USAGE, MoedoctorError
-from moedoctor.run_records import (
-    BusyRecord,
-    HangRecord,
-    RankExit,
-    StackDump,
-    busy_of,
-    hang_of,
-    load_manifest,
-    read_stack_dump,
-    supervisor_alive,
-)
+from moedoctor.layout import GPU, JOB_LOG, JOB_LOGS, MANIFEST, STACK_FILES, STACKS, TRACES, RunDir
+from moedoctor.manifest_format import Manifest
+from moedoctor.run_records import BusyRecord, HangRecord, RankExit, StackDump, read_stack_dump, supervisor_alive
 from moedoctor.trace.format import STOPPED, read_statuses, recorder_markers, stopped_line
 from moedoctor.trace.reader import RankTrace, bounded_int, trace_paths
 from moedoctor.trace.schema import MAX_WORLD_SIZE
@@ -227,16 +219,17 @@ def load_run(
         )
     if not path.is_dir():
         raise MoedoctorError(f"{path}: not a file or directory", EXIT_USAGE)
-    if (path / "manifest.json").exists() or (path / "traces").is_dir():
+    layout = RunDir(path)
+    if layout.manifest.exists() or layout.traces.is_dir():
         run = RunData(path=path, kind=SourceKind.RUN_DIR, traces=[])
-        run.manifest = _read_manifest(path / "manifest.json", run.incomplete)
-        run.stacks = read_stacks(path / "stacks", run.incomplete)
-        run.gpus = read_gpu_snapshots(path / "gpu", run.incomplete)
-        paths = trace_paths(path / "traces")
+        run.manifest = _read_manifest(layout.manifest, run.incomplete)
+        run.stacks = read_stacks(layout.stacks, run.incomplete)
+        run.gpus = read_gpu_snapshots(layout.gpu, run.incomplete)
+        paths = trace_paths(layout.traces)
         if not paths:
-            loaded = recorder_markers(path / "control")
+            loaded = recorder_markers(layout.control)
             run.incomplete.append(
-                "no trace files in traces/: "
+                f"no trace files in {TRACES}/: "
                 + (
                     f"the recorder was loaded in rank(s) {rank_ranges(loaded, 20)}, but no rank created its default "
                     "process group (init_process_group / init_device_mesh never returned)"
@@ -349,13 +342,13 @@ def evidence_problem(run: RunData) -> str | None:
             m is not None
             and m.status in ("finished", "interrupted")
             and run.kind == SourceKind.RUN_DIR
-            and not recorder_markers(run.path / "control")
+            and not recorder_markers(RunDir(run.path).control)
         ):
             codes = [c for c in m.launcher_exits if c not in (None, 0)]
             how = f"the launcher exited with status {codes[0]}" if codes else "the launcher ended"
             return (
                 f"the job never started: no rank wrote a trace and moedoctor's recorder loaded in no rank "
-                f"({how}; see its log, job.log)"
+                f"({how}; see its log, {JOB_LOG})"
             )
         return f"{run.path}: no readable moedoctor trace, so no verdict{context}"
     if not run.world_size:
@@ -386,38 +379,36 @@ def verdict_problem(run: RunData, verdict: Verdict) -> str | None:
 
 def _read_manifest(path: Path, incomplete: list[str]) -> ManifestInfo | None:
     if not path.exists():
-        incomplete.append("no manifest.json: rank exit statuses and the hang record are unknown")
+        incomplete.append(f"no {MANIFEST}: rank exit statuses and the hang record are unknown")
         return None
     try:
-        raw = load_manifest(path)
-        if not isinstance(raw, dict):
-            raise ValueError("not a JSON object")
+        manifest = Manifest.read(path)
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested past the parser's limit
         incomplete.append(
-            f"manifest.json unreadable ({type(e).__name__}: {str(e)[:200]}): rank exit statuses and "
+            f"{MANIFEST} unreadable ({type(e).__name__}: {str(e)[:200]}): rank exit statuses and "
             "the hang record are unknown"
         )
         return None
-    world = raw.get("world_size")
+    world = manifest.world_size
     info = ManifestInfo(
-        status=raw.get("status") if isinstance(raw.get("status"), str) else None,
+        status=manifest.status,
         hang=None,
         exits={},
         world_size=world if _int(world) and 0 < world <= MAX_WORLD_SIZE else None,
     )
     if _int(world) and world > MAX_WORLD_SIZE:
-        incomplete.append(f"manifest.json: world size {bounded_int(world)} is beyond {MAX_WORLD_SIZE}: ignored")
-    command = raw.get("command")
-    if isinstance(command, list) and all(isinstance(arg, str) for arg in command[:MAX_COMMAND_ARGS]):
+        incomplete.append(f"{MANIFEST}: world size {bounded_int(world)} is beyond {MAX_WORLD_SIZE}: ignored")
+    command = manifest.command
+    if command is not None and all(isinstance(arg, str) for arg in command[:MAX_COMMAND_ARGS]):
         info.command = command[:MAX_COMMAND_ARGS]
-    nodes = raw.get("nodes")
+    nodes = manifest.nodes_raw
     if isinstance(nodes, dict):
         info.launcher_exits = [
             n.get("launcher_exit") if _int(n.get("launcher_exit")) else None
             for n in list(nodes.values())[:1000]
             if isinstance(n, dict)
         ]
-    info.busy = busy_of(raw.get("busy"))
+    info.busy = manifest.busy
     if info.status == "running" and supervisor_alive(path.parent) is False:
         # Said by the analysis (``ManifestInfo.interruption``): the run was interrupted.
         info.lost_supervisors = _running_supervisors(nodes) or ["moedoctor, pid unknown"]
@@ -426,10 +417,10 @@ def _read_manifest(path: Path, incomplete: list[str]) -> ManifestInfo | None:
         ends = [n.get("end") for n in list(nodes.values())[:1000] if isinstance(n, dict)]
         info.stopped_at = max((e for e in ends if isinstance(e, (int, float)) and 0 < e < 1e11), default=None)
     try:
-        info.hang = hang_of(raw)
+        info.hang = manifest.hang
     except Exception as e:  # noqa: BLE001 - a damaged hang record leaves the rest usable
-        incomplete.append(f"manifest.json: hang record unreadable ({type(e).__name__})")
-    ranks = raw.get("ranks")
+        incomplete.append(f"{MANIFEST}: hang record unreadable ({type(e).__name__})")
+    ranks = manifest.ranks
     if isinstance(ranks, dict):
         for entry in ranks.values():
             try:
@@ -437,9 +428,9 @@ def _read_manifest(path: Path, incomplete: list[str]) -> ManifestInfo | None:
                 if _int(exit_.rank) and (exit_.exit_code is None or _int(exit_.exit_code)):
                     info.exits[exit_.rank] = exit_
             except (TypeError, ValueError):
-                incomplete.append("manifest.json: a rank's exit entry is unreadable")
-    coverage = raw.get("coverage")
-    if isinstance(coverage, dict) and not coverage.get("complete", True):
+                incomplete.append(f"{MANIFEST}: a rank's exit entry is unreadable")
+    coverage = manifest.coverage
+    if coverage is not None and not coverage.get("complete", True):
         for gap in coverage.get("gaps") or ():
             if isinstance(gap, dict):
                 info.coverage_gaps.append(_gap_text(gap))
@@ -462,7 +453,7 @@ def _last_write(run_dir: Path) -> float | None:
     supervisor killed without a word died about then (its job is stopped with it, so the ranks' last
     records are at most a second later)."""
     times = []
-    for pattern in ("traces/rank-*.jsonl", "traces/rank-*.status", "job*.log", "manifest.json"):
+    for pattern in (f"{TRACES}/rank-*.jsonl", f"{TRACES}/rank-*.status", JOB_LOGS, MANIFEST):
         for p in list(run_dir.glob(pattern))[:100_000]:
             try:
                 times.append(p.stat().st_mtime)
@@ -484,11 +475,11 @@ def read_stacks(folder: Path, incomplete: list[str]) -> dict[int, StackDump]:
     stacks: dict[int, StackDump] = {}
     if not folder.is_dir():
         return stacks
-    for p in sorted(folder.glob("rank-*.json")):
+    for p in sorted(folder.glob(STACK_FILES)):
         try:
             dump = read_stack_dump(p)
         except Exception as e:  # noqa: BLE001
-            incomplete.append(f"stacks/{p.name} unreadable ({type(e).__name__})")
+            incomplete.append(f"{STACKS}/{p.name} unreadable ({type(e).__name__})")
             continue
         stacks[dump.rank] = dump
     return stacks
@@ -503,7 +494,7 @@ def read_gpu_snapshots(folder: Path, incomplete: list[str]) -> list[GpuSnapshot]
             raw = json.loads(p.read_text())
             snapshots.append(_gpu(raw, p.stem))
         except Exception as e:  # noqa: BLE001
-            incomplete.append(f"gpu/{p.name} unreadable ({type(e).__name__})")
+            incomplete.append(f"{GPU}/{p.name} unreadable ({type(e).__name__})")
     return snapshots
 
 
@@ -578,7 +569,7 @@ def _load_flight_recorder(path: Path) -> RunData:
 
 def _nothing_here(path: Path) -> str:
     return (
-        f"{path}: nothing to analyze: not a moedoctor run directory (manifest.json, traces/), no "
+        f"{path}: nothing to analyze: not a moedoctor run directory ({MANIFEST}, {TRACES}/), no "
         "moedoctor traces (rank-*.jsonl) and no Flight Recorder dumps"
     )
 

@@ -193,3 +193,30 @@ def write_json(report: Report, path: Path) -> Path:
     path = Path(path)
     write_atomically(path, dumps(report) + "\n")
     return path
+
+
+#: The parameter check's section (``moedoctor run --check-params``; docs/report-format.md, ``params``).
+PARAMS = "params"
+
+
+def dumps_with_params(report: Report, params: dict | None) -> str:
+    """``moedoctor analyze --json``'s document: the report, with the parameter check's section when
+    there is one (then on one line)."""
+    if params is None:
+        return dumps(report)
+    return json.dumps({**json.loads(dumps(report)), PARAMS: params})
+
+
+def add_params(path: Path, params: dict) -> bool:
+    """Add the parameter check's section to the ``report.json`` at ``path`` (written earlier by
+    ``write_json``); False when there is no report there to add it to. OSError, ValueError as the
+    file's reading and writing raise them."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        return False
+    data[PARAMS] = params
+    write_atomically(path, json.dumps(data, indent=1) + "\n")
+    return True

@@ -19,7 +19,7 @@ from moedoctor.analysis.params import has_params
 from moedoctor.errors import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_OK, MoedoctorError, reading
 from moedoctor.fixes.reach import with_fix_reach
 from moedoctor.render.html import write_html
-from moedoctor.render.json_report import dumps
+from moedoctor.render.json_report import dumps_with_params
 from moedoctor.render.perfetto import write_perfetto
 from moedoctor.render.terminal import render_report
 
@@ -102,9 +102,7 @@ def analyze(
         raise MoedoctorError(problem, EXIT_BAD_INPUT)
     check = run_params_check(path) if has_params(path) else None  # recorded with --check-params
     if json_out:
-        typer.echo(
-            dumps(report) if check is None else json.dumps({**json.loads(dumps(report)), "params": check.to_json()})
-        )
+        typer.echo(dumps_with_params(report, None if check is None else check.to_json()))
     else:
         render_report(report, screen_console())
         if check is not None:

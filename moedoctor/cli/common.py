@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from moedoctor.runner.launch import DEFAULT_STARTUP_TIMEOUT
+from moedoctor.runner.launch import DEFAULT_HANG_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
 from moedoctor.runner.recorder_choice import RecorderChoice, choose_recorder
 
 StartupTimeout = Annotated[
@@ -44,6 +44,7 @@ RECORDER_HELP = (
 )
 
 __all__ = [
+    "DEFAULT_HANG_TIMEOUT",
     "DEFAULT_STARTUP_TIMEOUT",
     "FixConfigFile",
     "Force",

@@ -1,8 +1,8 @@
 """What ``moedoctor run`` prints when it is over. ``report_after_hang(run_dir, console)`` is the one
-place the post-hang report is rendered, from the run directory alone: the analysis report
-(``moedoctor.analysis``), also written to ``RUN_DIR/report.json`` (the schema of
+place the post-hang report is rendered, from the run directory alone: the analysis report, which
+the library (``runner/outcome.py``) also wrote to ``RUN_DIR/report.json`` (the schema of
 ``moedoctor analyze --json``). A job that ends by itself is analyzed too: a crashed rank gets the
-full report, a healthy run one line."""
+full report, a healthy run one line. Rendering only: what to say comes from ``runner.outcome``."""
 
 from __future__ import annotations
 
@@ -14,28 +14,18 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from moedoctor.analysis import Verdict
 from moedoctor.wording import phase_label
-from moedoctor.analysis import Verdict, analyze, load_run
-from moedoctor.analysis.load import verdict_problem
-from moedoctor.errors import MoedoctorError, cannot_write
-from moedoctor.fixes.reach import with_fix_reach
-from moedoctor.render.json_report import write_json
 from moedoctor.render.terminal import render_report, render_slow
 from moedoctor.runner import RunResult
-from moedoctor.runner.manifest import hang_of, load_manifest
-from moedoctor.runner.exchange import store_of
-from moedoctor.runner.ranks import unknown_exits_line
-from moedoctor.runner.rundir import RunDir
-from moedoctor.trace.format import STOPPED, read_statuses
-from moedoctor.trace.reader import trace_paths
+from moedoctor.runner.outcome import RunAnalysis, hang_outcome, run_end
 
 
 def report_after_hang(run_dir: Path, console: Console) -> None:
     """The hang in one line, then the analysis report; ``report.json`` written into the run directory.
     If the analysis cannot run, the per-rank table of the watchdog's hang record instead."""
-    layout = RunDir(Path(run_dir))
-    manifest = load_manifest(layout.manifest)
-    hang = hang_of(manifest)
+    outcome = hang_outcome(Path(run_dir))
+    layout, hang = outcome.layout, outcome.hang
     if hang is None:
         console.print(f"moedoctor: no hang recorded in {escape(str(layout.manifest))}", soft_wrap=True)
         return
@@ -69,10 +59,10 @@ def report_after_hang(run_dir: Path, console: Console) -> None:
     for lag in hang.lags[:5]:
         console.print(f"[yellow]Lag[/]: {escape(lag)}", highlight=False, soft_wrap=True)
     first = hang.mechanism if hang.trigger == "desync" else None
-    written = analysis_report(layout, console, first_mechanism=first)
+    written = render_analysis(outcome.analysis, layout.path, console, first_mechanism=first)
     if written is None:
         _hang_table(hang, console)
-    _print_coverage(manifest.get("coverage") or {}, console)
+    _print_coverage(outcome.coverage, console)
     files = [f"{layout.stacks}/", f"{layout.gpu}/", str(layout.manifest), str(layout.job_log)]
     if written is not None:
         files.insert(0, str(written))
@@ -82,54 +72,40 @@ def report_after_hang(run_dir: Path, console: Console) -> None:
         highlight=False,
         soft_wrap=True,
     )
-    _other_nodes_note(layout, manifest, console)
-
-
-def _other_nodes_note(layout: RunDir, manifest: dict, console: Console) -> None:
-    """A node of a multi-node job with a run directory of its own holds its own ranks' traces only:
-    say how to analyze the whole job."""
-    world, command = manifest.get("world_size"), manifest.get("command")
-    traced = len(trace_paths(layout.traces)) if layout.traces.is_dir() else 0
-    if not isinstance(world, int) or traced >= world or not isinstance(command, list) or store_of(command) is None:
-        return
-    console.print(
-        f"This node's run directory holds {traced} of the job's {world} ranks (a run directory per node): "
-        f"for the whole job, gather the nodes' run directories and run [bold]moedoctor analyze "
-        f"{escape(str(layout.path))} OTHER_NODE_RUN_DIR ...[/]",
-        highlight=False,
-        soft_wrap=True,
-    )
-
-
-def analysis_report(
-    layout: RunDir, console: Console, quiet_if_healthy: bool = False, first_mechanism: str | None = None
-) -> Path | None:
-    """Analyze the run directory, render the report and write ``report.json``; the path written, or
-    None when the analysis could not run (the reason is printed). ``first_mechanism``: the one the
-    online detector's first report named; said again when the analysis, with the ranks' history,
-    reads another."""
-    try:
-        run = load_run(layout.path)
-        report = with_fix_reach(analyze(run), run)
-        problem = verdict_problem(run, report.verdict)
-        if problem is not None:  # never "Healthy: 0 collectives" for a job that never started
-            raise MoedoctorError(problem)
-        try:
-            path = write_json(report, layout.report)
-        except OSError as e:  # disk full: the report is still shown
-            console.print(
-                f"[yellow]moedoctor: {escape(cannot_write(layout.report, e, 'the report is shown only'))}[/]",
-                highlight=False,
-                soft_wrap=True,
-            )
-            path = None
-    except MoedoctorError as e:
-        console.print(f"[yellow]moedoctor: no analysis:[/] {escape(e.message)}", highlight=False, soft_wrap=True)
-        return None
-    except Exception as e:  # noqa: BLE001 - the run's own result must still be reported
+    other = outcome.other_nodes
+    if other is not None:  # a node of a multi-node job with a run directory of its own holds its own ranks only
         console.print(
-            f"[yellow]moedoctor: the analysis failed ({escape(type(e).__name__)}: {escape(str(e))}); "
-            f"the run is recorded, try: moedoctor analyze {escape(str(layout.path))}[/]",
+            f"This node's run directory holds {other.traced} of the job's {other.world} ranks (a run directory per "
+            f"node): for the whole job, gather the nodes' run directories and run [bold]moedoctor analyze "
+            f"{escape(str(layout.path))} OTHER_NODE_RUN_DIR ...[/]",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def render_analysis(
+    analysis: RunAnalysis,
+    run_dir: Path,
+    console: Console,
+    quiet_if_healthy: bool = False,
+    first_mechanism: str | None = None,
+) -> Path | None:
+    """Render the analysis of the run (``runner.outcome.analyze_run_dir``); the ``report.json`` it
+    wrote, or None when the analysis could not run (the reason is printed). ``first_mechanism``: the
+    one the online detector's first report named; said again when the analysis, with the ranks'
+    history, reads another."""
+    if analysis.write_error is not None:  # disk full: the report is still shown
+        console.print(f"[yellow]moedoctor: {escape(analysis.write_error)}[/]", highlight=False, soft_wrap=True)
+    if analysis.no_analysis is not None:
+        console.print(
+            f"[yellow]moedoctor: no analysis:[/] {escape(analysis.no_analysis)}", highlight=False, soft_wrap=True
+        )
+        return None
+    report = analysis.report
+    if report is None:  # the analysis itself failed
+        console.print(
+            f"[yellow]moedoctor: the analysis failed ({escape(analysis.failure or '?')}); "
+            f"the run is recorded, try: moedoctor analyze {escape(str(run_dir))}[/]",
             highlight=False,
             soft_wrap=True,
         )
@@ -147,7 +123,7 @@ def analysis_report(
             highlight=False,
             soft_wrap=True,
         )
-    return path
+    return analysis.written
 
 
 def _hang_table(hang, console: Console) -> None:
@@ -185,16 +161,16 @@ def report_after_run(result: RunResult, console: Console) -> None:
         console.print(f"moedoctor: interrupted; the job was stopped (exit {result.exit_code})", soft_wrap=True)
     else:
         console.print(f"moedoctor: the job exited with status {result.exit_code}", soft_wrap=True)
-        unknown = unknown_exits_line(layout.manifest) if result.exit_code != 0 else None
-        if unknown is not None:  # a failed job whose failed ranks cannot be named from their exits
-            console.print(f"moedoctor: {unknown}", soft_wrap=True, highlight=False)
+    end = run_end(result)
+    if end.unknown_exits is not None:  # a failed job whose failed ranks cannot be named from their exits
+        console.print(f"moedoctor: {end.unknown_exits}", soft_wrap=True, highlight=False)
     if result.hang is not None:
         console.print(
             f"A hang was diagnosed at {time.strftime('%H:%M:%S', time.localtime(result.hang.detected_at))}"
             " and the job left running (--keep-alive); see the manifest's hang record.",
             soft_wrap=True,
         )
-    stopped = sorted(r for r, status in read_statuses(layout.traces).items() if status["state"] == STOPPED)
+    stopped = end.stopped
     if stopped:  # the traces end before the job did: no verdict from them (docs/guarantees.md)
         console.print(
             f"[yellow]moedoctor: the recording stopped on rank{'s' if len(stopped) > 1 else ''} "
@@ -203,10 +179,10 @@ def report_after_run(result: RunResult, console: Console) -> None:
             highlight=False,
             soft_wrap=True,
         )
-    elif result.coverage is not None and any(layout.traces.glob("rank-*.jsonl")):  # nothing to cover otherwise
-        _print_coverage({"complete": result.coverage.complete, "gaps": result.coverage.gaps}, console)
-    if result.job_exit is not None and not stopped:  # ended by itself: explain it (a crash, or confirm healthy)
-        written = analysis_report(layout, console, quiet_if_healthy=True)
+    elif end.coverage is not None:
+        _print_coverage(end.coverage, console)
+    if end.analysis is not None:  # ended by itself: explain it (a crash, or confirm healthy)
+        written = render_analysis(end.analysis, layout.path, console, quiet_if_healthy=True)
         if written is not None:
             console.print(f"Report: {escape(str(written))}", highlight=False, soft_wrap=True)
     console.print(

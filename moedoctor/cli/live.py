@@ -1,6 +1,6 @@
 """What ``moedoctor run`` shows while the job runs: the job's own output, passed through, and a
 status of every rank on stderr (a ``rich.live.Live`` table on a terminal, a plain line every
-``LOG_EVERY`` seconds otherwise)."""
+``LOG_EVERY`` seconds otherwise; both drawn by ``render/status.py``)."""
 
 from __future__ import annotations
 
@@ -11,97 +11,16 @@ import time
 from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
-from rich.table import Table
 
-from moedoctor.wording import phase_label
+from moedoctor.layout import JOB_LOG
 from moedoctor.cli.hang_report import report_after_hang
 from moedoctor.runner import Outcome, RunDir, RunObserver, RunStatus
-from moedoctor.runner.launch import RankStatus
+from moedoctor.render.status import slow_line, status_line, status_table  # noqa: F401 - re-exported
 from moedoctor.runner.manifest import HangRecord
 from moedoctor.rank_states import Judgement
 from moedoctor.runner.online import Desync, Lag
 
 LOG_EVERY = 10.0
-
-
-def status_table(status: RunStatus) -> Table:
-    slow = slow_line(status).removesuffix(" | ")
-    table = Table(
-        title=(
-            f"moedoctor: {status.elapsed:.0f}s, silent {status.idle_seconds:.0f}s, {escape(status.busy)}"
-            if status.busy
-            else f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.1f}s of {status.limit:.0f}s"
-            + (f"; {escape(slow)}" if slow else "")
-        ),
-        title_justify="left",
-        expand=False,
-    )
-    for name, justify in (
-        ("rank", "right"),
-        ("pid", "right"),
-        ("group", "left"),
-        ("seq", "right"),
-        ("op", "left"),
-        ("state", "left"),
-        ("phase", "left"),
-        ("step", "right"),
-        ("idle s", "right"),
-    ):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for r in status.ranks:
-        if r.unrecorded:
-            table.add_row(str(r.rank), str(r.pid or ""), "", "", "", "not recorded", "", "", "")
-            continue
-        if r.last is None:
-            state = "starting" if r.idle_seconds is None else "initialized"
-            table.add_row(str(r.rank), str(r.pid or ""), "", "", "", state, "", "", _idle(r))
-            continue
-        e = r.last
-        table.add_row(
-            str(r.rank),
-            str(r.pid),
-            escape(e.group.desc or e.group.name),
-            str(e.seq),
-            e.op,
-            "done" if r.last_completed else "waiting",
-            phase_label(e.phase.value),
-            str(e.step),
-            _idle(r),
-        )
-    return table
-
-
-def status_line(status: RunStatus) -> str:
-    parts = []
-    for r in status.ranks:
-        if r.unrecorded:
-            parts.append(f"rank {r.rank}: recording stopped")
-        elif r.last is None:
-            parts.append(f"rank {r.rank}: {'starting' if r.idle_seconds is None else 'initialized'}")
-        else:
-            e = r.last
-            parts.append(
-                f"rank {r.rank}: {e.op} #{e.seq} ({e.group.desc or e.group.name}) "
-                f"{'done' if r.last_completed else 'waiting'}, {phase_label(e.phase.value)}, step {e.step}, "
-                f"idle {_idle(r)}s"
-            )
-    ranks = "; ".join(parts) or "no rank started yet"
-    if all(r.last is None for r in status.ranks):  # before the first collective: the start-up limit applies
-        return f"moedoctor: {status.elapsed:.0f}s, no collective yet (start-up limit {status.limit:.0f}s) | {ranks}"
-    slow = slow_line(status)
-    if status.busy:  # past the timeout, judged: not a hang
-        return f"moedoctor: {status.elapsed:.0f}s, silent {status.idle_seconds:.0f}s, {status.busy} | {ranks}"
-    return f"moedoctor: {status.elapsed:.0f}s, idle {status.idle_seconds:.0f}s of {status.limit:.0f}s | {slow}{ranks}"
-
-
-def slow_line(status: RunStatus) -> str:
-    """``slow, not stuck: 4,212 broadcasts from loader.py:88 in 38 s (...) | `` while a storm goes on."""
-    storms = [r for r in status.ranks if r.slow and not r.unrecorded]
-    return f"{max(storms, key=lambda r: r.slow_seconds).slow} | " if storms else ""
-
-
-def _idle(r: RankStatus) -> str:
-    return "" if r.idle_seconds is None else f"{r.idle_seconds:.1f}"
 
 
 class ConsoleObserver(RunObserver):
@@ -220,7 +139,7 @@ class ConsoleObserver(RunObserver):
         self.muted = True
         self.console.print(
             f"[bold]moedoctor:[/] {why}: stopping the job's processes (SIGTERM, then SIGKILL); "
-            "their last output goes to job.log",
+            f"their last output goes to {JOB_LOG}",
             highlight=False,
             soft_wrap=True,
         )

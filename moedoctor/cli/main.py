@@ -4,13 +4,13 @@ turns a ``MoedoctorError`` into a message on stderr and its exit status, and any
 
 from __future__ import annotations
 
-import os
 import sys
 
 import typer
 from rich.markup import escape
 
 import moedoctor
+from moedoctor import environment
 from moedoctor.cli import analyze, fixes, run, triage, verify
 from moedoctor.cli._command import Group
 from moedoctor.errors import EXIT_INTERNAL, MoedoctorError, internal_error_line
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         console(stderr=True).print(f"[bold red]moedoctor:[/] {escape(e.message)}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - moedoctor's own bug: one line and exit 3, never a traceback
-        if os.environ.get("MOEDOCTOR_DEBUG"):
+        if environment.debug():
             raise
         console(stderr=True).print(
             f"[bold red]moedoctor:[/] {escape(internal_error_line(e))}", highlight=False, soft_wrap=True

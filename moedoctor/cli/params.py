@@ -8,7 +8,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from moedoctor.layout import PARAMS, PARAMS_CHECK, RunDir
 from moedoctor.wording import phase_label
+from moedoctor.analysis.report_json import add_params
 from moedoctor.analysis.params import SHARD_IDENTICAL, ParamsCheck, check_run_dir, has_params
 
 _KIND_TEXT = {
@@ -16,7 +18,7 @@ _KIND_TEXT = {
     "replicated-differs": "replicated, but differs across ranks",
     "optimizer-state-differs": "optimizer state differs where the parameter agrees",
 }
-CHECK_FILE = "check.json"
+CHECK_FILE = PARAMS_CHECK
 
 
 def run_params_check(path: Path) -> ParamsCheck | None:
@@ -32,13 +34,8 @@ def run_params_check(path: Path) -> ParamsCheck | None:
         pass
     check = check_run_dir(path, events)
     try:
-        (Path(path) / "params" / CHECK_FILE).write_text(json.dumps(check.to_json(), indent=1) + "\n")
-        report = Path(path) / "report.json"
-        if report.is_file():  # the run's report gets the section too (docs/report-format.md, `params`)
-            data = json.loads(report.read_text())
-            if isinstance(data, dict):
-                data["params"] = check.to_json()
-                report.write_text(json.dumps(data, indent=1) + "\n")
+        (RunDir(Path(path)).params_check).write_text(json.dumps(check.to_json(), indent=1) + "\n")
+        add_params(RunDir(Path(path)).report, check.to_json())  # the run's report gets the section too
     except (OSError, ValueError):
         pass  # the check was printed; its files are a convenience
     return check
@@ -68,7 +65,7 @@ def render_params_check(check: ParamsCheck, console: Console, limit: int = 12) -
                 soft_wrap=True,
             )
     if len(check.findings) > limit:
-        console.print(f"  ... and {len(check.findings) - limit} more (params/{CHECK_FILE})", highlight=False)
+        console.print(f"  ... and {len(check.findings) - limit} more ({PARAMS}/{CHECK_FILE})", highlight=False)
     if check.pattern:
         console.print(
             "  Fix: make per-rank parameters DTensors Shard(0) on their expert-parallel mesh, or leave them out of "

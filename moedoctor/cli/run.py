@@ -13,6 +13,7 @@ import typer
 from moedoctor.render.width import console as screen_console
 from moedoctor.cli._command import Command
 from moedoctor.cli.common import (
+    DEFAULT_HANG_TIMEOUT,
     DEFAULT_STARTUP_TIMEOUT,
     RECORDER_HELP,
     FixConfigFile,
@@ -24,7 +25,9 @@ from moedoctor.cli.common import (
 from moedoctor.cli.hang_report import report_after_run
 from moedoctor.cli.live import ConsoleObserver
 from moedoctor.cli.params import print_params_check
+from moedoctor.environment import DEFAULT_MAX_EVENTS, MAX_EVENTS
 from moedoctor.errors import EXIT_USAGE, MoedoctorError
+from moedoctor.layout import GPU, JOB_LOG, STACKS, TRACES
 from moedoctor.fixes import FIXES, get_fix
 from moedoctor.fixes.config import load_fix_config, write_fix_config
 from moedoctor.runner import RunConfig, default_run_dir, prepare_run_dir, run_job
@@ -62,7 +65,7 @@ def run(
         Optional[Path],
         typer.Option(
             "--run-dir",
-            help="Where to record the run (manifest, traces/, stacks/, gpu/, job.log). Default: a "
+            help=f"Where to record the run (manifest, {TRACES}/, {STACKS}/, {GPU}/, {JOB_LOG}). Default: a "
             "new timestamped folder under ./moedoctor-runs/. A folder belongs to one job: its live moedoctor holds "
             "a lock there, and a second run of the same node is refused; another node of the same job (same "
             "command up to --node_rank) joins it: that is how every node of a multi-node job shares one run "
@@ -82,7 +85,7 @@ def run(
             "waits too, is stopped or dead, or works with no CPU, no I/O and no new stack for this long). Ranks "
             "that are busy (saving, evaluating, compiling) are reported, never stopped.",
         ),
-    ] = 180.0,
+    ] = DEFAULT_HANG_TIMEOUT,
     max_busy: Annotated[
         float | None,
         typer.Option(
@@ -144,9 +147,9 @@ def run(
             "--max-events",
             min=1,
             metavar="N",
-            help="Stop recording a rank's collectives after N events (sets MOEDOCTOR_MAX_EVENTS; the "
+            help=f"Stop recording a rank's collectives after N events (sets {MAX_EVENTS.name}; the "
             "coverage check then reports the drop).",
-            show_default="2000000",
+            show_default=str(DEFAULT_MAX_EVENTS),
         ),
     ] = None,
     fix: Annotated[

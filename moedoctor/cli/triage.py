@@ -13,6 +13,7 @@ from rich.text import Text
 from moedoctor.render.width import console as screen_console
 from moedoctor.cli._command import Command
 from moedoctor.errors import EXIT_FINDING, EXIT_OK, EXIT_USAGE
+from moedoctor.layout import FLIGHT_RECORDER, GPU, STACKS, TRACES
 from moedoctor.render.json_report import report_to_dict
 from moedoctor.render.terminal import render_report
 from moedoctor.runner.rundir import default_run_dir
@@ -59,7 +60,7 @@ def triage(
             "--out",
             metavar="DIR",
             help="Where to write what was collected "
-            "(stacks/, gpu/, flight_recorder/, traces/). Default: moedoctor-triage/<timestamp>.",
+            f"({STACKS}/, {GPU}/, {FLIGHT_RECORDER}/, {TRACES}/). Default: moedoctor-triage/<timestamp>.",
             show_default=False,
         ),
     ] = None,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -21,17 +20,14 @@ from moedoctor.cli.common import (
     supervised,
 )
 from moedoctor.cli.live import ConsoleObserver
-from moedoctor.errors import EXIT_FINDING, EXIT_OK, MoedoctorError
-from moedoctor.fixes import FIXES, get_fix
-from moedoctor.fixes.config import load_fix_config, validate_fix_config
+from moedoctor.errors import EXIT_FINDING, EXIT_OK
+from moedoctor.layout import RunDir
 from moedoctor.render.verification import render_verification, verification_to_dict, write_verification
-from moedoctor.runner import RunConfig, default_run_dir, prepare_run_dir
-from moedoctor.runner.command import check_torchrun
-from moedoctor.verification import VerifyConfig, load_original, verify as verify_job
+from moedoctor.runner import RunConfig
+from moedoctor.verification import VerifyConfig, verify as verify_job
+from moedoctor.verification.plan import DEFAULT_HANG_TIMEOUT, plan_verify
 
 app = typer.Typer()
-
-DEFAULT_HANG_TIMEOUT = 60.0
 
 EPILOG = (
     "Examples: moedoctor verify --fix expert-dense --run moedoctor-runs/20250101-120000 | "
@@ -109,31 +105,19 @@ def verify(
     prove them: the job completes, every rank issues the same collective sequence, the fix's
     numerical check holds, and the losses the original run got before it hung are reproduced.
     Prints a before/after table, including the step time with and without the fix."""
-    fixes = [get_fix(name).name for name in dict.fromkeys(fix)]
-    original = load_original(run) if run is not None else None
-    command = list(command or [])
-    if original is not None and command:
-        raise MoedoctorError("give either --run RUN_DIR or the command after --, not both")
-    if original is None and not command:
-        raise MoedoctorError(
-            "nothing to rerun: give --run RUN_DIR (a run of moedoctor run) or the command "
-            "after --, e.g. moedoctor verify --fix NAME -- torchrun --nproc_per_node 2 train.py"
-        )
-    command = check_torchrun(original.command if original else command)
-    fix_config = load_fix_config(config, FIXES.values()) if config is not None else {}
-    derived = (original.report or {}).get("fix_config") if original is not None and config is None else None
-    if derived:
-        # The settings the analysis derived from this job's code (the decision's `if`), for the fixes asked for.
-        fix_config = validate_fix_config(
-            {k: v for k, v in derived.items() if k in fixes}, FIXES.values(), f"{original.path}/report.json fix_config"
-        )
-    if run_dir is None:
-        run_dir = _default_rerun_dir(original.path, fixes) if original else default_run_dir(Path("moedoctor-runs"))
-    prepare_run_dir(run_dir, command, force)
+    plan = plan_verify(
+        fix,
+        run=run,
+        command=command,
+        config=config,
+        run_dir=run_dir,
+        force=force,
+        recorder=recorder,
+        hang_timeout=hang_timeout,
+    )
+    fixes, command, run_dir, timeout = plan.fixes, plan.command, plan.run_dir, plan.hang_timeout
     console = screen_console(stderr=True)
-    wanted = recorder or (original.manifest.get("recorder") if original else None) or "auto"
-    choice = pick_recorder(wanted, console)
-    timeout = hang_timeout or (original.hang_timeout if original else None) or DEFAULT_HANG_TIMEOUT
+    choice = pick_recorder(plan.recorder, console)
     console.print(
         f"moedoctor: verifying {', '.join(fixes)}: rerunning {' '.join(command)} "
         f"(hang timeout {timeout:g}s) in {run_dir}",
@@ -152,11 +136,11 @@ def verify(
     observer = ConsoleObserver(console, live=sys.stdout.isatty() and sys.stderr.isatty(), report=False)
     try:
         with supervised(observer):
-            verification = verify_job(VerifyConfig(tuple(fixes), run_config, original, fix_config), observer)
+            verification = verify_job(VerifyConfig(tuple(fixes), run_config, plan.original, plan.fix_config), observer)
     except KeyboardInterrupt:
         console.print("moedoctor: interrupted; the rerun was stopped")
         raise typer.Exit(130) from None
-    written = write_verification(verification, run_dir / "verification.json")
+    written = write_verification(verification, RunDir(run_dir).verification)
     if json_out:
         import json
 
@@ -166,12 +150,3 @@ def verify(
         render_verification(verification, screen_console())
         console.print(f"Written: {written}", highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_OK if verification.passed else EXIT_FINDING)  # 1: not verified
-
-
-def _default_rerun_dir(original: Path, fixes: list[str]) -> Path:
-    base = original / ("verify-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", "+".join(fixes)))
-    candidate, n = base, 1
-    while candidate.exists():
-        n += 1
-        candidate = base.with_name(f"{base.name}-{n}")
-    return candidate

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from moedoctor.errors import MoedoctorError
+from moedoctor.layout import RunDir
 from moedoctor.fixes.base import Fix, FixConfigError
 
 
@@ -64,7 +65,7 @@ def write_fix_config(run_dir: Path, config: dict[str, dict]) -> Path | None:
     """Save a loaded config where the workers read it (``MOEDOCTOR_FIX_CONFIG``); None if empty."""
     if not config:
         return None
-    path = Path(run_dir).resolve() / "fix-config.json"
+    path = RunDir(Path(run_dir).resolve()).fix_config
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=1))
     return path

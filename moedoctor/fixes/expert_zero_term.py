@@ -65,6 +65,7 @@ from moedoctor.fixes._moe_blocks import (
     with_first_tensor,
 )
 from moedoctor.fixes.base import Fix, FixConfigError
+from moedoctor.layout import REPORT
 
 NAME = "expert-zero-term"
 CHECK = "output bitwise equal to sparse"
@@ -221,5 +222,5 @@ FIX = Fix(
     parse_config=_parse_config,
     config_help="blocks: [{class: 'module:Class', experts: experts}] (modulelist blocks only); or lists: auto "
     "(no class: every module list of same-class members runs whole, in index order, per forward of "
-    "its owner; written by `moedoctor analyze` into report.json for MoE code it has no class for)",
+    f"its owner; written by `moedoctor analyze` into {REPORT} for MoE code it has no class for)",
 )

@@ -33,6 +33,7 @@ from typing import Any
 
 from moedoctor.fixes.base import Fix, FixConfigError
 from moedoctor.fixes.runtime import TargetState, collective_device
+from moedoctor.layout import REPORT
 
 NAME = "fsdp-gather-upfront"
 TARGET = "FSDP2 roots (by structure; units kept unsharded after forward, gathered as the root's forward starts)"
@@ -193,5 +194,5 @@ FIX = Fix(
     parse_config=_parse_config,
     by_structure="FSDP2 units kept unsharded after forward (units: kept; no class needed)",
     config_help="units: kept (every FSDP2 unit with reshard_after_forward=False, gathered when its root's "
-    "forward starts; written by `moedoctor analyze` into report.json)",
+    f"forward starts; written by `moedoctor analyze` into {REPORT})",
 )

@@ -47,6 +47,7 @@ from typing import Any
 from moedoctor.fixes.base import Fix, FixConfigError
 from moedoctor.fixes.runtime import TargetState
 from moedoctor.trace.op_names import canonical_op
+from moedoctor.layout import REPORT
 
 NAME = "recompute-cache-collective"
 TARGET = "torch.distributed collectives inside non-reentrant checkpointed regions (by structure)"
@@ -304,5 +305,5 @@ FIX = Fix(
     parse_config=_parse_config,
     by_structure="collectives inside non-reentrant checkpointed regions (regions: checkpointed; no class needed)",
     config_help="regions: checkpointed (every collective inside a non-reentrant checkpointed region; written "
-    "by `moedoctor analyze` into report.json)",
+    f"by `moedoctor analyze` into {REPORT})",
 )

@@ -31,6 +31,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from moedoctor import environment
 from moedoctor.fixes.base import FixConfigError
 
 CALL = "__moedoctor_branch__"
@@ -66,8 +67,8 @@ def parse_branch(value: Any) -> dict:
 
 def wanted_from_env(environ: Mapping[str, str] = os.environ) -> dict[tuple[str, int], str]:
     """The branches the fixes named in ``MOEDOCTOR_FIXES`` ask for, from ``MOEDOCTOR_FIX_CONFIG``."""
-    names = [n for n in environ.get("MOEDOCTOR_FIXES", "").split(",") if n]
-    path = environ.get("MOEDOCTOR_FIX_CONFIG")
+    names = environment.fixes(environ)
+    path = environment.fix_config(environ)
     if not names or not path:
         return {}
     try:

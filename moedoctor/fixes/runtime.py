@@ -24,14 +24,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moedoctor import environment
 from moedoctor._imports import when_imported
 from moedoctor.fixes.base import Fix, Target
+from moedoctor.layout import RunDir, fix_status_name
 
-ENV_FIXES = "MOEDOCTOR_FIXES"  # comma-separated fix names
-ENV_FIX_CONFIG = "MOEDOCTOR_FIX_CONFIG"  # a JSON file: {fix name: normalized --config section}
-ENV_FIX_CHECKS = "MOEDOCTOR_FIX_CHECKS"  # "1": run the fixes' numerical checks (moedoctor verify)
 STATUS_FORMAT = 1
-STATUS_DIR = "fixes"  # RUN_DIR/fixes/<fix>/rank-<N>.json
 
 _runtimes: list[FixRuntime] = []
 _pending_main: list[tuple[FixRuntime, Target, Callable]] = []
@@ -199,7 +197,7 @@ class FixRuntime:
         folder = self.status_dir / self.fix.name
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            path = folder / f"rank-{self.rank}.json"
+            path = folder / fix_status_name(self.rank)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(self.status(), indent=1))
             os.replace(tmp, path)
@@ -307,16 +305,18 @@ def activate_from_env() -> None:
     """Install the fixes named in ``MOEDOCTOR_FIXES``; called once torch is imported."""
     from moedoctor.fixes import FIXES
 
-    names = [n for n in os.environ.get(ENV_FIXES, "").split(",") if n]
-    config_path = os.environ.get(ENV_FIX_CONFIG)
+    names = environment.fixes()
+    config_path = environment.fix_config()
     config = json.loads(Path(config_path).read_text()) if config_path else {}
-    run_dir = os.environ.get("MOEDOCTOR_RUN_DIR")
-    status_dir = Path(run_dir) / STATUS_DIR if run_dir else None
-    checks = os.environ.get(ENV_FIX_CHECKS) == "1"
+    run_dir = environment.run_dir()
+    status_dir = RunDir(Path(run_dir)).fixes if run_dir else None
+    checks = environment.fix_checks()
     for name in names:
         fix = FIXES.get(name)
         if fix is None:
-            sys.stderr.write(f"moedoctor: unknown fix {name!r} in {ENV_FIXES}; known: {', '.join(FIXES)}\n")
+            sys.stderr.write(
+                f"moedoctor: unknown fix {name!r} in {environment.FIXES.name}; known: {', '.join(FIXES)}\n"
+            )
             continue
         runtime = FixRuntime(fix, config.get(name, {}), status_dir, checks)
         fix.install(runtime)  # registers its targets through runtime.patch

@@ -33,6 +33,7 @@ from typing import Any
 from moedoctor.fixes.base import Fix, FixConfigError, Target, parse_targets
 from moedoctor.fixes.rewrite import parse_branch
 from moedoctor.fixes.runtime import agreed_branch, collective_device
+from moedoctor.layout import REPORT
 
 NAME = "skip-step-collectively"
 
@@ -271,5 +272,5 @@ FIX = Fix(
     parse_config=_parse_config,
     config_help="decision: 'module:function' (returns true to skip, or the grad norm with returns: norm); or "
     "branch: {file: PATH, line: N, agree: any|all} (an `if` of your code, made collective: written "
-    "by `moedoctor analyze` into report.json when it finds the decision)",
+    f"by `moedoctor analyze` into {REPORT} when it finds the decision)",
 )

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moedoctor.fixes.runtime import STATUS_DIR
+from moedoctor.layout import FIX_STATUS_FILES, RunDir
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,8 @@ class FixStatus:
 
 def read_fix_status(run_dir: Path, fix: str) -> FixStatus:
     result = FixStatus(fix)
-    folder = Path(run_dir) / STATUS_DIR / fix
-    for path in sorted(folder.glob("rank-*.json")) if folder.is_dir() else ():
+    folder = RunDir(Path(run_dir)).fixes / fix
+    for path in sorted(folder.glob(FIX_STATUS_FILES)) if folder.is_dir() else ():
         try:
             data = json.loads(path.read_text())
             result.ranks[int(data["rank"])] = RankFixStatus(

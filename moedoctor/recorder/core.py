@@ -32,7 +32,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup, ReduceOp
 
 import moedoctor
+from moedoctor import environment
 from moedoctor.events import Phase
+from moedoctor.layout import RunDir
 from moedoctor.recorder import callsite
 from moedoctor.recorder.ops import OpSpec, all_specs
 from moedoctor.recorder.progress import Progress
@@ -40,7 +42,7 @@ from moedoctor.recorder.writer import TraceWriter
 from moedoctor.trace import format as fmt
 from moedoctor.trace.schema import encode_collective
 
-DEFAULT_MAX_EVENTS = 2_000_000
+DEFAULT_MAX_EVENTS = environment.DEFAULT_MAX_EVENTS
 _REDUCE_NAMES = {int(v): k.lower() for k, v in ReduceOp.RedOpType.__members__.items()}  # type: ignore[call-overload]
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
@@ -264,7 +266,7 @@ class Recorder:
             return
         rank, world = dist.get_rank(), dist.get_world_size()
         self._rank = rank
-        if not self._writer.open(self.run_dir / "traces", rank):
+        if not self._writer.open(RunDir(self.run_dir).traces, rank):
             return
         if self._native is not None:  # [native seam]
             self._native.set_fd(self._fd)

@@ -27,11 +27,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from moedoctor import environment
+from moedoctor.layout import RunDir
+
 from moedoctor.trace import format as fmt
 from moedoctor.trace.flight_recorder import _last_completed
 from moedoctor.trace.fr_completion import DONE_SOURCE_FR, LiveTracker, entries_from_dump
 
-ENV_SWITCH = "MOEDOCTOR_FR_COMPLETION"
+ENV_SWITCH = environment.FR_COMPLETION.name
 INTERVAL = 1.0  # seconds between polls, at least
 COST_FACTOR = 1000  # ... and at least this many times the last poll's duration
 READ_CHUNK = 16 << 20  # bytes of the trace read per poll at most
@@ -40,7 +43,7 @@ FULL_DUMP_EVERY = 60.0  # seconds between full dumps at most (to learn a group's
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return environment.fr_completion()
 
 
 def ring_size() -> int:
@@ -61,7 +64,7 @@ class FlightRecorderPoller:
 
     def __init__(self, recorder) -> None:
         self._recorder = recorder
-        self._path = recorder.run_dir / "traces" / fmt.trace_file_name(recorder._rank)
+        self._path = RunDir(recorder.run_dir).traces / fmt.trace_file_name(recorder._rank)
         self._offset = len(_first_line(self._path))
         self._backends: dict[str, str] = {}
         self._groups: dict[str, object] = {}

@@ -8,10 +8,13 @@ import os
 import sys
 from pathlib import Path
 
+from moedoctor import environment
+from moedoctor.layout import RunDir
+
 _recorder = None
 
-ENV_RUN_DIR = "MOEDOCTOR_RUN_DIR"
-ENV_MAX_EVENTS = "MOEDOCTOR_MAX_EVENTS"
+ENV_RUN_DIR = environment.RUN_DIR.name
+ENV_MAX_EVENTS = environment.MAX_EVENTS.name
 
 
 def installed_recorder():
@@ -28,21 +31,19 @@ def activate_from_env() -> None:
         from moedoctor.recorder.core import DEFAULT_MAX_EVENTS
 
         run_dir = Path(os.environ[ENV_RUN_DIR])
-        install(run_dir, int(os.environ.get(ENV_MAX_EVENTS, DEFAULT_MAX_EVENTS)))
-        from moedoctor.trace.params_format import ENV_CHECK_PARAMS
-
-        if os.environ.get(ENV_CHECK_PARAMS):  # moedoctor run --check-params; nothing is hooked otherwise
+        install(run_dir, environment.max_events(default=DEFAULT_MAX_EVENTS))
+        if environment.CHECK_PARAMS.is_set():  # moedoctor run --check-params; nothing is hooked otherwise
             try:
                 from moedoctor.recorder import params
 
-                params.install(run_dir, int(os.environ[ENV_CHECK_PARAMS]))
+                params.install(run_dir, environment.check_params_step() or 0)
             except Exception as e:  # the check only: the recorder is installed
                 print(f"moedoctor: --check-params not installed: {e!r}", file=sys.stderr)
         if "RANK" in os.environ:
             from moedoctor.trace.format import write_recorder_marker
 
             try:
-                write_recorder_marker(run_dir / "control", int(os.environ["RANK"]), os.getpid())
+                write_recorder_marker(RunDir(run_dir).control, int(os.environ["RANK"]), os.getpid())
             except (OSError, ValueError):
                 pass  # the marker only explains a missing trace; never fail the job over it
     except Exception as e:

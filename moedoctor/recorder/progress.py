@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Work
 
+from moedoctor.layout import RunDir
 from moedoctor.trace import format as fmt
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class Progress:
 
     def _loop(self) -> None:
         recorder = self._recorder
-        snapshot_file = recorder.run_dir / "control" / "snapshot"
+        snapshot_file = RunDir(recorder.run_dir).snapshot_request
         next_control = 0.0
         failures = 0
         while not self._stop.wait(self.poll_interval) and recorder.is_open:
@@ -234,7 +235,7 @@ class Progress:
             return
         try:
             data = dump()
-            folder = recorder.run_dir / "flight_recorder"
+            folder = RunDir(recorder.run_dir).flight_recorder
             folder.mkdir(exist_ok=True)
             tmp = folder / f".fr_rank_{recorder._rank}.tmp"
             tmp.write_bytes(data if isinstance(data, bytes) else data.encode())

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from moedoctor.layout import gpu_file_name
+
 
 def gpu_snapshot() -> dict:
     """Every GPU's state as a JSON-ready dict; never raises."""
@@ -44,7 +46,7 @@ def gpu_snapshot() -> dict:
 
 def write_gpu_snapshot(out_dir: Path, host: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{host}.json"
+    path = out_dir / gpu_file_name(host)
     path.write_text(json.dumps({"host": host, **gpu_snapshot()}, indent=1))
     return path
 

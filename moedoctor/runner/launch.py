@@ -7,58 +7,51 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import signal
 import socket
-import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from importlib import metadata
 from pathlib import Path
 
 import moedoctor
+from moedoctor import environment
 from moedoctor.errors import EXIT_HANG, EXIT_INTERRUPTED, MoedoctorError, cannot_write
-from moedoctor.events import CollectiveEvent
-from moedoctor.fixes.runtime import ENV_FIX_CHECKS, ENV_FIX_CONFIG, ENV_FIXES
-from moedoctor.recorder.install import ENV_MAX_EVENTS, ENV_RUN_DIR
+from moedoctor.run_status import RankStatus, RunStatus  # noqa: F401 - a shared leaf; re-exported here
 from moedoctor.rank_states import Judgement, Pending, RankEvidence, RankState, Silence, judge
-from moedoctor.runner import procs, ranks
+from moedoctor.runner import procs
 from moedoctor.runner.activity import Activity, device_wait, sample_stacks
-from moedoctor.runner.command import is_torchrun
-from moedoctor.runner.gpu import write_gpu_snapshot
+from moedoctor.runner.collect import HangEvidence
+from moedoctor.runner.control import ENV_LAUNCH_ID, JobControl, _torchrun_failures  # noqa: F401 - re-exported
 from moedoctor.runner.manifest import (
+    Key,
+    NodeKey,
     BusyRecord,
     CoverageCheck,
     HangRecord,
-    LastCollective,
     NodeRecord,
-    RankAtHang,
-    RankExit,
     Status,
     coverage_check,
     read_nodes,
     relevant_env,
-    root_cause_rank,
     write_node,
 )
 from moedoctor.runner.exchange import Exchange, store_of
 from moedoctor.runner.online import Desync, DesyncDetector, Lag
 from moedoctor.runner.progress import ProgressTracker, RankProgress
 from moedoctor.runner.rundir import RunDir
-from moedoctor.runner.stacks import StackDump, StackTarget, dump_stacks, find_py_spy
+from moedoctor.runner.stacks import StackDump, find_py_spy
 from moedoctor.trace.format import recorder_markers
-from moedoctor.trace.params_format import ENV_CHECK_PARAMS
 
-#: Marks every process of one launch, so orphans of a dead launcher are still found and stopped.
-ENV_LAUNCH_ID = "MOEDOCTOR_LAUNCH_ID"
 EXIT_NOT_FOUND = 127
 
 
+#: Seconds of silence of the collectives after which they are judged (a hang only when the ranks are
+#: proven to wait on each other): the default of ``--hang-timeout``.
+DEFAULT_HANG_TIMEOUT = 180.0
 #: Seconds allowed before any rank has opened its trace (imports, rendezvous): the default of
 #: ``--startup-timeout``.
 DEFAULT_STARTUP_TIMEOUT = 300.0
@@ -71,7 +64,7 @@ class RunConfig:
     command: list[str]
     run_dir: Path
     env: Mapping[str, str]  # the environment to start the job in
-    hang_timeout: float = 180.0  # ranks proven to wait on each other with no progress this long = hang
+    hang_timeout: float = DEFAULT_HANG_TIMEOUT  # ranks proven to wait on each other with no progress this long = hang
     max_busy: float | None = None  # --max-busy: stop a silence this long even when the ranks are busy
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT  # allowance before any rank has opened its trace
     keep_alive: bool = False
@@ -97,30 +90,6 @@ class Outcome(str, Enum):
     FINISHED = "finished"  # the job ended by itself
     HANG = "hang"  # a hang was detected (the job stopped unless keep_alive)
     INTERRUPTED = "interrupted"  # KeyboardInterrupt: the job was stopped
-
-
-@dataclass
-class RankStatus:
-    """One rank in the live status. ``last`` is None before its first collective."""
-
-    rank: int
-    pid: int | None
-    last: CollectiveEvent | None
-    last_completed: bool
-    idle_seconds: float | None  # None: no trace yet
-    unrecorded: bool = False  # its recorder stopped (a failed write): what the trace says is old
-    slow: str | None = None  # "slow, not stuck: ..." while a storm of small collectives goes on
-    slow_seconds: float = 0.0  # how long that storm has lasted on this rank
-
-
-@dataclass
-class RunStatus:
-    elapsed: float
-    idle_seconds: float
-    limit: float  # the timeout idle_seconds is compared with now
-    ranks: list[RankStatus]
-    #: Past the timeout without proof of a hang: ``busy: ...`` or ``not proven: ...`` (rank_states).
-    busy: str | None = None
 
 
 @dataclass
@@ -159,22 +128,22 @@ def job_environment(config: RunConfig, run_dir: RunDir, launch_id: str) -> dict[
     if env.get("PYTHONPATH"):
         path.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(path)
-    env[ENV_RUN_DIR] = str(run_dir.path)
-    env[ENV_LAUNCH_ID] = launch_id
+    env[environment.RUN_DIR.name] = str(run_dir.path)
+    env[environment.LAUNCH_ID.name] = launch_id
     if config.max_events is not None:
-        env[ENV_MAX_EVENTS] = str(config.max_events)
-    env["MOEDOCTOR_NATIVE"] = "1" if config.recorder == "native" else "0"
-    env.pop(ENV_CHECK_PARAMS, None)
+        env[environment.MAX_EVENTS.name] = str(config.max_events)
+    env[environment.NATIVE.name] = "1" if config.recorder == "native" else "0"
+    env.pop(environment.CHECK_PARAMS.name, None)
     if config.check_params is not None:
-        env[ENV_CHECK_PARAMS] = str(config.check_params)
-    for name in (ENV_FIXES, ENV_FIX_CONFIG, ENV_FIX_CHECKS):
-        env.pop(name, None)  # only what this run asks for
+        env[environment.CHECK_PARAMS.name] = str(config.check_params)
+    for var in environment.FIX_VARIABLES:
+        env.pop(var.name, None)  # only what this run asks for
     if config.fixes:
-        env[ENV_FIXES] = ",".join(config.fixes)
+        env[environment.FIXES.name] = ",".join(config.fixes)
         if config.fix_config is not None:
-            env[ENV_FIX_CONFIG] = str(config.fix_config)
+            env[environment.FIX_CONFIG.name] = str(config.fix_config)
         if config.fix_checks:
-            env[ENV_FIX_CHECKS] = "1"
+            env[environment.FIX_CHECKS.name] = "1"
     return env
 
 
@@ -212,7 +181,7 @@ def _versions() -> dict[str, str]:
         torch_version = metadata.version("torch")  # without importing torch: seconds saved
     except metadata.PackageNotFoundError:
         torch_version = None
-    return {"moedoctor_version": moedoctor.__version__, "torch_version": torch_version}
+    return {Key.MOEDOCTOR_VERSION: moedoctor.__version__, Key.TORCH_VERSION: torch_version}
 
 
 class _Run:
@@ -227,11 +196,9 @@ class _Run:
         self.detector = DesyncDetector() if config.online else None
         self.tracker = ProgressTracker(self.dir.traces, listener=self._feed if config.online else None)
         self.exchange: Exchange | None = None  # multi-node, online: started with the job
-        self._local: dict[int, tuple[int, bool]] = {}  # rank -> (pid, whether it is this launch's)
-        self.seen: dict[int, procs.JobProcess] = {}  # rank -> worker process, on this node
-        self.proc: subprocess.Popen | None = None
-        self.log_lock = threading.Lock()
-        self.started = time.monotonic()
+        # The run's three jobs beside this watchdog: the processes, and the evidence of a hang.
+        self.control = JobControl(config, observer, self.launch_id, self.tracker)
+        self.evidence = HangEvidence(config, self.dir, self.tracker, self._write_failed)
         self.silence: str | None = None  # why the traces' silence is no hang (a rank stopped recording...)
         self._said: set[str] = set()  # the write failures already reported
         # Busy is not stuck (rank_states): progress meters, stack samples, the current silence's account.
@@ -258,26 +225,12 @@ class _Run:
         self.node.log = str(self.dir.node_log(self.node.node) if self.config.joined else self.dir.job_log)
         with _JobLog(Path(self.node.log), self._write_failed) as log:
             try:
-                self.proc = subprocess.Popen(
-                    self.config.command,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,
-                    preexec_fn=None if self.config.keep_alive else die_with_parent(),
-                )
+                pumps = self.control.start(env, None if self.config.keep_alive else die_with_parent(), log)
             except OSError as e:
                 self._finish(Status.FINISHED, EXIT_NOT_FOUND)
                 raise MoedoctorError(f"cannot start {self.config.command[0]!r}: {e.strerror}", EXIT_NOT_FOUND) from None
-            self.started = time.monotonic()
-            pumps = [
-                threading.Thread(target=self._pump, args=(pipe, n, log), daemon=True, name=f"moedoctor-pump-{n}")
-                for n, pipe in ((1, self.proc.stdout), (2, self.proc.stderr))
-            ]
-            for pump in pumps:
-                pump.start()
-            self.observer.started(self.dir, self.proc.pid, self.config.joined)
+            assert self.control.proc is not None
+            self.observer.started(self.dir, self.control.proc.pid, self.config.joined)
             store = store_of(self.config.command) if self.config.online and self.config.exchange else None
             if store is not None:
                 self.exchange = Exchange(*store).start()
@@ -291,8 +244,8 @@ class _Run:
                 except Exception:
                     pass
                 if isinstance(e, KeyboardInterrupt):
-                    self._last_coverage()
-                self._stop()
+                    self.evidence.last_coverage()
+                self.control.stop()
                 self._finish(Status.INTERRUPTED, None)
                 if isinstance(e, KeyboardInterrupt):
                     result = RunResult(outcome, EXIT_INTERRUPTED, None, self.dir, self.node.hang, self._coverage())
@@ -309,19 +262,8 @@ class _Run:
         """The tracker's listener: every rank to the detector; this node's own ranks to the exchange."""
         if self.detector is not None:
             self.detector.feed(rank, items, restarted)
-        if self.exchange is not None and self._is_local(rank):
+        if self.exchange is not None and self.control.is_local(rank):
             self.exchange.feed(rank, items, restarted)
-
-    def _is_local(self, rank: int) -> bool:
-        """A rank of this launch (a shared run directory holds the other nodes' traces too)."""
-        t = self.tracker.ranks.get(rank)
-        if t is None:
-            return False
-        known = self._local.get(rank)
-        if known is None or known[0] != t.pid:
-            env = procs.environ(t.pid) if t.host == self.config.host else None
-            known = self._local[rank] = (t.pid, (env or {}).get(ENV_LAUNCH_ID) == self.launch_id)
-        return known[1]
 
     def _watch(self) -> RunResult:
         hang: HangRecord | None = None
@@ -329,7 +271,8 @@ class _Run:
         desync_reported = no_trace_reported = False
         next_scan = 0.0
         while True:
-            code = self.proc.poll()
+            assert self.control.proc is not None
+            code = self.control.proc.poll()
             if code is not None:
                 return self._ended(code, hang)
             self.tracker.poll()
@@ -343,14 +286,14 @@ class _Run:
                     if self.exchange is not None:
                         self.exchange.publish(desync)  # the other nodes stop theirs
             if self.exchange is not None and not desync_reported:
-                self.exchange.progress = {r: p for r, p in self.tracker.ranks.items() if self._is_local(r)}
+                self.exchange.progress = {r: p for r, p in self.tracker.ranks.items() if self.control.is_local(r)}
                 if self.exchange.desync is not None:  # found by the coordinator, maybe on another node
                     desync, desync_reported = self.exchange.desync, True
             if desync is not None and self.exchange is not None:
                 self.exchange.close()  # told (or told the others): done before the job stops
             if desync is None and now >= next_scan:
-                self._scan()
-                self.activity.sample(self._local_pids())
+                self.control.scan()
+                self.activity.sample(self.control.local_pids())
                 next_scan = now + 1.0
             status = self._status(now)
             last = self.tracker.last_progress()
@@ -374,17 +317,13 @@ class _Run:
                 hang = self._diagnose(status, desync, judgement=self._judgement if desync is None else None)
                 if not self.config.keep_alive:
                     self.observer.stopping(Outcome.HANG)
-                    self._stop()
+                    self.control.stop()
                     self._finish(Status.HANG, None, hang)
                     return RunResult(Outcome.HANG, EXIT_HANG, None, self.dir, hang, self._coverage())
                 armed, progress_at_hang = False, last
             time.sleep(self.config.poll_interval)
 
     # -- busy is not stuck -------------------------------------------------------------------------
-
-    def _local_pids(self) -> dict[int, int]:
-        """rank -> pid of every traced rank on this host (the trace header's pid)."""
-        return {r: t.pid for r, t in self.tracker.ranks.items() if t.host == self.config.host}
 
     def _watch_silence(self, status: RunStatus, now: float) -> bool:
         """Measure the ranks while the collectives are silent; past the timeout, judge the silence.
@@ -400,7 +339,7 @@ class _Run:
             self._device_waits.clear()
             if self.exchange is not None:
                 self.exchange.local_states = None
-        pids = self._local_pids()
+        pids = self.control.local_pids()
         timeout = self.config.hang_timeout
         if status.idle_seconds >= timeout / 2 and self.py_spy is not None:
             every = min(max(2.0, timeout / 4), 30.0)
@@ -421,7 +360,7 @@ class _Run:
         if status.idle_seconds < status.limit:
             return False
         judgement = self._judgement = judge(
-            list(evidence.values()), timeout, status.idle_seconds, world=range(self._world_size() or 0)
+            list(evidence.values()), timeout, status.idle_seconds, world=range(self.control.world_size() or 0)
         )
         status.busy = None if judgement.proven else judgement.line
         if judgement.proven:
@@ -475,7 +414,9 @@ class _Run:
     def _peer_hang(self) -> bool:
         """Another node of this job, sharing the run directory, recorded a proven hang."""
         return any(
-            name != self.node.node and node.get("hang") and (node["hang"].get("trigger") or "hang") != "no-trace"
+            name != self.node.node
+            and node.get(NodeKey.HANG)
+            and (node[NodeKey.HANG].get("trigger") or "hang") != "no-trace"
             for name, node in read_nodes(self.dir.manifest).items()
         )
 
@@ -504,8 +445,8 @@ class _Run:
             self._write_manifest()
 
     def _ended(self, code: int, hang: HangRecord | None) -> RunResult:
-        if procs.job_processes(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id)):
-            self._stop()  # the launcher is gone but left workers behind: they must not outlive us
+        if self.control.leftovers():
+            self.control.stop()  # the launcher is gone but left workers behind: they must not outlive us
         self.tracker.poll()
         if (
             hang is None
@@ -517,23 +458,6 @@ class _Run:
         exit_code = 128 - code if code < 0 else code  # killed by signal N -> 128 + N, as shells say
         self._finish(Status.HANG if hang else Status.FINISHED, code, hang)
         return RunResult(Outcome.HANG if hang else Outcome.FINISHED, exit_code, code, self.dir, hang, self._coverage())
-
-    def _pump(self, pipe, stream: int, log) -> None:
-        fd = pipe.fileno()
-        while True:
-            try:
-                data = os.read(fd, 65536)
-            except OSError:
-                break
-            if not data:
-                break
-            with self.log_lock:
-                log.write(data)
-            try:
-                self.observer.output(data, stream)
-            except Exception:
-                pass  # a closed terminal must not stop the job's log
-        pipe.close()
 
     # -- moedoctor's own trouble: never the job's ------------------------------------------------
 
@@ -576,25 +500,19 @@ class _Run:
 
     # -- what the watchdog sees ------------------------------------------------------------------
 
-    def _scan(self) -> None:
-        self.seen.update(self._local_ranks())
-
-    def _local_ranks(self) -> dict[int, procs.JobProcess]:
-        """This launch's rank processes on this node (ranks.py: from the traces, then ``RANK``)."""
-        return ranks.local_ranks(self.proc.pid, (ENV_LAUNCH_ID, self.launch_id), self.tracker.ranks, self.config.host)
-
     def _status(self, now: float) -> RunStatus:
         last = self.tracker.last_progress()
-        idle = now - (last if last is not None else self.started)
+        idle = now - (last if last is not None else self.control.started)
         limit = (
             self.config.hang_timeout if last is not None else max(self.config.hang_timeout, self.config.startup_timeout)
         )
         traced, stopped = self.tracker.ranks, self.tracker.stopped
         ranks = []
-        for rank in sorted(set(traced) | set(self.seen)):
+        seen = self.control.seen
+        for rank in sorted(set(traced) | set(seen)):
             t = traced.get(rank)
             if t is None:
-                ranks.append(RankStatus(rank, self.seen[rank].pid, None, False, None, rank in stopped))
+                ranks.append(RankStatus(rank, seen[rank].pid, None, False, None, rank in stopped))
             else:
                 ranks.append(
                     RankStatus(
@@ -608,7 +526,7 @@ class _Run:
                         t.storm.seconds,
                     )
                 )
-        return RunStatus(now - self.started, idle, limit, ranks)
+        return RunStatus(now - self.control.started, idle, limit, ranks)
 
     # -- a hang ----------------------------------------------------------------------------------
 
@@ -640,34 +558,14 @@ class _Run:
             self.observer.desync_detected(desync, status)
         else:
             self.observer.hang_detected(status, judgement.line if judgement is not None else None)
-        try:
-            requested = self.dir.request_snapshot()
-        except OSError as e:
-            self._write_failed(
-                cannot_write(self.dir.snapshot_request, e, "the ranks' coverage records are not asked for")
-            )
-            requested = time.time()
-        local = self._local_ranks()  # ours, under the launcher or not (its marker)
-        self.seen.update(local)
+        requested = self.evidence.request_snapshot()
+        local = self.control.local_ranks()  # ours, under the launcher or not (its marker)
+        self.control.seen.update(local)
         targets = {rank: p.pid for rank, p in local.items()}
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            gpu = pool.submit(self._gpu_snapshot)
-            # Each rank's process state (/proc) is recorded with or without its stack (--no-stacks):
-            # a stopped rank is a fact the analysis needs; py-spy never attaches to one.
-            dumps: list[StackDump] = dump_stacks(
-                [StackTarget(r, p) for r, p in sorted(targets.items())],
-                self.dir.stacks,
-                self.config.host,
-                self.config.native,
-                py_spy=self.config.stacks,
-            )
-            gpu_file = gpu.result()
-        for dump in dumps:
-            if dump.write_error:
-                self._write_failed(dump.write_error)
+        dumps, gpu_file = self.evidence.stacks_and_gpus(targets)
         # A desync is already proven by the traces: the coverage records are wanted, not worth a second.
         if not no_trace:  # no recorder has a trace to answer with
-            self._await_coverage(requested, self.config.coverage_wait / 2 if desync is not None else None)
+            self.evidence.await_coverage(requested, self.config.coverage_wait / 2 if desync is not None else None)
         hang = HangRecord(
             detected_at=requested,
             host=self.config.host,
@@ -686,7 +584,7 @@ class _Run:
             hang.trigger = "desync"
         elif no_trace:
             hang.trigger = "no-trace"
-            hang.finding = self._why_no_trace(sorted(targets))
+            hang.finding = self.evidence.why_no_trace(sorted(targets))
         elif judgement is not None:
             hang.proof = judgement.line
             if judgement.kind != Silence.HANG:
@@ -695,7 +593,9 @@ class _Run:
         now = time.monotonic()
         for rank in sorted(set(self.tracker.ranks) | set(targets)):
             hang.ranks.append(
-                self._rank_at_hang(rank, self.tracker.ranks.get(rank), targets.get(rank), by_rank.get(rank), now)
+                self.evidence.rank_at_hang(
+                    rank, self.tracker.ranks.get(rank), targets.get(rank), by_rank.get(rank), now
+                )
             )
         if not no_trace:
             self.node.status = Status.HANG
@@ -714,144 +614,35 @@ class _Run:
             pending = [
                 name
                 for name, node in read_nodes(self.dir.manifest).items()
-                if name != self.node.node and node.get("status") == Status.RUNNING and not node.get("hang")
+                if name != self.node.node and node.get(NodeKey.STATUS) == Status.RUNNING and not node.get(NodeKey.HANG)
             ]
             if not pending or time.monotonic() >= deadline:
                 return
             time.sleep(0.2)
-
-    def _gpu_snapshot(self) -> Path | None:
-        try:
-            return write_gpu_snapshot(self.dir.gpu, self.config.host)
-        except OSError as e:
-            self._write_failed(cannot_write(self.dir.gpu / f"{self.config.host}.json", e))
-            return None
 
     def _startup_quiet(self) -> bool:
         """--hang-timeout has passed since the last rank's recorder loaded, every rank process of this
         node having loaded one. Before that, some ranks may still be importing torch (slow on a busy
         node) while the others wait for them: only the startup timeout applies then."""
         loaded = recorder_markers(self.dir.control)
-        local = self._local_ranks()
+        local = self.control.local_ranks()
         if not loaded or any(rank not in loaded for rank in local):
             return False
         return time.time() - max(loaded.values()) >= self.config.hang_timeout
-
-    def _why_no_trace(self, ranks: list[int]) -> str:
-        """Why no rank has a trace: the recorder's install markers say whether it loaded."""
-        loaded = recorder_markers(self.dir.control)
-        if not ranks:
-            return (
-                "no rank process was found under the launcher: the job has not started its workers "
-                "(rendezvous, or the launcher itself is stuck)"
-            )
-        if not loaded:
-            return (
-                f"the recorder has not loaded in any of the {len(ranks)} rank process(es): they have not imported "
-                "torch yet, or moedoctor's bootstrap is not on their Python path (did the job replace PYTHONPATH, "
-                "or start another interpreter?)"
-            )
-        missing = [r for r in ranks if r not in loaded]
-        text = (
-            f"the recorder is loaded in rank(s) {','.join(map(str, sorted(loaded)))}, but no rank has created "
-            "its default process group yet (init_process_group / init_device_mesh not returned)"
-        )
-        if missing:
-            text += f"; not loaded in rank(s) {','.join(map(str, missing))}"
-        return text
-
-    def _last_coverage(self) -> None:
-        """Before stopping an interrupted job: its ranks' coverage records, if they come quickly."""
-        try:
-            self._await_coverage(self.dir.request_snapshot())
-        except (KeyboardInterrupt, OSError):
-            pass  # a second Ctrl-C: stop at once
-
-    def _await_coverage(self, requested: float, wait: float | None = None) -> None:
-        """Wait until ``coverage_wait`` (or ``wait``) after the request for the ranks' coverage
-        records, and up to a second more for ranks that have not answered yet."""
-        wait = self.config.coverage_wait if wait is None else wait
-        soon = time.monotonic() + max(0.0, requested + wait - time.time())
-        latest = soon + 1.0
-        while time.monotonic() < latest:
-            ranks = self.tracker.poll()
-            answered = all(r.coverage is not None and r.coverage.time >= requested - 1 for r in ranks.values())
-            if answered and time.monotonic() >= soon:
-                return
-            time.sleep(0.1)
-
-    def _rank_at_hang(
-        self, rank: int, trace: RankProgress | None, pid: int | None, dump: StackDump | None, now: float
-    ) -> RankAtHang:
-        last = None
-        if trace is not None and trace.last is not None:
-            e = trace.last
-            last = LastCollective(
-                group=e.group.name,
-                seq=e.seq,
-                op=e.op,
-                call_site=str(e.call_site) if e.call_site else None,
-                phase=e.phase.value,
-                step=e.step,
-                completed=trace.last_completed,
-            )
-        entry = RankAtHang(
-            rank=rank,
-            host=trace.host if trace else self.config.host,
-            pid=trace.pid if trace else pid,
-            last=last,
-            idle_seconds=round(now - trace.last_progress, 1) if trace else None,
-        )
-        if dump is not None:
-            entry.stack_file = str(dump.path) if dump.path else None
-            entry.stack_error = dump.error
-            entry.waiting_in = str(dump.waiting_in) if dump.waiting_in else None
-            entry.user_frame = str(dump.user_frame) if dump.user_frame else None
-        return entry
-
-    def _stop(self) -> None:
-        if self.proc is None:
-            return
-        marker = (ENV_LAUNCH_ID, self.launch_id)
-        procs.stop_processes(lambda: procs.job_processes(self.proc.pid, marker), self.config.stop_grace)
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
 
     # -- the record ------------------------------------------------------------------------------
 
     def _coverage(self) -> CoverageCheck:
         self.tracker.poll()
-        return coverage_check(self.tracker.ranks, self._world_size())
-
-    def _world_size(self) -> int | None:
-        sizes = [p.world_size for p in self.seen.values() if p.world_size]
-        return self.tracker.world_size() or (max(sizes) if sizes else None)
+        return coverage_check(self.tracker.ranks, self.control.world_size())
 
     def _finish(self, status: str, launcher_exit: int | None, hang: HangRecord | None = None) -> None:
         self.node.status = status
         self.node.end = time.time()
         self.node.launcher_exit = launcher_exit
         self.node.hang = hang or self.node.hang
-        self.node.ranks = self._rank_exits(status, launcher_exit)
+        self.node.ranks = self.control.rank_exits(launcher_exit, self.node.log)
         self._write_manifest(coverage=self._coverage())
-
-    def _rank_exits(self, status: str, launcher_exit: int | None) -> list[RankExit]:
-        # This node's ranks: those seen in its launch (other nodes may share the host).
-        torchrun = is_torchrun(self.config.command)
-        log = self._log_tail() if torchrun and launcher_exit not in (None, 0) else ""
-        reported, first = (_torchrun_failures(log), root_cause_rank(log)) if log else ({}, None)
-        root = self.proc.pid if self.proc is not None else None
-        return ranks.rank_exits(self.seen, root, launcher_exit, torchrun, reported, self.config.host, first)
-
-    def _log_tail(self, size: int = 1 << 20) -> str:
-        try:
-            with open(self.node.log, "rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - size))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
 
     def _write_manifest(self, coverage: CoverageCheck | None = None) -> None:
         """Merge this node's entry into the manifest; a failed write is reported, never fatal."""
@@ -861,8 +652,8 @@ class _Run:
                 self.dir.manifest,
                 self.node,
                 command=list(self.config.command),
-                versions=_versions() | {"recorder": self.config.recorder, "fixes": list(self.config.fixes)},
-                world_size=self._world_size(),
+                versions=_versions() | {Key.RECORDER: self.config.recorder, Key.FIXES: list(self.config.fixes)},
+                world_size=self.control.world_size(),
                 hosts=hosts,
                 coverage=coverage,
                 trace_problems=self.tracker.problems + [p for t in self.tracker.ranks.values() for p in t.problems],
@@ -914,11 +705,3 @@ class _JobLog:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-
-
-_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
-
-
-def _torchrun_failures(log: str) -> dict[int, int]:
-    """Exit codes of failed ranks, from torchrun's own failure report (``ChildFailedError``)."""
-    return {int(rank): int(code) for rank, code in _FAILURE.findall(log)}

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from moedoctor import environment
 from moedoctor._files import NO_SPACE, rewrite_in_place, write_atomically
 from moedoctor.run_records import (  # noqa: F401 - the records live below the runner; re-exported here
     HangRecord,
@@ -22,13 +23,19 @@ from moedoctor.run_records import (  # noqa: F401 - the records live below the r
     RankAtHang,
     RankExit,
     BusyRecord,
+)
+from moedoctor.manifest_format import (  # noqa: F401 - the format and its reader are a shared leaf; re-exported here
+    FORMAT as MANIFEST_FORMAT,
+    VERSION as MANIFEST_VERSION,
+    HangKey,
+    Key,
+    Manifest,
+    NodeKey,
+    Status,
     hang_of,
     load_manifest,
 )
 from moedoctor.runner.progress import RankProgress
-
-MANIFEST_FORMAT = "moedoctor-manifest"
-MANIFEST_VERSION = 1
 
 _ENV_KEYS = frozenset(
     {
@@ -49,21 +56,12 @@ _ENV_KEYS = frozenset(
         "SLURM_PROCID",
     }
 )
-_ENV_PREFIXES = ("NCCL_", "TORCH_", "TORCHELASTIC_", "PYTORCH_", "GLOO_", "MOEDOCTOR_", "NVIDIA_", "UCX_", "FI_")
+_ENV_PREFIXES = ("NCCL_", "TORCH_", "TORCHELASTIC_", "PYTORCH_", "GLOO_", environment.PREFIX, "NVIDIA_", "UCX_", "FI_")
 
 
 def relevant_env(env: Mapping[str, str]) -> dict[str, str]:
     """The part of an environment that changes how a distributed job communicates."""
     return {k: v for k, v in sorted(env.items()) if k in _ENV_KEYS or k.startswith(_ENV_PREFIXES)}
-
-
-class Status:
-    """How a node's run (and the run as a whole) stands or ended."""
-
-    RUNNING = "running"
-    FINISHED = "finished"  # the job ended by itself (whatever its exit status)
-    HANG = "hang"  # a hang was detected (and the job stopped unless --keep-alive)
-    INTERRUPTED = "interrupted"  # moedoctor was interrupted and stopped the job
 
 
 @dataclass
@@ -142,34 +140,32 @@ def write_node(
 ) -> dict:
     """Merge this node's entry into the manifest at ``path``; return the whole manifest."""
     with _locked(path):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            doc = {}
-        if doc.get("format") != MANIFEST_FORMAT:
+        doc = Manifest.read_or_empty(path).doc
+        if doc.get(Key.FORMAT) != MANIFEST_FORMAT:
             doc = {
-                "format": MANIFEST_FORMAT,
-                "version": MANIFEST_VERSION,
-                "command": command,
+                Key.FORMAT: MANIFEST_FORMAT,
+                Key.VERSION: MANIFEST_VERSION,
+                Key.COMMAND: command,
                 **versions,
-                "env": node.env,
-                "nodes": {},
+                Key.ENV: node.env,
+                Key.NODES: {},
             }
-        doc["nodes"][node.node] = asdict(node)
-        nodes = list(doc["nodes"].values())
-        doc["world_size"] = world_size or doc.get("world_size")
-        doc["hosts"] = sorted({n["host"] for n in nodes} | set(doc.get("hosts", ())) | set(hosts))
-        doc["start"] = min(n["start"] for n in nodes)
-        doc["end"] = None if any(n["end"] is None for n in nodes) else max(n["end"] for n in nodes)
-        doc["status"] = _overall_status([n["status"] for n in nodes])
-        doc["ranks"] = _merge_ranks(nodes)
-        doc["hang"] = _merge_hangs([n["hang"] for n in nodes if n["hang"]])
-        doc["busy"] = sorted((b for n in nodes for b in n.get("busy") or ()), key=lambda b: b["start"])[:100]
+        doc[Key.NODES][node.node] = asdict(node)
+        nodes = list(doc[Key.NODES].values())
+        doc[Key.WORLD_SIZE] = world_size or doc.get(Key.WORLD_SIZE)
+        doc[Key.HOSTS] = sorted({n[NodeKey.HOST] for n in nodes} | set(doc.get(Key.HOSTS, ())) | set(hosts))
+        doc[Key.START] = min(n[NodeKey.START] for n in nodes)
+        doc[Key.END] = None if any(n[NodeKey.END] is None for n in nodes) else max(n[NodeKey.END] for n in nodes)
+        doc[Key.STATUS] = _overall_status([n[NodeKey.STATUS] for n in nodes])
+        doc[Key.RANKS] = _merge_ranks(nodes)
+        doc[Key.HANG] = _merge_hangs([n[NodeKey.HANG] for n in nodes if n[NodeKey.HANG]])
+        busy = (b for n in nodes for b in n.get(NodeKey.BUSY) or ())
+        doc[Key.BUSY] = sorted(busy, key=lambda b: b["start"])[:100]
         if coverage is not None:
-            doc["coverage"] = asdict(coverage)
-        doc.setdefault("coverage", None)
+            doc[Key.COVERAGE] = asdict(coverage)
+        doc.setdefault(Key.COVERAGE, None)
         if trace_problems:
-            doc["trace_problems"] = list(trace_problems)
+            doc[Key.TRACE_PROBLEMS] = list(trace_problems)
         text = json.dumps(doc, indent=1)
         try:
             write_atomically(path, text)
@@ -197,12 +193,7 @@ def root_cause_rank(log: str) -> int | None:
 
 def read_nodes(path: Path) -> dict[str, dict]:
     """The ``nodes`` of the manifest at ``path`` (empty when it cannot be read: not written yet)."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError, RecursionError):
-        return {}
-    nodes = doc.get("nodes") if isinstance(doc, dict) else None
-    return {k: v for k, v in nodes.items() if isinstance(v, dict)} if isinstance(nodes, dict) else {}
+    return Manifest.read_or_empty(Path(path)).nodes
 
 
 def _overall_status(statuses: list[str]) -> str:
@@ -215,7 +206,7 @@ def _overall_status(statuses: list[str]) -> str:
 def _merge_ranks(nodes: list[dict]) -> dict[str, dict]:
     merged: dict[int, dict] = {}
     for node in nodes:
-        for entry in node["ranks"]:
+        for entry in node[NodeKey.RANKS]:
             # A node knows the exit of its own ranks best; other entries only fill gaps.
             current = merged.get(entry["rank"])
             if current is None or (current["exit_code"] is None and entry["exit_code"] is not None):
@@ -227,13 +218,14 @@ def _merge_hangs(hangs: list[dict]) -> dict | None:
     """The first node's hang, with each rank's entry taken from the node that dumped its stack."""
     if not hangs:
         return None
-    hangs = sorted(hangs, key=lambda h: h["detected_at"])
+    hangs = sorted(hangs, key=lambda h: h[HangKey.DETECTED_AT])
     merged = dict(hangs[0])
     by_rank: dict[int, dict] = {}
     for hang in hangs:
-        for entry in hang["ranks"]:
-            if entry["rank"] not in by_rank or (entry["stack_file"] and not by_rank[entry["rank"]]["stack_file"]):
-                by_rank[entry["rank"]] = entry
-    merged["ranks"] = [by_rank[r] for r in sorted(by_rank)]
-    merged["gpu_files"] = sorted({h["gpu_file"] for h in hangs if h.get("gpu_file")})
+        for entry in hang[HangKey.RANKS]:
+            rank = entry[HangKey.RANK]
+            if rank not in by_rank or (entry[HangKey.STACK_FILE] and not by_rank[rank][HangKey.STACK_FILE]):
+                by_rank[rank] = entry
+    merged[HangKey.RANKS] = [by_rank[r] for r in sorted(by_rank)]
+    merged[HangKey.GPU_FILES] = sorted({h[HangKey.GPU_FILE] for h in hangs if h.get(HangKey.GPU_FILE)})
     return merged

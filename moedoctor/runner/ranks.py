@@ -13,10 +13,10 @@ names the ranks that have no trace yet (torchrun's workers stuck before ``init_p
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
+from moedoctor.manifest_format import Manifest
 from moedoctor.run_records import RankExit
 from moedoctor.runner import procs
 from moedoctor.runner.progress import RankProgress
@@ -85,9 +85,7 @@ def unknown_exits_line(manifest: Path) -> str | None:
     """One line for the report when the manifest's ranks include some whose exit status cannot be
     known (``RankExit.source`` ``unknown``), else None."""
     try:
-        doc = json.loads(Path(manifest).read_text())
-        entries = list((doc.get("ranks") or {}).values())
-        unknown = sorted(int(e["rank"]) for e in entries if e.get("source") == "unknown")
+        unknown = Manifest.read(Path(manifest)).unknown_exit_ranks()
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
     if not unknown:

@@ -12,93 +12,22 @@ only with ``--force``, which is refused too while any supervisor holds a lock th
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import shutil
 import socket
-import time
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from moedoctor import layout
 from moedoctor.errors import EXIT_USAGE, MoedoctorError
+from moedoctor.manifest_format import Manifest, Status
+from moedoctor.layout import RunDir  # noqa: F401 - the layout is a shared leaf; re-exported here
 from moedoctor.run_records import HELD_LOCKS, LOCK_GLOB, held_by_others, lock_holder, supervisor_alive  # noqa: F401
 from moedoctor.runner.command import node_rank, same_job
 
-MANIFEST_NAME = "manifest.json"
+MANIFEST_NAME = layout.MANIFEST
 #: What ``--force`` clears from a reused run directory; other files of the user's are left alone.
-_OWN_ENTRIES = (
-    "traces",
-    "stacks",
-    "gpu",
-    "control",
-    "fixes",
-    "flight_recorder",
-    "params",
-    MANIFEST_NAME,
-    MANIFEST_NAME + ".lock",
-    "job.log",
-    "report.json",
-    "verification.json",
-    "fix-config.json",
-    "job-*.log",
-)
-
-
-@dataclass(frozen=True)
-class RunDir:
-    """Paths inside one run directory."""
-
-    path: Path
-
-    @property
-    def traces(self) -> Path:
-        return self.path / "traces"
-
-    @property
-    def stacks(self) -> Path:
-        return self.path / "stacks"
-
-    @property
-    def gpu(self) -> Path:
-        return self.path / "gpu"
-
-    @property
-    def control(self) -> Path:
-        return self.path / "control"
-
-    @property
-    def snapshot_request(self) -> Path:
-        """Touched by the watchdog; every rank answers a newer mtime with a coverage record."""
-        return self.control / "snapshot"
-
-    def request_snapshot(self) -> float:
-        """Ask every rank's recorder for a coverage record (they poll the request's mtime; the answer
-        also shows that the rank's Python threads still run); returns the request's time. OSError if
-        the run directory cannot be written."""
-        requested = time.time()
-        self.control.mkdir(parents=True, exist_ok=True)
-        self.snapshot_request.touch()
-        os.utime(self.snapshot_request, (requested, requested))
-        return requested
-
-    @property
-    def manifest(self) -> Path:
-        return self.path / MANIFEST_NAME
-
-    @property
-    def report(self) -> Path:
-        """The analysis of the run (``moedoctor analyze --json``'s document), written when it ends."""
-        return self.path / "report.json"
-
-    @property
-    def job_log(self) -> Path:
-        """The job's output (stdout and stderr) on the first node."""
-        return self.path / "job.log"
-
-    def node_log(self, node: str) -> Path:
-        """The job's output on a node that joined the run."""
-        return self.path / f"job-{node.replace(':', '-')}.log"
+_OWN_ENTRIES = layout.OWN_ENTRIES
 
 
 def default_run_dir(base: Path, now: datetime | None = None) -> Path:
@@ -114,7 +43,7 @@ def default_run_dir(base: Path, now: datetime | None = None) -> Path:
 def lock_path(path: Path, command: list[str]) -> Path:
     """The lock file of the node that runs ``command`` in the run directory ``path``."""
     rank = "".join(c if c.isalnum() or c in "-_" else "_" for c in node_rank(command))[:32]
-    return Path(path) / f"supervisor-node{rank}.lock"
+    return Path(path) / layout.lock_name(rank)
 
 
 def _acquire(lock: Path) -> str | None:
@@ -181,7 +110,7 @@ def _prepare_locked(path: Path, command: list[str], force: bool) -> bool:
         # Only lock files: empty, or another node of the job started at the same moment and has not
         # written the manifest yet (its lock is held): then this node joins it.
         return bool(others)
-    manifest = _manifest(RunDir(path))
+    manifest = Manifest.read_or_empty(RunDir(path).manifest)
     running = _running_same_job(manifest, command)
     if running and (others or _remote_nodes_running(manifest)):
         return True
@@ -195,7 +124,7 @@ def _prepare_locked(path: Path, command: list[str], force: bool) -> bool:
         stale = (
             " (its manifest says 'running' but no supervisor holds it any more: the run ended when "
             "its moedoctor was killed)"
-            if manifest.get("status") == "running"
+            if manifest.status == Status.RUNNING
             else ""
         )
         raise MoedoctorError(
@@ -212,28 +141,11 @@ def _prepare_locked(path: Path, command: list[str], force: bool) -> bool:
     return False
 
 
-def _manifest(run_dir: RunDir) -> dict:
-    try:
-        manifest = json.loads(run_dir.manifest.read_text())
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return manifest if isinstance(manifest, dict) else {}
+def _running_same_job(manifest: Manifest, command: list[str]) -> bool:
+    return manifest.status == Status.RUNNING and manifest.command is not None and same_job(manifest.command, command)
 
 
-def _running_same_job(manifest: dict, command: list[str]) -> bool:
-    return (
-        manifest.get("status") == "running"
-        and isinstance(manifest.get("command"), list)
-        and same_job(manifest["command"], command)
-    )
-
-
-def _remote_nodes_running(manifest: dict) -> bool:
+def _remote_nodes_running(manifest: Manifest) -> bool:
     """A node of the manifest still running on another host: its lock cannot be tested from here
     (the file system may not share flock), so it is taken as alive."""
-    nodes = manifest.get("nodes")
-    here = socket.gethostname()
-    return isinstance(nodes, dict) and any(
-        isinstance(n, dict) and n.get("status") == "running" and n.get("host") not in (None, here)
-        for n in nodes.values()
-    )
+    return manifest.node_running_elsewhere(socket.gethostname())

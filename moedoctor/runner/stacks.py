@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moedoctor.errors import cannot_write
+from moedoctor.layout import stack_file_name
 from moedoctor.run_records import (  # noqa: F401 - the records live below the runner; re-exported here
     Frame,
     StackDump,
@@ -130,7 +131,7 @@ def _dump_one(
             record["error"] = f"py-spy dump of pid {target.pid} failed: {e}" + _state_note(state)
         state = more_readings(state, target.pid, started)
     record["process"] = state.to_dict()
-    path = out_dir / f"rank-{target.rank}.json"
+    path = out_dir / stack_file_name(target.rank)
     try:
         path.write_text(json.dumps(record, indent=1))
     except OSError as e:  # disk full, read-only: the dump is still used, from memory

@@ -24,15 +24,18 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moedoctor import environment
+from moedoctor.layout import PARAMS
+
 VERSION = 1
-FOLDER = "params"
+FOLDER = PARAMS
 POINT_BEFORE_BROADCAST = "before-broadcast"
 POINT_PREPARED = "prepared"
 POINT_STEP = "step"
 #: sum, sum of squares, a sum weighted by a fixed pseudo-random sequence (so permutations differ), min, max.
 FINGERPRINT_FIELDS = ("sum", "sumsq", "wsum", "min", "max")
 #: Environment of the job under ``moedoctor run --check-params``: the optimizer step to fingerprint after.
-ENV_CHECK_PARAMS = "MOEDOCTOR_CHECK_PARAMS"
+ENV_CHECK_PARAMS = environment.CHECK_PARAMS.name
 
 
 def file_name(rank: int) -> str:

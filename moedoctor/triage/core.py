@@ -37,6 +37,7 @@ from moedoctor.analysis.from_stacks import report_from_stacks
 from moedoctor.analysis.load import read_gpu_snapshots
 from moedoctor.analysis.diagnosis import slow_not_stuck
 from moedoctor.analysis.model import Report, Verdict
+from moedoctor import environment
 from moedoctor.errors import EXIT_USAGE, MoedoctorError
 from moedoctor.rank_states import Judgement, judge
 from moedoctor.runner import procs
@@ -48,7 +49,6 @@ from moedoctor.triage import discover
 from moedoctor.triage.flight_recorder import FlightRecorderResult, trigger_dumps
 from moedoctor.triage.loop_exit import name_culprit
 
-ENV_RUN_DIR = "MOEDOCTOR_RUN_DIR"
 #: Traces up to this size are copied into the triage folder; larger ones are linked.
 COPY_TRACES_BELOW = 64 << 20
 #: Process states in which ptrace must not be used (it would not return, or would change the state).
@@ -130,19 +130,19 @@ def triage(
     activity, watch_start = Activity(), time.monotonic()
     activity.sample({r.rank: r.pid for r in ranks})
 
-    stacks = _dump_all(ranks, out_dir / "stacks", host, native)
+    stacks = _dump_all(ranks, RunDir(out_dir).stacks, host, native)
     if stacks and all(d.error for d in stacks.values()):
         first = next(iter(stacks.values())).error
         if "permission" in first or find_py_spy() is None:
             raise MoedoctorError(f"could not read any rank's stack: {first}", EXIT_USAGE)
-    gpu_path = write_gpu_snapshot(out_dir / "gpu", host)
+    gpu_path = write_gpu_snapshot(RunDir(out_dir).gpu, host)
     gpu = json.loads(gpu_path.read_text())
     if not gpu.get("available"):
         notes.append(f"NVML absent: no GPU info ({gpu.get('reason')})")
 
     fr = FlightRecorderResult()
     if flight_recorder:
-        fr = trigger_dumps({r.rank: (r.pid, r.env) for r in ranks}, out_dir / "flight_recorder", wait=fr_wait)
+        fr = trigger_dumps({r.rank: (r.pid, r.env) for r in ranks}, RunDir(out_dir).flight_recorder, wait=fr_wait)
         notes.extend(fr.notes)
         if not fr.enabled:
             notes.append(
@@ -233,12 +233,12 @@ def merge_triages(dirs: list[Path]) -> tuple[Report, str, list[str]]:
         d = Path(d)
         if not d.is_dir():
             raise MoedoctorError(f"{d}: no such triage folder", EXIT_USAGE)
-        for rank, dump in read_stacks(d / "stacks", notes).items():
+        for rank, dump in read_stacks(RunDir(d).stacks, notes).items():
             if rank in stacks:
                 notes.append(f"{d}: rank {rank} already read from another folder; left out")
                 continue
             stacks[rank] = dump
-        gpus += read_gpu_snapshots(d / "gpu", notes)
+        gpus += read_gpu_snapshots(RunDir(d).gpu, notes)
         try:
             info = json.loads((d / TRIAGE_FILE).read_text())
             states.update({int(r): v["state"] for r, v in info.get("ranks", {}).items()})
@@ -253,8 +253,8 @@ def merge_triages(dirs: list[Path]) -> tuple[Report, str, list[str]]:
     from_stacks = name_culprit(
         report_from_stacks(stacks, source=source, world_size=world, gpus=gpus, states=states), stacks
     )
-    traced = [Path(d) for d in dirs if (Path(d) / "traces").is_dir()]
-    fr = [Path(d) / "flight_recorder" for d in dirs if any((Path(d) / "flight_recorder").glob("fr_rank_*"))]
+    traced = [Path(d) for d in dirs if RunDir(Path(d)).traces.is_dir()]
+    fr = [RunDir(Path(d)).flight_recorder for d in dirs if any(RunDir(Path(d)).flight_recorder.glob("fr_rank_*"))]
     report, evidence = _best_report(
         ((traced, "traces"), (fr, "flight-recorder")), stacks, lambda incomplete: gpus, from_stacks, notes
     )
@@ -381,7 +381,8 @@ def _dump_all(ranks: list[RankProcess], folder: Path, host: str, native: bool) -
 
 def _job_run_dir(ranks: list[RankProcess]) -> Path | None:
     for r in ranks:
-        path = procs.path_of(r.pid, r.env[ENV_RUN_DIR]) if r.env.get(ENV_RUN_DIR) else None
+        run_dir = environment.run_dir(r.env)
+        path = procs.path_of(r.pid, run_dir) if run_dir else None
         if path is not None and path.is_dir():
             return path
     return None
@@ -409,12 +410,12 @@ def _take_traces(run_dir: Path, out_dir: Path, notes: list[str]) -> bool:
         return False
     size = sum(f.stat().st_size for f in files)
     if size < COPY_TRACES_BELOW:
-        shutil.copytree(src.traces, out_dir / "traces")
+        shutil.copytree(src.traces, RunDir(out_dir).traces)
     else:
-        (out_dir / "traces").symlink_to(src.traces.resolve(), target_is_directory=True)
+        RunDir(out_dir).traces.symlink_to(src.traces.resolve(), target_is_directory=True)
         notes.append(f"traces are {size >> 20} MiB: linked, not copied, from {src.traces}")
     if src.manifest.exists():
-        shutil.copyfile(src.manifest, out_dir / "manifest.json")
+        shutil.copyfile(src.manifest, RunDir(out_dir).manifest)
     notes.append(f"moedoctor traces read from {run_dir}")
     return True
 
@@ -434,14 +435,18 @@ def _report(
     world = _world(ranks)
     from_stacks = name_culprit(
         report_from_stacks(
-            stacks, source=str(out_dir), world_size=world, gpus=read_gpu_snapshots(out_dir / "gpu", []), states=states
+            stacks,
+            source=str(out_dir),
+            world_size=world,
+            gpus=read_gpu_snapshots(RunDir(out_dir).gpu, []),
+            states=states,
         ),
         stacks,
     )
     sources = (
         ([out_dir] if traces else [], "traces"),
-        ([out_dir / "flight_recorder"] if fr.dumps else [], "flight-recorder"),
+        ([RunDir(out_dir).flight_recorder] if fr.dumps else [], "flight-recorder"),
     )
     return _best_report(
-        sources, stacks, lambda incomplete: read_gpu_snapshots(out_dir / "gpu", incomplete), from_stacks, notes
+        sources, stacks, lambda incomplete: read_gpu_snapshots(RunDir(out_dir).gpu, incomplete), from_stacks, notes
     )

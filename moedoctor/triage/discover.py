@@ -25,7 +25,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moedoctor import environment
+from moedoctor.layout import RunDir
 from moedoctor.runner import procs
+from moedoctor.trace.reader import trace_paths
 
 #: Ranks that could not be identified are numbered from here, so they are never taken for real ones.
 UNKNOWN_BASE = 1000
@@ -180,11 +183,12 @@ def from_traces(pids: list[int]) -> Discovery | None:
     by_dir: dict[Path, list[int]] = {}
     for p in pids:
         env = procs.environ(p) or {}
-        if env.get("MOEDOCTOR_RUN_DIR"):
-            by_dir.setdefault(procs.path_of(p, env["MOEDOCTOR_RUN_DIR"]), []).append(p)
+        named = environment.run_dir(env)
+        if named:
+            by_dir.setdefault(procs.path_of(p, named), []).append(p)
     for run_dir, members in by_dir.items():
         ranks, world = {}, None
-        for path in sorted((run_dir / "traces").glob("rank-*.jsonl")):
+        for path in trace_paths(RunDir(run_dir).traces):
             try:
                 with open(path) as f:
                     header = json.loads(f.readline())

@@ -9,6 +9,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moedoctor.layout import RunDir
 from moedoctor.trace.reader import TraceError, read_traces
 
 
@@ -35,7 +36,7 @@ class RunNumbers:
 
 def read_numbers(run_dir: Path) -> RunNumbers:
     numbers = RunNumbers()
-    traces_dir = Path(run_dir) / "traces"
+    traces_dir = RunDir(Path(run_dir)).traces
     if not traces_dir.is_dir():
         numbers.problems.append(f"no traces in {run_dir}")
         return numbers

@@ -29,10 +29,12 @@ from moedoctor.errors import MoedoctorError
 from moedoctor.fixes import get_fix
 from moedoctor.fixes.config import write_fix_config
 from moedoctor.fixes.rewrite import script_command
+from moedoctor.layout import JOB_LOG, MANIFEST
 from moedoctor.fixes.status import CheckStatus, FixStatus, read_fix_status
 from moedoctor.analysis.report_json import write_json
 from moedoctor.runner import Outcome, RunConfig, RunObserver, RunResult, run_job
-from moedoctor.runner.manifest import HangRecord, hang_of, load_manifest
+from moedoctor.manifest_format import Key, Manifest, Status
+from moedoctor.run_records import HangRecord
 from moedoctor.runner.rundir import RunDir
 from moedoctor.verification.numbers import (
     LossComparison,
@@ -101,13 +103,13 @@ class OriginalRun:
 
     path: Path
     command: list[str]
-    manifest: dict
+    manifest: Manifest
     report: dict | None
     numbers: RunNumbers
 
     @property
     def hang_timeout(self) -> float | None:
-        hang = hang_of(self.manifest)
+        hang = self.manifest.hang
         return hang.hang_timeout if hang else None
 
 
@@ -115,15 +117,15 @@ def load_original(path: Path) -> OriginalRun:
     """The run directory of the run to fix; ``MoedoctorError`` if it is not one."""
     layout = RunDir(Path(path))
     try:
-        manifest = load_manifest(layout.manifest)
+        manifest = Manifest.read(layout.manifest)
     except FileNotFoundError:
         raise MoedoctorError(
-            f"{path} is not a moedoctor run directory (no manifest.json); give the job after -- instead"
+            f"{path} is not a moedoctor run directory (no {MANIFEST}); give the job after -- instead"
         ) from None
     except (OSError, ValueError) as e:
         raise MoedoctorError(f"cannot read {layout.manifest}: {e}") from None
-    command = manifest.get("command")
-    if not isinstance(command, list) or not command:
+    command = manifest.command
+    if not command:
         raise MoedoctorError(f"{layout.manifest} records no command to rerun")
     report = None
     if layout.report.exists():
@@ -205,15 +207,15 @@ def _original_outcome(original: OriginalRun | None) -> str:
     if original is None:
         return "-"
     m = original.manifest
-    hang = hang_of(m)
+    hang = m.hang
     if hang is not None:
         return _describe_hang(hang)
-    if m.get("status") == "interrupted":
+    if m.status == Status.INTERRUPTED:
         return "interrupted"
-    failure = first_failure(m.get("ranks"))
+    failure = first_failure(m.ranks)
     if failure is not None:
         return failure
-    return "finished" if m.get("status") == "finished" else str(m.get("status"))
+    return "finished" if m.status == Status.FINISHED else str(m.raw(Key.STATUS))
 
 
 #: The signals a launcher sends the other ranks once one failed (torchrun: SIGTERM, then SIGKILL).
@@ -275,10 +277,10 @@ def _completion_check(result: RunResult, elapsed: float, original: OriginalRun |
         return Check("job completes", False, before, f"{after}; job stopped")
     if result.exit_code != 0:
         try:
-            manifest = load_manifest(result.run_dir.manifest)
+            manifest = Manifest.read(result.run_dir.manifest)
         except (OSError, ValueError):
             manifest = None
-        failure = first_failure(manifest.get("ranks")) if isinstance(manifest, dict) else None
+        failure = first_failure(manifest.ranks) if manifest is not None else None
         how = f": {failure}" if failure else ""
         return Check("job completes", False, before, f"exit {result.exit_code} after {elapsed:.1f} s{how}")
     return Check("job completes", True, before, f"exit 0 in {elapsed:.1f} s")
@@ -324,7 +326,9 @@ def _fix_checks(name: str, status: FixStatus, report: Report | None, result: Run
     applied = status.applied_ranks()
     notes = status.notes()
     if not status.ranks:
-        applied_check = Check(f"{name} applied", False, "-", "no rank reported it (was the fix installed? see job.log)")
+        applied_check = Check(
+            f"{name} applied", False, "-", f"no rank reported it (was the fix installed? see {JOB_LOG})"
+        )
     elif not applied:
         searched = status.searched()
         shown = ", ".join(searched[:3]) + (f" and {len(searched) - 3} more" if len(searched) > 3 else "")

@@ -30,7 +30,9 @@ import time
 import warnings
 from pathlib import Path
 
-ENV_NATIVE = "MOEDOCTOR_NATIVE"
+from moedoctor import environment
+
+ENV_NATIVE = environment.NATIVE.name
 _SOURCE = Path(__file__).with_name("kernel.cpp")
 
 _module = None
@@ -41,7 +43,7 @@ reason = "not loaded yet"  # why available() is False; "" once loaded
 
 def requested() -> bool:
     """The job asked for the native kernel (``MOEDOCTOR_NATIVE=1``)."""
-    return os.environ.get(ENV_NATIVE, "") == "1"
+    return environment.native_requested()
 
 
 def available(announce=None) -> bool:
@@ -126,10 +128,7 @@ def _build(announce):
         announce("building the native recorder for this environment (first run, ~40 s)...")
     started = time.monotonic()
     module = cpp_extension.load(
-        name=name,
-        sources=[str(_SOURCE)],
-        extra_cflags=["-O2"],
-        verbose=os.environ.get("MOEDOCTOR_NATIVE_VERBOSE", "") == "1",
+        name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=environment.native_verbose()
     )
     after = _library_mtime(name)
     if after != before:  # built now (or rebuilt: torch decided the inputs changed)
@@ -231,7 +230,7 @@ def _fast_walk(module) -> bool:
     """Switch the kernel's stack walk to CPython's own frames where, checked here once from a few
     frames deep, it sees exactly the frames and lines the frame-object walk sees
     (``MOEDOCTOR_FAST_WALK=0``: never)."""
-    if os.environ.get("MOEDOCTOR_FAST_WALK", "1") == "0":
+    if not environment.fast_walk():
         return False
 
     def nested(depth: int) -> bool:
