@@ -1069,7 +1069,11 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
   TensorSide inputs, outputs;
   if (spec.inputs >= 0) describe_tensors(arg(spec.inputs), inputs);
   if (spec.outputs >= 0) describe_tensors(arg(spec.outputs), outputs);
-  std::string extra;
+  // This thread's buffers, kept between collectives (record() never runs twice at once on a thread:
+  // ``inside``): no allocation per record once they have grown.
+  static thread_local std::string extra, line;
+  extra.clear();
+  line.clear();
   if (spec.reduce_op >= 0) {
     const c10::IValue& value = arg(spec.reduce_op);
     extra += ",\"red\":\"";
@@ -1143,7 +1147,6 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
     }
   }
   const int64_t event = S.next_event++;
-  std::string line;
   line.reserve(256 + inputs.shapes.size() + outputs.shapes.size() + extra.size() + attribution.module_json.size());
   line += "{\"k\":\"c\",\"i\":";
   append_int(line, event);
