@@ -246,8 +246,8 @@ def _site_cache(module, fast_walk: bool) -> bool:
     """Cache each stack's walk under the exact sequence of its frames' code objects and instruction
     offsets (``kernel.cpp``, "the call-site cache"): a repeated call site costs one pass of pointer
     reads instead of two hash lookups per frame, for the same records. Only with the fast walk;
-    ``MOEDOCTOR_SITE_CACHE=0``: never."""
-    wanted = fast_walk and os.environ.get("MOEDOCTOR_SITE_CACHE", "1") != "0"
+    ``environment.SITE_CACHE`` off: never."""
+    wanted = fast_walk and environment.site_cache()
     try:
         return bool(module.set_site_cache(wanted))
     except Exception:  # noqa: BLE001 - the full walk records the same, slower

@@ -736,7 +736,7 @@ static bool walk_fast(MirrorFrame* top, Attribution& attribution, std::vector<Fr
 // code object read per frame. The one input that is not fixed, the ``self`` of an FSDP param-group
 // frame, is still read from the frame on every call, frame by frame as the full walk does. Cached
 // code objects are alive (code_flags holds them), so an equal pointer is the same code object.
-// MOEDOCTOR_SITE_CACHE=0 turns it off (the full walk every time; the records are the same).
+// environment.SITE_CACHE off turns it off (the full walk every time; the records are the same).
 struct FrameKey {
   const void* code;
   const void* instr;
