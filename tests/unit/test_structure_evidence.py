@@ -463,3 +463,28 @@ def test_an_outer_step_skipped_by_a_local_check_is_told_by_the_check_not_by_the_
     assert any("ranks 0,1 went the way that steps, rank 2 the other" in e for e in report.evidence), report.evidence
     assert report.fix_config == {"skip-step-collectively": {"branch": {
         "file": str(path), "line": 9, "agree": "any", "test": "not finite"}}}
+
+
+def test_a_checkpoint_walk_of_gathers_at_other_keys_is_no_shape_mismatch():
+    """PySlowFast's offload save: one ``full_tensor()`` per state key, rank 0 left a key out, so at the
+    same position it gathers the bias ([3]) while rank 1 gathers the weight ([3, 3, 1, 3, 3]), and rank 1
+    gathers from that line again. The sizes differ because the ranks walk other keys: shape-mismatch
+    yields (its required evidence, a size that differs for no structural reason, is missing) and the
+    uneven checkpoint gather is named, with no culprit (which rank skipped is not shown)."""
+    bs = ranks(2)
+    for step in (0, 1):
+        for b in bs:
+            b.coll("all_gather", (114,), out_shapes=((228,),), phase=Phase.FORWARD, step=step, line=79)
+            b.coll("reduce_scatter", (228,), out_shapes=((114,),), phase=Phase.BACKWARD, step=step, line=80)
+    bs[0].coll("all_gather", (3,), out_shapes=(), phase=Phase.CHECKPOINT_SAVE, step=2, line=52, done=False)
+    for _ in range(2):
+        bs[1].coll("all_gather", (3, 3, 1, 3, 3), out_shapes=(), phase=Phase.CHECKPOINT_SAVE, step=2, line=52)
+    report = analyze(run_of(*bs, hang=True))
+    assert report.mechanism.mechanism.value == "different-shape"
+    assert report.pattern == "uneven-dtensor-allgather" and not report.culprit_ranks
+    assert "size" in " ".join(report.not_named["shape-mismatch"])  # held back, the missing evidence said
+    # The same resize outside a save, issued once: a shape mismatch still.
+    bs = ranks(2)
+    bs[0].coll("all_gather", (3,), phase=Phase.OTHER, line=52, done=False)
+    bs[1].coll("all_gather", (3, 3, 1, 3, 3), phase=Phase.OTHER, line=52)
+    assert analyze(run_of(*bs, hang=True)).pattern == "shape-mismatch"
