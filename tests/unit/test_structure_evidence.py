@@ -488,3 +488,35 @@ def test_a_checkpoint_walk_of_gathers_at_other_keys_is_no_shape_mismatch():
     bs[0].coll("all_gather", (3,), phase=Phase.OTHER, line=52, done=False)
     bs[1].coll("all_gather", (3, 3, 1, 3, 3), phase=Phase.OTHER, line=52)
     assert analyze(run_of(*bs, hang=True)).pattern == "shape-mismatch"
+
+
+def test_a_gradient_bucket_issued_again_opens_another_micro_batch_not_a_recompute():
+    """minGPT's token-budget micro-batches on DDP: each micro-batch's backward all-reduces the bucket
+    (train.py:86), the step's loss all-reduce follows the loop (train.py:89). In step 2 rank 0 packed
+    two micro-batches, rank 1 one: rank 0 issues the bucket again while rank 1 closes the step. A call
+    site the step issued only in backward, issued again, begins another pass (loop-trip-count, rank 1
+    ran fewer); the recompute reading (skipped-collective) needs a call site of the step's forward."""
+    bs = ranks(2)
+
+    def micro(b, step, done=True):
+        b.ev("backward_begin", step=step)
+        b.coll("all_reduce", (24352,), phase=Phase.BACKWARD, step=step, line=86, done=done)
+        b.ev("backward_end", step=step)
+
+    def close(b, step, done=True):
+        b.coll("all_reduce", (1,), step=step, line=89, done=done)
+        b.ev("optimizer_step_begin", step=step)
+        b.ev("optimizer_step_end", step=step + 1)
+
+    for step in (0, 1):
+        for b in bs:
+            micro(b, step)
+            micro(b, step)
+            close(b, step)
+    micro(bs[0], 2)
+    micro(bs[0], 2, done=False)
+    micro(bs[1], 2)
+    close(bs[1], 2, done=False)
+    report = analyze(run_of(*bs, hang=True))
+    assert report.mechanism.mechanism.value == "loop-trip-count", report.mechanism.detail
+    assert report.mechanism.ranks == (1,)
