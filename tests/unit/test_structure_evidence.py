@@ -520,3 +520,26 @@ def test_a_gradient_bucket_issued_again_opens_another_micro_batch_not_a_recomput
     report = analyze(run_of(*bs, hang=True))
     assert report.mechanism.mechanism.value == "loop-trip-count", report.mechanism.detail
     assert report.mechanism.ranks == (1,)
+
+
+def test_a_small_all_gather_past_held_back_bucket_reductions_is_an_inflight_metric():
+    """LLaVA's bucket reducer of corpus 27: each step's backward all-reduces two buckets (train.py:74),
+    then the loop all-gathers a 3-element modality count (train.py:127). In step 2 rank 1 holds its
+    second bucket back past the pass and gathers while rank 0 reduces: the metric side is an all_gather, the
+    structure (reductions held back past a small user collective) that of an in-flight metric."""
+    bs = ranks(2)
+    for step in (0, 1, 2):
+        for b in bs:
+            b.ev("backward_begin", step=step)
+            b.coll("all_reduce", (1856,), phase=Phase.BACKWARD, step=step, line=74)
+            if step < 2 or b.rank == 0:
+                b.coll("all_reduce", (1856,), phase=Phase.BACKWARD, step=step, line=74, done=step < 2)
+            b.ev("backward_end", step=step)
+            if step < 2 or b.rank == 1:
+                b.coll("all_gather", (3,), out_shapes=((3,), (3,)), step=step, line=127, done=step < 2)
+            if step < 2:
+                b.ev("optimizer_step_begin", step=step)
+                b.ev("optimizer_step_end", step=step + 1)
+    report = analyze(run_of(*bs, hang=True))
+    assert report.mechanism.mechanism.value == "different-op", report.mechanism.detail
+    assert report.pattern == "inflight-metric-allreduce" and report.culprit_ranks == [1], report.summary
