@@ -34,6 +34,8 @@ STEPS = frozenset({"discarded_steps", "discarded_in", "stepped", "nonfinite_loss
 #: The job's own source, read at the stacks' lines (``analysis.source``); declared, not recorded
 #: by the test's view proxy.
 SOURCE = frozenset({"source"})
+#: ``moedoctor run``'s account of the silences it judged busy (``RunView.busy_records``).
+BUSY = frozenset({"busy_records"})
 
 
 def ev(*kinds: str) -> frozenset[str]:
@@ -207,8 +209,15 @@ def optimizer_step_signs(ctx, mech) -> bool:
 
 
 def waited_rank_working(ctx, mech) -> bool:
-    """The stacks show a rank the others wait for running outside ``torch.distributed``."""
-    return mech is not None and mech.state == RankState.WORKING
+    """The stacks show a rank the others wait for running outside ``torch.distributed``; or, when the
+    waiting ranks' own collective timeout ended the job, ``moedoctor run``'s busy record showed the
+    awaited ranks working outside any collective for the whole wait, and they did not crash
+    (``straggler.outlasted_wait``)."""
+    if mech is not None and mech.state == RankState.WORKING:
+        return True
+    from moedoctor.analysis.patterns.straggler import outlasted_wait
+
+    return outlasted_wait(ctx) is not None
 
 
 def process_not_running(ctx, mech) -> bool:
@@ -220,6 +229,15 @@ def variable_size_op(ctx, mech) -> bool:
     """The collective at the divergence is one whose sizes legitimately vary per rank (all_to_all,
     gather, scatter)."""
     return any(v.op in ("all_to_all", "gather", "scatter", "all_to_all_single") for v in ctx.present().values())
+
+
+def size_unexplained(ctx, mech) -> bool:
+    """The sizes differ for no structural reason the trace shows: not a variable-size collective
+    (whose sizes the pairwise contract judges), and not a walk of gathers over a state's items inside
+    a checkpoint save or load (ranks at different items of the walk, not one collective resized)."""
+    if variable_size_op(ctx, mech):
+        return False
+    return not (gather_loop(ctx, mech) and checkpoint_io(ctx, mech))
 
 
 #: What the report says is missing when a requirement does not hold.
@@ -237,9 +255,16 @@ NAMES = {
     "optimizer_step_signs": (
         "optimizer-step evidence (step or zero_grad hooks, a non-finite value, a discarded step, an inf/NaN test)"
     ),
-    "waited_rank_working": "a stack showing the waited-for rank working outside torch.distributed",
+    "waited_rank_working": (
+        "a stack (or a busy record lasting until the others' timeout) showing the waited-for rank working "
+        "outside torch.distributed"
+    ),
     "process_not_running": "a process state showing a rank that does not run",
     "variable_size_op": "a variable-size collective (all_to_all, gather, scatter) at the divergence",
+    "size_unexplained": (
+        "sizes that differ for no structural reason (not a variable-size collective,"
+        " not a checkpoint's walk of gathers)"
+    ),
 }
 
 
@@ -306,7 +331,12 @@ DECLARATIONS: dict[str, Declaration] = {
         ),
         Declaration("rank-conditional-collective", _DESYNC | _SAME_POSITION, (), SOURCE),
         Declaration("collective-order-inversion", _DESYNC, (), SOURCE),
-        Declaration("shape-mismatch", _SAME_POSITION | {M.DIFFERENT_SPLITS, M.DIFFERENT_OP}, (), frozenset()),
+        Declaration(
+            "shape-mismatch",
+            _SAME_POSITION | {M.DIFFERENT_SPLITS, M.DIFFERENT_OP},
+            (_req(size_unexplained),),
+            ev("checkpoint_save_begin"),
+        ),
         Declaration(
             "all-to-all-split-mismatch",
             frozenset({M.DIFFERENT_SPLITS, M.DIFFERENT_SHAPE}),
@@ -317,7 +347,7 @@ DECLARATIONS: dict[str, Declaration] = {
             "straggler",
             frozenset({M.RANK_OUTSIDE}),
             (_req(waited_rank_working),),
-            {"stack_frame", "in_distributed", "frozen", "died"},
+            {"stack_frame", "in_distributed", "frozen", "died"} | EXCEPTION | EXITS | BUSY,
         ),
         Declaration(
             "rank-stopped",

@@ -552,6 +552,12 @@ def _summary(
         stuck = f" is stuck in {frame}" if frame else " never arrives (no stack shows where it is)"
         waiting = [x for x, v in div.per_rank.items() if v is not None]
         v = div.per_rank[waiting[0]]
+        if view.died(r):  # the crash path: the waiting ranks' own timeout ended the job (straggler.outlasted_wait)
+            return (
+                f"{prefix}{title}rank {r} was still working outside any collective (moedoctor run's busy record) "
+                f"when {names(waiting)}, waiting in {v.op} {where}, reached {'its' if len(waiting) == 1 else 'their'} "
+                "collective timeout."
+            )
         return (
             f"{prefix}{title}rank {r}{stuck}, outside any collective, while {names(waiting)} "
             f"{'waits' if len(waiting) == 1 else 'wait'} in {v.op} {where}."

@@ -29,6 +29,15 @@ def first_divergence(view: RunView, group: str) -> Divergence | None:
             continue
         missing = tuple(r for r in members if r not in present and view.never_reached(r, group, seq))
         classes = op_classes(present)
+        if not missing and len(classes) > 1 and _rows_differ_only(present):
+            # An all_to_all is a flat exchange: rows of other trailing sizes are a question of what
+            # each pair sends and expects, answered by the contract where every side is known.
+            found = breaches(present, view.groups[group].ranks)
+            if found:
+                div = _divergence(view, group, seq, present, (), [], DivergenceKind.CONTRACT)
+                div.classes = contract_classes(found, members)
+                div.breaches = tuple(b.line() for b in found)
+                return div
         if missing or len(classes) > 1:
             classes = classes + ([missing] if missing else [])
             return _divergence(
@@ -47,6 +56,21 @@ def first_divergence(view: RunView, group: str) -> Divergence | None:
             div.breaches = tuple(b.line() for b in found)
             return div
     return None
+
+
+def _rows_differ_only(present: dict[int, CollectiveEvent]) -> bool:
+    """Every rank issued one all_to_all (one tensor each way) from one call site with the same
+    dtypes and the same last dimension (a token's width): only the number of tokens in each member's
+    chunk (a capacity laid out as a middle dimension, ``[experts, capacity, hidden]``) sets them apart.
+    A different last dimension is a different tensor, a shape mismatch."""
+    events = list(present.values())
+    return (
+        len(events) > 1
+        and all(e.op == "all_to_all" and len(e.in_shapes) == 1 and len(e.in_shapes[0]) >= 3 for e in events)
+        and len({e.call_site.where if e.call_site else None for e in events}) == 1
+        and len({e.dtypes for e in events}) == 1
+        and len({(len(e.in_shapes[0]), e.in_shapes[0][-1]) for e in events}) == 1
+    )
 
 
 def stalled(view: RunView, group: str) -> Divergence | None:

@@ -381,9 +381,15 @@ def _mismatch(view: RunView, div: Divergence, present: dict, culprits: Culprits,
     closing = [r for r, p in positions.items() if p == CLOSING]
     if restart and not closing:
         closing = _stepped(view, events, restart)
-    if restart and closing and all(events[r].phase.value == "backward" for r in restart):
+    if (
+        restart
+        and closing
+        and all(events[r].phase.value == "backward" for r in restart)
+        and all(_forward_site_of_step(view, events[r]) for r in restart)
+    ):
         # Issued again while a backward pass runs, from a call site of this step's forward: a re-issue
-        # inside backward (a recompute) that the other ranks did not make.
+        # inside backward (a recompute) that the other ranks did not make. A call site the step issued
+        # only in backward (a gradient bucket) issued again opens another micro-batch: below.
         return made(
             Mechanism.SKIPPED_COLLECTIVE,
             closing,
@@ -492,6 +498,15 @@ def _stepped(view: RunView, events: dict, restart: list[int]) -> list[int]:
             return []
         found.append(r)
     return found
+
+
+def _forward_site_of_step(view: RunView, e: CollectiveEvent) -> bool:
+    """The rank issued ``e``'s call site in a forward pass earlier in ``e``'s step."""
+    site = e.call_site.where if e.call_site else None
+    return site is not None and any(
+        x.step == e.step and x.phase.value == "forward" and x.call_site is not None and x.call_site.where == site
+        for x in view.events(e.rank, e.group.name, before=e.seq)
+    )
 
 
 def _inside_loop(events: dict, restart: list[int], closing: list[int]):

@@ -13,7 +13,7 @@ from moedoctor.analysis.load import RunData
 from moedoctor.analysis.model import GroupRef
 from moedoctor.events import CollectiveEvent, Evidence, Phase, RankException, TracebackFrame
 from moedoctor.process_state import ProcessState
-from moedoctor.run_records import Frame, StackDump, is_distributed_frame, is_own_frame
+from moedoctor.run_records import BusyRecord, Frame, StackDump, is_distributed_frame, is_own_frame
 from moedoctor.wording import phase_label
 
 #: Frames of libraries, for the job's own frame of a traceback.
@@ -236,6 +236,12 @@ class RunView:
         launcher stopped the others."""
         m = self.run.manifest
         return m is not None and rank in m.exits and bool(m.exits[rank].first_failure)
+
+    def busy_records(self) -> list[BusyRecord]:
+        """The silences of the collectives ``moedoctor run`` judged busy or unproven while the job
+        ran (its manifest's ``busy``), oldest first: each rank's state then, and how long it lasted."""
+        m = self.run.manifest
+        return list(m.busy) if m is not None else []
 
     def died(self, rank: int) -> bool:
         """The rank's process ended with a failure of its own (not stopped by moedoctor)."""

@@ -96,3 +96,23 @@ def test_a_run_killed_while_busy_is_interrupted_and_busy_not_a_desync(tmp_path):
     assert report["verdict"] == "interrupted" and report["pattern"] is None and done.returncode == 2, context
     assert "When it was stopped, the job was busy, not stuck: rank 0 working in save_checkpoints" in report["summary"]
     assert "rank 1 waits in barrier" in report["summary"], context
+
+
+def test_a_straggler_that_never_comes_back_is_named_when_the_timeout_crashes_the_waiting_rank(tmp_path):
+    """Rank 1 spins in a crop-retry loop (CPU progress: busy, never stopped) while rank 0 waits in
+    the gradient all-reduce until its own 20 s Gloo timeout raises: the crash path names `straggler`
+    from the busy record (rank 1 working for the whole wait, raised nothing, ended by the launcher),
+    culprit rank 1, not the crash alone."""
+    run_dir = tmp_path / "run"
+    job = FIXTURES / "variants" / "straggler" / "torchvision_detection_iou_crop_spin.py"
+    cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", "3", "--",
+           *torchrun_command(job, 2, "--backend", "gloo", "--pg-timeout", "20")]
+    result = run_command(cmd, timeout=180)
+    assert result.returncode != 0, result.tail()
+    manifest = _manifest(run_dir)
+    assert manifest["hang"] is None, manifest["hang"]  # busy: never stopped by moedoctor
+    assert any(b["states"].get("1") == "working" for b in manifest["busy"]), manifest["busy"]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["verdict"] == "crashed", report["summary"]
+    assert report["pattern"] == "straggler" and report["culprit_ranks"] == [1], (report["summary"], result.tail())
+    assert "still working outside any collective" in report["summary"], report["summary"]

@@ -167,6 +167,25 @@ def test_row_sizes_and_dtypes_must_still_agree():
     assert report.divergence.kind == DivergenceKind.MISMATCH
 
 
+def test_capacity_laid_out_as_a_middle_dimension_is_a_split_question():
+    """DeepSpeed-MoE's dispatch buffer [experts, capacity, hidden] with equal splits: capacities from
+    local counts (9 and 8) make each member's chunk another size than its peer expects. The rows'
+    trailing sizes differ, but the token width agrees: the contract judges it (different-splits,
+    both ranks), not a shape mismatch."""
+    bs = ranks(2)
+    for b, cap in zip(bs, (9, 8)):
+        b.coll("all_to_all", shapes=((2, cap, DIM),), out_shapes=((2, cap, DIM),), line=15, phase=Phase.FORWARD)
+    report = analyze(run_of(*bs, hang=True))
+    assert report.divergence.kind == DivergenceKind.CONTRACT
+    assert report.mechanism.mechanism.value == "different-splits"
+    assert report.pattern == "all-to-all-split-mismatch" and report.culprit_ranks == [0, 1]
+    # The same buffers that pair up (one capacity) are healthy; another token width stays a mismatch.
+    bs = ranks(2)
+    for b, width in zip(bs, (DIM, 2 * DIM)):
+        b.coll("all_to_all", shapes=((2, 9, width),), out_shapes=((2, 9, width),), line=15, phase=Phase.FORWARD)
+    assert analyze(run_of(*bs, hang=True)).divergence.kind == DivergenceKind.MISMATCH
+
+
 def test_uneven_all_gather_gather_and_varying_roots_are_healthy():
     g = world(3)
     bs = ranks(3)

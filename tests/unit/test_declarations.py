@@ -16,7 +16,7 @@ from event_factory import ranks, run_of
 
 from moedoctor.analysis import analyze, load_run
 from moedoctor.analysis.culprits import find_culprits
-from moedoctor.analysis.declarations import DECLARATIONS, EXCEPTION, EXITS, PROCESS, STACKS, STEPS, missing
+from moedoctor.analysis.declarations import BUSY, DECLARATIONS, EXCEPTION, EXITS, PROCESS, STACKS, STEPS, missing
 from moedoctor.analysis.diagnosis import _hang, _primary
 from moedoctor.analysis.matching import all_divergences
 from moedoctor.analysis.mechanism import Mechanism, mechanism_of
@@ -25,7 +25,7 @@ from moedoctor.analysis.view import RunView
 from moedoctor.analysis.waitfor import find_cycle, wait_edges
 from moedoctor.events import Phase
 
-DOMAIN = STACKS | PROCESS | EXCEPTION | EXITS | STEPS
+DOMAIN = STACKS | PROCESS | EXCEPTION | EXITS | STEPS | BUSY
 #: Runs recorded by ``moedoctor run`` from the fixtures (``tests/golden``), beside the factory scenarios.
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 RECORDED = sorted(p.name for p in GOLDEN.iterdir() if (p / "manifest.json").exists())

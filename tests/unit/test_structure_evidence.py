@@ -463,3 +463,83 @@ def test_an_outer_step_skipped_by_a_local_check_is_told_by_the_check_not_by_the_
     assert any("ranks 0,1 went the way that steps, rank 2 the other" in e for e in report.evidence), report.evidence
     assert report.fix_config == {"skip-step-collectively": {"branch": {
         "file": str(path), "line": 9, "agree": "any", "test": "not finite"}}}
+
+
+def test_a_checkpoint_walk_of_gathers_at_other_keys_is_no_shape_mismatch():
+    """PySlowFast's offload save: one ``full_tensor()`` per state key, rank 0 left a key out, so at the
+    same position it gathers the bias ([3]) while rank 1 gathers the weight ([3, 3, 1, 3, 3]), and rank 1
+    gathers from that line again. The sizes differ because the ranks walk other keys: shape-mismatch
+    yields (its required evidence, a size that differs for no structural reason, is missing) and the
+    uneven checkpoint gather is named, with no culprit (which rank skipped is not shown)."""
+    bs = ranks(2)
+    for step in (0, 1):
+        for b in bs:
+            b.coll("all_gather", (114,), out_shapes=((228,),), phase=Phase.FORWARD, step=step, line=79)
+            b.coll("reduce_scatter", (228,), out_shapes=((114,),), phase=Phase.BACKWARD, step=step, line=80)
+    bs[0].coll("all_gather", (3,), out_shapes=(), phase=Phase.CHECKPOINT_SAVE, step=2, line=52, done=False)
+    for _ in range(2):
+        bs[1].coll("all_gather", (3, 3, 1, 3, 3), out_shapes=(), phase=Phase.CHECKPOINT_SAVE, step=2, line=52)
+    report = analyze(run_of(*bs, hang=True))
+    assert report.mechanism.mechanism.value == "different-shape"
+    assert report.pattern == "uneven-dtensor-allgather" and not report.culprit_ranks
+    assert "size" in " ".join(report.not_named["shape-mismatch"])  # held back, the missing evidence said
+    # The same resize outside a save, issued once: a shape mismatch still.
+    bs = ranks(2)
+    bs[0].coll("all_gather", (3,), phase=Phase.OTHER, line=52, done=False)
+    bs[1].coll("all_gather", (3, 3, 1, 3, 3), phase=Phase.OTHER, line=52)
+    assert analyze(run_of(*bs, hang=True)).pattern == "shape-mismatch"
+
+
+def test_a_gradient_bucket_issued_again_opens_another_micro_batch_not_a_recompute():
+    """minGPT's token-budget micro-batches on DDP: each micro-batch's backward all-reduces the bucket
+    (train.py:86), the step's loss all-reduce follows the loop (train.py:89). In step 2 rank 0 packed
+    two micro-batches, rank 1 one: rank 0 issues the bucket again while rank 1 closes the step. A call
+    site the step issued only in backward, issued again, begins another pass (loop-trip-count, rank 1
+    ran fewer); the recompute reading (skipped-collective) needs a call site of the step's forward."""
+    bs = ranks(2)
+
+    def micro(b, step, done=True):
+        b.ev("backward_begin", step=step)
+        b.coll("all_reduce", (24352,), phase=Phase.BACKWARD, step=step, line=86, done=done)
+        b.ev("backward_end", step=step)
+
+    def close(b, step, done=True):
+        b.coll("all_reduce", (1,), step=step, line=89, done=done)
+        b.ev("optimizer_step_begin", step=step)
+        b.ev("optimizer_step_end", step=step + 1)
+
+    for step in (0, 1):
+        for b in bs:
+            micro(b, step)
+            micro(b, step)
+            close(b, step)
+    micro(bs[0], 2)
+    micro(bs[0], 2, done=False)
+    micro(bs[1], 2)
+    close(bs[1], 2, done=False)
+    report = analyze(run_of(*bs, hang=True))
+    assert report.mechanism.mechanism.value == "loop-trip-count", report.mechanism.detail
+    assert report.mechanism.ranks == (1,)
+
+
+def test_a_small_all_gather_past_held_back_bucket_reductions_is_an_inflight_metric():
+    """LLaVA's bucket reducer of corpus 27: each step's backward all-reduces two buckets (train.py:74),
+    then the loop all-gathers a 3-element modality count (train.py:127). In step 2 rank 1 holds its
+    second bucket back past the pass and gathers while rank 0 reduces: the metric side is an all_gather, the
+    structure (reductions held back past a small user collective) that of an in-flight metric."""
+    bs = ranks(2)
+    for step in (0, 1, 2):
+        for b in bs:
+            b.ev("backward_begin", step=step)
+            b.coll("all_reduce", (1856,), phase=Phase.BACKWARD, step=step, line=74)
+            if step < 2 or b.rank == 0:
+                b.coll("all_reduce", (1856,), phase=Phase.BACKWARD, step=step, line=74, done=step < 2)
+            b.ev("backward_end", step=step)
+            if step < 2 or b.rank == 1:
+                b.coll("all_gather", (3,), out_shapes=((3,), (3,)), step=step, line=127, done=step < 2)
+            if step < 2:
+                b.ev("optimizer_step_begin", step=step)
+                b.ev("optimizer_step_end", step=step + 1)
+    report = analyze(run_of(*bs, hang=True))
+    assert report.mechanism.mechanism.value == "different-op", report.mechanism.detail
+    assert report.pattern == "inflight-metric-allreduce" and report.culprit_ranks == [1], report.summary

@@ -47,6 +47,9 @@ SMALL = 64
 #: Where a training loop issues metric all-reduces (not inside Optimizer.step or a checkpoint save).
 #: Not ``backward``: a collective issued while autograd runs comes from a gradient hook, the in-flight side.
 _USER_PHASES = {"other", "forward"}
+#: The small collectives a training loop issues for its own statistics: a metric's all_reduce, or a
+#: per-rank value's all_gather (LLaVA's modality counts of corpus 27).
+_METRIC_OPS = ("all_reduce", "all_gather")
 
 
 def classify(ctx: Context) -> Finding | None:
@@ -57,7 +60,7 @@ def classify(ctx: Context) -> Finding | None:
     small = sorted(
         r
         for r, v in present.items()
-        if v.op == "all_reduce" and v.numel <= SMALL and v.module is None and v.phase in _USER_PHASES
+        if v.op in _METRIC_OPS and v.numel <= SMALL and v.module is None and v.phase in _USER_PHASES
     )
     other = sorted(r for r in div.per_rank if r not in small)
     if not small or not other:
@@ -78,7 +81,7 @@ def classify(ctx: Context) -> Finding | None:
         return None  # a call site the other ranks never used, and nothing shows it runs on every rank
     theirs = [present[r] for r in other if r in present]
     if theirs and all(
-        t.op == "all_reduce" and t.numel <= SMALL and t.module is None and t.phase not in ("forward", "backward")
+        t.op in _METRIC_OPS and t.numel <= SMALL and t.module is None and t.phase not in ("forward", "backward")
         for t in theirs
     ):
         return None  # two metric all-reduces: a different pattern (shape mismatch / rank-conditional)

@@ -8,6 +8,11 @@ the size mismatch; NCCL hangs or silently pairs unrelated buffers.
 Evidence: one op at the divergence on every rank that issued it, with different shapes, dtypes or
 (known) reduce ops; the more specific patterns (inactive experts, checkpoint keys) did not claim it.
 
+Required (``declarations.size_unexplained``): the sizes differ for no structural reason the trace
+shows. Not a variable-size collective (an all_to_all whose capacity differs is a split question,
+judged by the pairwise contract), not a walk of gathers inside a checkpoint save (ranks at different
+keys). Corpus 27 named this pattern confidently for both.
+
 Risk: generic by design; it scores below the patterns that explain why the sizes differ.
 
 Fix: make the sizes rank-invariant (agree on them first with a small all_gather and pad), and build

@@ -9,6 +9,11 @@ collective, and py-spy shows their main thread outside ``torch.distributed``, na
 they are stuck in. Without traces (stuck before ``init_process_group``) the stacks alone: some
 ranks inside torch.distributed (waiting at rendezvous), others elsewhere.
 
+The straggler that never comes back: a rank that spins (a decode retry, a crop loop) is busy, so
+``moedoctor run`` never stops it; the waiting ranks' own collective timeout ends the job and the
+awaited rank is torn down with it. On that crash the pattern is named from the busy record that
+covers the wait (``outlasted_wait``); a rank that raised or died of its own is not a straggler.
+
 Risk: a rank that skipped a collective and then blocked in user code looks the same; the stack
 names the function, which tells them apart. Without a stack the score stays low. A rank whose
 process does not run at all (state ``T`` or ``D`` when the hang was diagnosed) is not stuck in its
@@ -18,10 +23,13 @@ Fix: none in the collectives; find why that function does not return.
 
 Corpus (`benchmarks/diagnosis_accuracy.py`, Gloo): the 5 variants of `straggler/`
 (rejection-sampling spin, dead prefetch thread, subprocess prompt, wedged socket, leaked flock):
-5/5.
+5/5; the held-out spins that crash on the timeout (corpus 25's Jukebox, corpus 27's Kinetics decode
+retry and IoU crop) 0/3 before ``outlasted_wait``, 3/3 after.
 """
 
 from __future__ import annotations
+
+import signal
 
 from moedoctor.analysis.model import DivergenceKind, Suggestion
 from moedoctor.analysis.patterns import Context, Finding, Pattern, StackContext, StackFinding, names
@@ -47,6 +55,13 @@ def classify(ctx: Context) -> Finding | None:
     if not (div.kind == DivergenceKind.MISSING or (div.kind == DivergenceKind.P2P and div.missing)):
         return None
     roots = sorted(ctx.culprits.ranks) or sorted(div.missing)
+    if roots and all(view.died(r) for r in roots):
+        outlasted = outlasted_wait(ctx)
+        if outlasted is None:
+            return None
+        return Finding(
+            0.8, tuple(outlasted), culprits=tuple(roots), suggestion=_suggest(view, roots[0]), explains_crash=True
+        )
     if not roots or any(view.died(r) or view.frozen(r) for r in roots):
         return None
     waiting = sorted(r for r, v in div.per_rank.items() if v is not None)
@@ -80,6 +95,63 @@ def classify(ctx: Context) -> Finding | None:
     else:
         score = 0.2
     return Finding(score, tuple(evidence), culprits=tuple(roots), suggestion=_suggest(view, roots[0]))
+
+
+#: Of the wait (from the waiting ranks' collective to the first timeout), the share a busy record
+#: must cover: its account is refreshed while the silence lasts, the last refresh falls short by one.
+COVERED = 0.8
+_TEARDOWN = (-signal.SIGTERM, -signal.SIGKILL)
+
+
+def outlasted_wait(ctx: Context) -> list[str] | None:
+    """The straggler that never came back, on the crash path: the ranks the others wait for (who
+    never issued the collective) were still working outside any collective when the waiting ranks'
+    own collective timeout ended the job. Each of: the waiting ranks raised (their timeout), none of
+    the awaited ones did, none is the launcher's first failure and each ended by the launcher's
+    teardown (SIGTERM / SIGKILL), not a failure of its own; and a busy record of ``moedoctor run``
+    shows the awaited ranks working and the waiting ones waiting for at least ``COVERED`` of the wait
+    up to the first timeout. The evidence lines, or None (a rank that crashed or died of its own is
+    no straggler; without the busy record nothing shows it was working)."""
+    view, div = ctx.view, ctx.div
+    if div is None or div.kind != DivergenceKind.MISSING:
+        return None
+    roots = sorted(ctx.culprits.ranks) or sorted(div.missing)
+    waiting = sorted(r for r, v in div.per_rank.items() if v is not None)
+    if not roots or not waiting:
+        return None
+    for r in roots:
+        code = view.exit_code(r)
+        if view.exception(r) is not None or view.first_failure(r) or (code not in (None, *_TEARDOWN)):
+            return None
+    raised = {r: x.time for r in waiting if (x := view.exception(r)) is not None}
+    issued = [e.time for r in waiting if (e := ctx.event(r)) is not None and e.time is not None]
+    if not raised or not issued or any(view.first_failure(r) for r in roots):
+        return None
+    first, began = min(raised.values()), min(issued)
+    wait = first - began
+    if wait <= 0:
+        return None
+    for b in reversed(view.busy_records()):
+        if b.kind != "busy":
+            continue
+        if any(b.states.get(str(r)) != "working" for r in roots):
+            continue
+        if any(b.states.get(str(r)) != "waiting" for r in waiting):
+            continue
+        covered = min(b.start + b.seconds, first) - max(b.start, began)
+        if covered < COVERED * wait:
+            continue
+        v = div.per_rank[waiting[0]]
+        return [
+            f"{names(waiting)} waited in {v.op} #{div.seq} of group {div.group.label()}"
+            f"{f' ({v.short_site})' if v.short_site else ''} for {names(roots)}, which never issued it, "
+            f"until {'its' if len(waiting) == 1 else 'their'} own collective timeout raised ({wait:.0f} s)",
+            f"moedoctor run saw {names(roots)} working outside any collective for {covered:.0f} s of that "
+            f"wait ({b.line.removeprefix('busy: ')})",
+            f"{names(roots)} raised nothing and ended with the job (stopped by the launcher after the "
+            "timeout): still working, not crashed; it did not come back in the time the job allows",
+        ]
+    return None
 
 
 def _where(view, rank: int) -> str:

@@ -52,6 +52,35 @@ def _save_run(ctx: Context, rank: int) -> list:
     return run[::-1]
 
 
+def _walk_at_other_keys(ctx: Context, present: dict, saving: list[int]) -> str | None:
+    """Every rank is in the save, at a gather from one call site with other sizes, and some rank issued
+    that gather again in the save (a walk of one gather per key): the ranks gather different keys at
+    the same position, one collective resized would not repeat."""
+    if len(saving) != len(present) or len(present) < 2:
+        return None
+    if {v.op for v in present.values()} - set(_GATHERS) or len({v.call_site for v in present.values()}) != 1:
+        return None
+    if len({v.shapes for v in present.values()}) == 1:
+        return None
+    site = next(iter(present.values())).call_site
+    div = ctx.div
+    for r in sorted(present):
+        again = [
+            e
+            for e in ctx.view.events(r, div.group.name)
+            if e.seq > div.seq and e.phase == Phase.CHECKPOINT_SAVE and e.call_site and e.call_site.where == site
+        ]
+        before = [e for e in _save_run(ctx, r) if e.call_site and e.call_site.where == site and e.seq < div.seq]
+        if again or before:
+            short = site.rsplit("/", 1)[-1]
+            sizes = "; ".join(f"rank {q}: {[list(x) for x in v.shapes]}" for q, v in present.items())
+            return (
+                f"every rank gathers from {short} in the save with other sizes ({sizes}), and rank {r} issued that "
+                "gather more than once in it: a walk of one gather per key, the ranks at different keys"
+            )
+    return None
+
+
 def classify(ctx: Context) -> Finding | None:
     if not ctx.desync_kind():
         return None
@@ -117,6 +146,11 @@ def classify(ctx: Context) -> Finding | None:
             f"{names(entered)} entered the checkpoint writer (checkpoint_save_begin) while "
             f"{names(sorted(r for r, b in begun.items() if not b))} had not"
         )
+    walked = _walk_at_other_keys(ctx, present, saving) if not uneven_keys and exit_ is None else None
+    if walked is not None:
+        uneven_keys = True
+        score += 0.15
+        evidence.append(walked)
     if not uneven_keys and exit_ is None and score > 0.35:
         evidence.append(
             f"score 0.35 instead of {score:.2f}: a desync inside a save, but no per-key call site whose "
