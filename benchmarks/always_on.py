@@ -67,6 +67,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--dump", metavar="FILE", help="rank 0: every block's figures as JSON, for analysis")
     parser.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="FILE",
+        help="no run: pool the pairs of earlier --dump files and print the always-on line for all of them",
+    )
+    parser.add_argument(
         "--profile",
         metavar="FILE",
         help="rank 0: cProfile of the training thread over the recording blocks, written to FILE",
@@ -90,8 +96,29 @@ def relaunch(args: argparse.Namespace) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def pool(files: list[str]) -> int:
+    """The always-on line over the pairs of several runs' ``--dump`` files (runs of one loop)."""
+    import json
+
+    from _timing import paired
+
+    runs = [json.loads(Path(f).read_text()) for f in files]
+    every = lambda key: [x for run in runs for x in run[key]]  # noqa: E731
+    cpu_mid, cpu_lo, cpu_hi, pairs = paired(every("cpu_on"), every("cpu_off"))
+    step_mid, step_lo, step_hi, _ = paired(every("step_on"), every("step_off"))
+    per_step = runs[0]["collectives_per_step"]
+    print(f"pooled: {len(runs)} runs, {pairs} pairs")
+    print(
+        f"always-on: {per_step:.0f} collectives/step, training-thread CPU {cpu_mid:+.2f}% "
+        f"(CI {cpu_lo:+.2f}..{cpu_hi:+.2f}), step time {step_mid:+.2f}% (CI {step_lo:+.2f}..{step_hi:+.2f})"
+    )
+    return 0
+
+
 def main() -> int:
     args = parse()
+    if args.pool:
+        return pool(args.pool)
     if "LOCAL_RANK" not in os.environ:
         return relaunch(args)
     if args.recorder == "native":

@@ -51,3 +51,32 @@ def test_always_on_benchmark_runs_and_prints_its_line():
     assert recorded, result.tail()
     on, issued_on, off, issued_off = map(int, recorded.groups())
     assert on == issued_on == per_step * 3 * 2 and off == 0 and issued_off == issued_on, result.tail()
+
+
+def test_pool_joins_the_pairs_of_several_dumps(tmp_path):
+    """``--pool`` reads earlier runs' ``--dump`` files and prints the one line over all their pairs:
+    two runs of 2 pairs each, the recorder costing exactly +10% CPU in every pair and nothing on the
+    step, give +10.00% CPU (an interval of one point) and +0.00% step time over 4 pairs."""
+    import json
+
+    for i in range(2):
+        (tmp_path / f"d{i}.json").write_text(
+            json.dumps(
+                {
+                    "collectives_per_step": 145,
+                    "cpu_on": [110.0, 220.0],
+                    "cpu_off": [100.0, 200.0],
+                    "step_on": [300.0, 400.0],
+                    "step_off": [300.0, 400.0],
+                }
+            )
+        )
+    cmd = [sys.executable, str(SCRIPT), "--pool", str(tmp_path / "d0.json"), str(tmp_path / "d1.json")]
+    result = run_command(cmd, timeout=60, env=job_env(PYTHONPATH=str(REPO)), cwd=REPO)
+    assert result.returncode == 0, result.tail()
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert "pooled: 2 runs, 4 pairs" in lines, result.tail()
+    assert lines[-1] == (
+        "always-on: 145 collectives/step, training-thread CPU +10.00% (CI +10.00..+10.00), "
+        "step time +0.00% (CI +0.00..+0.00)"
+    ), result.tail()
