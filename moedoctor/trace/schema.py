@@ -546,6 +546,41 @@ def _writer(record: Record) -> Callable[..., str]:
 encode_collective = _writer(COLLECTIVE)
 
 
+def fields(record: Record, /, *, after: str | None = None, **values: Any) -> dict[str, Any]:
+    """One record of kind ``record`` as a dict in the table's key order, ready for ``format.encode``:
+    ``"k"`` first (the header has none), then each key from the value given by its attribute name
+    (``Key.name``); an optional key given None (or not given) is left out. With ``after``, only the
+    keys after that one, for a writer that wrote the kind and the keys up to it itself (the C++
+    kernel writes ``"k"`` and ``"id"`` of its ``g`` and ``s`` records). Raises TypeError for a name
+    the table does not have or a required one missing: a writer out of step with the table fails
+    its first test, not a reader."""
+    names = {k.name for k in record.keys}
+    unknown = values.keys() - names
+    if unknown:
+        raise TypeError(f"{record.kind or 'header'} record has no key named {sorted(unknown)}")
+    keys = record.keys
+    out: dict[str, Any] = {}
+    if after is not None:
+        keys = keys[[k.key for k in keys].index(after) + 1 :]
+    elif record.kind:
+        out["k"] = record.kind
+    for k in keys:
+        value = values.get(k.name)
+        if value is not None:
+            out[k.key] = value
+        elif k.required:
+            if k.name not in values:
+                raise TypeError(f"{record.kind or 'header'} record without {k.name!r}")
+            out[k.key] = None
+    return out
+
+
+def line_prefix(record: Record) -> bytes:
+    """How every line of kind ``record`` begins (``{"k":"c"``), for scanners that sort lines by kind
+    without parsing them."""
+    return b'{"k":"' + record.kind.encode() + b'"'
+
+
 def _json_value(key: Key, value) -> Any:
     if isinstance(value, Phase):
         return value.value
