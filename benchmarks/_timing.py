@@ -42,5 +42,14 @@ def kernel_split(native) -> str | None:
         f"native kernel: {calls} collectives recorded, {ns / per:.2f} us each inside the kernel (arguments "
         f"{pre / per:.2f}, taking the GIL {gil / per:.2f}, stack walk {walk / per:.2f}, record {post / per:.2f}, "
         f"leaving {(ns - pre - gil - walk - post - write) / per:.2f}, write {write / per:.2f}), "
-        f"fast walk {'on' if native.fast_walk else 'off'} (clock on: its reads add to these figures)"
+        f"fast walk {'on' if native.fast_walk else 'off'}, call-site cache {_site_cache(native)} "
+        "(clock on: its reads add to these figures)"
     )
+
+
+def _site_cache(native) -> str:
+    """``on (N of M walks answered from it)`` or ``off``."""
+    if not getattr(native, "site_cache", False):
+        return "off"
+    hits, misses = native.site_cache_counts()
+    return f"on ({hits} of {hits + misses} walks answered from it)"

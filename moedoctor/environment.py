@@ -14,6 +14,7 @@ variable                     set by                meaning
 ``MOEDOCTOR_NATIVE``         ``--recorder``        ``1``: the native (C++) recording kernel; else Python
 ``MOEDOCTOR_NATIVE_VERBOSE`` the user              ``1``: the native kernel's build prints its compiler output
 ``MOEDOCTOR_FAST_WALK``      the user              ``0``: the native kernel never walks CPython's frames directly
+``MOEDOCTOR_SITE_CACHE``     the user              ``0``: the native kernel walks the whole stack at every collective
 ``MOEDOCTOR_FR_COMPLETION``  the user              ``0``: no completion records from the Flight Recorder poller
 ``MOEDOCTOR_CHECK_PARAMS``   ``--check-params``    the optimizer step whose parameters are fingerprinted
 ``MOEDOCTOR_FIXES``          ``verify``, ``--fix`` comma-separated fix names the workers install
@@ -64,6 +65,7 @@ MAX_EVENTS = Var("MAX_EVENTS", "stop recording a rank's collectives after this m
 NATIVE = Var("NATIVE", "'1': record with the native (C++) kernel; anything else: the Python kernels")
 NATIVE_VERBOSE = Var("NATIVE_VERBOSE", "'1': the native kernel's build prints the compiler's output")
 FAST_WALK = Var("FAST_WALK", "'0': the native kernel never walks CPython's frames directly")
+SITE_CACHE = Var("SITE_CACHE", "'0': the native kernel walks the whole stack at every collective (no call-site cache)")
 FR_COMPLETION = Var("FR_COMPLETION", "'0': no completion records from the Flight Recorder poller")
 CHECK_PARAMS = Var("CHECK_PARAMS", "the optimizer step whose parameters are fingerprinted (--check-params)")
 FIXES = Var("FIXES", "comma-separated names of the fixes the workers install")
@@ -79,6 +81,7 @@ VARIABLES = (
     NATIVE,
     NATIVE_VERBOSE,
     FAST_WALK,
+    SITE_CACHE,
     FR_COMPLETION,
     CHECK_PARAMS,
     FIXES,
@@ -120,6 +123,11 @@ def native_verbose(environ: Environ | None = None) -> bool:
 def fast_walk(environ: Environ | None = None) -> bool:
     """On unless ``MOEDOCTOR_FAST_WALK=0``."""
     return not FAST_WALK.equals("0", environ, "1")
+
+
+def site_cache(environ: Environ | None = None) -> bool:
+    """On unless ``MOEDOCTOR_SITE_CACHE=0``."""
+    return not SITE_CACHE.equals("0", environ, "1")
 
 
 def fr_completion(environ: Environ | None = None) -> bool:

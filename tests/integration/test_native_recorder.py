@@ -8,6 +8,10 @@ from collections import Counter
 from dataclasses import fields
 from pathlib import Path
 
+import json
+import re
+import sys
+
 import pytest
 
 from moedoctor.trace.reader import read_traces
@@ -17,6 +21,7 @@ from recorder_checks import (
 from torchrun_util import REPO, assert_ok, recorded_env, run_command, torchrun_command
 
 ABORT = REPO / "tests" / "jobs" / "size_mismatch_abort.py"
+SITE_CACHE_JOB = REPO / "tests" / "jobs" / "site_cache_job.py"
 NPROC = 2
 
 
@@ -81,3 +86,46 @@ def test_native_event_cap_stops_recording_and_says_so(native_built, tmp_path):
     env = recorded_env(run_dir, MOEDOCTOR_MAX_EVENTS="2", MOEDOCTOR_NATIVE="1")
     run_command(torchrun_command(ABORT, NPROC), timeout=90, env=env)
     assert_capped_at(run_dir, 2)
+
+
+def raw_records(run_dir: Path, rank: int) -> list[dict]:
+    """A rank's records of collectives, call sites and groups, in file order, without their times."""
+    out = []
+    for line in (run_dir / "traces" / f"rank-{rank:05d}.jsonl").read_text().splitlines()[1:]:
+        rec = json.loads(line)
+        if rec.get("k") in ("c", "s", "g"):
+            rec.pop("t", None)
+            out.append(rec)
+    return out
+
+
+@pytest.mark.skipif(sys.version_info[:2] not in ((3, 11), (3, 12)), reason="the call-site cache needs the fast walk")
+def test_call_site_cache_records_exactly_what_the_full_walk_records(native_built, tmp_path):
+    """The mixed job (FSDP2 units forward and backward, optimizer, DDP, a checkpoint save, a thread,
+    p2p, 3 steps) with the native kernel's call-site cache on and off: every collective, call-site and
+    group record the same, field by field (times aside), and the cache answered most walks."""
+    runs = {}
+    for cache in ("1", "0"):
+        run_dir = tmp_path / f"run-cache{cache}"
+        checkpoints = str(tmp_path / f"ckpt{cache}")
+        cmd = torchrun_command(SITE_CACHE_JOB, NPROC, "--steps", "3", "--checkpoint-dir", checkpoints)
+        env = recorded_env(run_dir, MOEDOCTOR_NATIVE="1", MOEDOCTOR_SITE_CACHE=cache)
+        result = run_command(cmd, timeout=240, env=env)
+        assert_ok(result)
+        runs[cache] = (run_dir, result)
+    (on_dir, on_run), (off_dir, off_run) = runs["1"], runs["0"]
+    assert "site_cache=False hits=0 misses=0" in off_run.output, off_run.tail()
+    counts = [tuple(map(int, m)) for m in re.findall(r"site_cache=True hits=(\d+) misses=(\d+)", on_run.output)]
+    assert len(counts) == NPROC, on_run.tail()
+    for hits, misses in counts:
+        assert hits > misses > 0, f"hits {hits}, misses {misses}"
+    assert numbers(on_run.output) and numbers(on_run.output) == numbers(off_run.output)
+    for rank in range(NPROC):
+        on, off = raw_records(on_dir, rank), raw_records(off_dir, rank)
+        assert sum(rec["k"] == "c" for rec in on) > 50, f"rank {rank}: {len(on)} records"
+        assert len(on) == len(off), f"rank {rank}: {len(on)} records with the cache, {len(off)} without"
+        for a, b in zip(on, off):
+            assert a == b, f"rank {rank}: cache on {a} / off {b}"
+        phases = Counter(rec["ph"] for rec in on if rec["k"] == "c")
+        assert {"forward", "backward", "checkpoint_save", "other"} <= set(phases), phases
+        assert any("mod" in rec for rec in on if rec["k"] == "c"), f"rank {rank}: no FSDP unit recorded"

@@ -527,6 +527,11 @@ struct Attribution {
   int flags = 0;
   bool has_module = false;
   std::string module_json;
+  // Set from the call-site cache (fast walk only): the cached site, instead of a copy in ``site``,
+  // and the cache's memory of its id.
+  const SiteKey* cached_site = nullptr;
+  int* site_slot = nullptr;
+  const SiteKey& user_frames() const { return cached_site != nullptr ? *cached_site : site; }
 };
 
 static int flags_of(PyObject* code) {
@@ -711,19 +716,135 @@ static void fast_fsdp_module(const MirrorFrame* f, Attribution& attribution) {
   param_group_unit(self, attribution);
 }
 
-static void attribute_fast(Attribution& attribution) {
-  MirrorFrame* f = complete(current_frame(PyThreadState_Get()));
-  for (size_t walked = 0; f != nullptr && walked < MAX_WALK; ++walked) {
+// The full walk: flags and line of every frame (a hash lookup each). Appends to ``raw`` (when given)
+// every interpreter frame it passed, incomplete ones included, up to the last one it walked, and to
+// ``fsdp_frames`` the index in ``raw`` of every FSDP param-group frame; returns whether it reached
+// the bottom of the stack before MAX_WALK frames (``raw`` then holds every frame below ``top``).
+struct FrameKey;
+static bool walk_fast(MirrorFrame* top, Attribution& attribution, std::vector<FrameKey>* raw,
+                      std::vector<uint16_t>* fsdp_frames);
+
+// -- the call-site cache -------------------------------------------------------------------------
+// What a walk finds (the user frames and their lines, the union of the frames' flags, which frames
+// are FSDP param-group methods) depends on nothing but the interpreter frames it passes: their code
+// objects (whose flags are fixed, cached once, the object kept alive), instruction pointers (a line
+// per offset) and owners (which, with the code and the instruction, decide whether a frame is
+// complete). So a walk is cached under exactly that sequence, every frame from the innermost to the
+// last one walked (up to MAX_WALK complete frames), and a repeated stack costs one pass over the
+// frames' own fields (no code object read, no per-frame hash lookup), one hash lookup and a
+// comparison of the whole sequence, so no hash collision can pass, instead of two hash lookups and a
+// code object read per frame. The one input that is not fixed, the ``self`` of an FSDP param-group
+// frame, is still read from the frame on every call, frame by frame as the full walk does. Cached
+// code objects are alive (code_flags holds them), so an equal pointer is the same code object.
+// environment.SITE_CACHE off turns it off (the full walk every time; the records are the same).
+struct FrameKey {
+  const void* code;
+  const void* instr;
+  uintptr_t owner;
+  bool operator==(const FrameKey& other) const {
+    return code == other.code && instr == other.instr && owner == other.owner;
+  }
+};
+
+static inline FrameKey key_of(const MirrorFrame* f) {
+  return FrameKey{f->f_code, f->prev_instr, static_cast<uintptr_t>(static_cast<unsigned char>(f->owner))};
+}
+
+struct CachedWalk {
+  std::vector<FrameKey> frames;  // every frame the walk passed, innermost first
+  bool to_bottom = false;        // the walk ended at the bottom of the stack (no frame after these)
+  SiteKey site;
+  int flags = 0;
+  std::vector<uint16_t> fsdp_frames;  // indices in ``frames`` of the FSDP param-group frames, in walk order
+  int site_id = -1;                   // the site's id once interned (ids are never reassigned)
+};
+
+static constexpr size_t SITE_CACHE_CAPACITY = 4096;  // distinct stacks cached; beyond, the full walk
+static bool site_cache = false;                    // set by set_site_cache (MOEDOCTOR_SITE_CACHE)
+static std::unordered_map<uint64_t, CachedWalk> walk_cache;  // GIL held
+static std::atomic<int64_t> cache_hits{0}, cache_misses{0};
+
+static bool walk_fast(MirrorFrame* top, Attribution& attribution, std::vector<FrameKey>* raw,
+                      std::vector<uint16_t>* fsdp_frames) {
+  MirrorFrame* f = top;
+  size_t walked = 0;
+  for (; f != nullptr && walked < MAX_WALK; ++walked) {
     PyObject* code = reinterpret_cast<PyObject*>(f->f_code);
     const int flags = flags_of(code);
     if (!(flags & F_INTERNAL)) {
       if (attribution.site.size() < MAX_STACK) attribution.site.emplace_back(code, fast_line_of(f));
-    } else if ((flags & F_FSDP_GROUP) && !attribution.has_module) {
-      fast_fsdp_module(f, attribution);
+    } else if (flags & F_FSDP_GROUP) {
+      if (fsdp_frames != nullptr && raw != nullptr) fsdp_frames->push_back(static_cast<uint16_t>(raw->size()));
+      if (!attribution.has_module) fast_fsdp_module(f, attribution);
     }
     attribution.flags |= flags;
-    f = complete(f->previous);
+    MirrorFrame* next = f->previous;
+    if (raw != nullptr) {
+      raw->push_back(key_of(f));
+      if (walked + 1 < MAX_WALK) {  // the incomplete frames between this one and the next walked
+        for (; next != nullptr && incomplete(next); next = next->previous) raw->push_back(key_of(next));
+      }
+    }
+    f = complete(next);
   }
+  // At the bottom before MAX_WALK frames: then ``raw`` holds the whole stack (what follows the
+  // MAX_WALK-th frame never changes the walk's result).
+  return f == nullptr && walked < MAX_WALK;
+}
+
+static void attribute_fast(Attribution& attribution) {
+  MirrorFrame* const current = current_frame(PyThreadState_Get());
+  if (!site_cache) {
+    walk_fast(complete(current), attribution, nullptr, nullptr);
+    return;
+  }
+  // The hash covers the innermost MAX_WALK frames (a walk passes at least that many, or the whole
+  // stack); the comparison, all the frames the cached walk passed.
+  uint64_t h = 1469598103934665603ull;
+  size_t hashed = 0;
+  for (MirrorFrame* f = current; f != nullptr && hashed < MAX_WALK; f = f->previous, ++hashed) {
+    const FrameKey key = key_of(f);
+    h = (h ^ reinterpret_cast<uintptr_t>(key.code)) * 1099511628211ull;
+    h = (h ^ reinterpret_cast<uintptr_t>(key.instr)) * 1099511628211ull;
+    h = (h ^ key.owner) * 1099511628211ull;
+  }
+  auto it = walk_cache.find(h);
+  if (it != walk_cache.end()) {
+    CachedWalk& hit = it->second;
+    MirrorFrame* f = current;
+    size_t same = 0;
+    const size_t n = hit.frames.size();
+    for (; same < n && f != nullptr && key_of(f) == hit.frames[same]; ++same) f = f->previous;
+    // The frames the walk passed, and (where it ran to the bottom) no frame after them. Incomplete
+    // frames before the innermost complete one count too: complete() skips them, key_of keeps them.
+    if (same == n && (!hit.to_bottom || f == nullptr)) {
+      cache_hits.fetch_add(1, std::memory_order_relaxed);
+      attribution.cached_site = &hit.site;
+      attribution.flags = hit.flags;
+      attribution.site_slot = &hit.site_id;
+      if (!hit.fsdp_frames.empty()) {  // the first param group whose unit can be read, as the walk does
+        MirrorFrame* g = current;
+        size_t index = 0;
+        for (uint16_t wanted : hit.fsdp_frames) {
+          for (; index < wanted; ++index) g = g->previous;
+          fast_fsdp_module(g, attribution);
+          if (attribution.has_module) break;
+        }
+      }
+      return;
+    }
+  }
+  cache_misses.fetch_add(1, std::memory_order_relaxed);
+  CachedWalk fresh;
+  // The incomplete frames above the innermost complete one, then the walk.
+  MirrorFrame* f = current;
+  for (; f != nullptr && incomplete(f); f = f->previous) fresh.frames.push_back(key_of(f));
+  fresh.to_bottom = walk_fast(f, attribution, &fresh.frames, &fresh.fsdp_frames);
+  if (it != walk_cache.end() || walk_cache.size() >= SITE_CACHE_CAPACITY) return;
+  if (fresh.frames.size() < hashed || fresh.frames.size() > 65535) return;  // never: a walk passes what was hashed
+  fresh.site = attribution.site;
+  fresh.flags = attribution.flags;
+  attribution.site_slot = &walk_cache.emplace(h, std::move(fresh)).first->second.site_id;
 }
 #endif
 
@@ -948,7 +1069,11 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
   TensorSide inputs, outputs;
   if (spec.inputs >= 0) describe_tensors(arg(spec.inputs), inputs);
   if (spec.outputs >= 0) describe_tensors(arg(spec.outputs), outputs);
-  std::string extra;
+  // This thread's buffers, kept between collectives (record() never runs twice at once on a thread:
+  // ``inside``): no allocation per record once they have grown.
+  static thread_local std::string extra, line;
+  extra.clear();
+  line.clear();
   if (spec.reduce_op >= 0) {
     const c10::IValue& value = arg(spec.reduce_op);
     extra += ",\"red\":\"";
@@ -1012,9 +1137,16 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
                             ? group.ranks[static_cast<size_t>(root_rank)] : root_rank);
     }
   }
-  const int site = attribution.site.empty() ? -1 : intern_site(attribution.site, target);
+  int site = -1;
+  if (!attribution.user_frames().empty()) {
+    if (attribution.site_slot != nullptr && *attribution.site_slot >= 0) {
+      site = *attribution.site_slot;
+    } else {
+      site = intern_site(attribution.user_frames(), target);
+      if (attribution.site_slot != nullptr) *attribution.site_slot = site;
+    }
+  }
   const int64_t event = S.next_event++;
-  std::string line;
   line.reserve(256 + inputs.shapes.size() + outputs.shapes.size() + extra.size() + attribution.module_json.size());
   line += "{\"k\":\"c\",\"i\":";
   append_int(line, event);
@@ -1177,8 +1309,12 @@ static void configure(py::object helper, py::dict constants, std::vector<std::st
   F_CKPT_SAVE = constants["CKPT_SAVE"].cast<int>();
   F_CKPT_LOAD = constants["CKPT_LOAD"].cast<int>();
   MAX_SHAPES = std::min<size_t>(constants["MAX_SHAPES"].cast<size_t>(), 256);
-  MAX_STACK = constants["MAX_STACK"].cast<size_t>();
-  MAX_WALK = constants["MAX_WALK"].cast<size_t>();
+  const size_t max_stack = constants["MAX_STACK"].cast<size_t>(), max_walk = constants["MAX_WALK"].cast<size_t>();
+#ifdef MOEDOCTOR_FAST_WALK
+  if (max_stack != MAX_STACK || max_walk != MAX_WALK) walk_cache.clear();  // walks of other limits
+#endif
+  MAX_STACK = max_stack;
+  MAX_WALK = max_walk;
   MAX_PENDING = constants["MAX_PENDING"].cast<size_t>();
   StateLock lock;
   S.max_events = constants["max_events"].cast<int64_t>();
@@ -1410,6 +1546,27 @@ static py::tuple export_state() {
   return py::make_tuple(S.next_event, S.written, S.dropped, groups, sites, S.next_site);
 }
 
+// The call-site cache on or off (the fast walk only: the frame-object walk is never cached); whether it
+// is on now.
+static bool set_site_cache(bool value) {
+#ifdef MOEDOCTOR_FAST_WALK
+  site_cache = value;
+  return site_cache;
+#else
+  (void)value;
+  return false;
+#endif
+}
+
+// (walks answered from the call-site cache, walks made in full while it was on).
+static py::tuple site_cache_counts() {
+#ifdef MOEDOCTOR_FAST_WALK
+  return py::make_tuple(cache_hits.load(), cache_misses.load());
+#else
+  return py::make_tuple(0, 0);
+#endif
+}
+
 static int scalar_type_of(const at::Tensor& t) { return static_cast<int>(t.scalar_type()); }
 
 }  // namespace moedoctor_native
@@ -1432,6 +1589,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernel_time", &kernel_time);
   m.def("set_clock", &set_clock);
   m.def("fast_walk_agrees", &fast_walk_agrees);
+  m.def("set_site_cache", &set_site_cache);
+  m.def("site_cache_counts", &site_cache_counts);
   m.def("import_state", &import_state);
   m.def("export_state", &export_state);
   m.def("scalar_type_of", &scalar_type_of);
