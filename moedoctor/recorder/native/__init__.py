@@ -86,7 +86,7 @@ def extension_name() -> str:
     import torch
 
     return build_key(
-        _SOURCE.read_bytes(),
+        _SOURCE.read_bytes() + b"\0" + _schema_header().encode(),
         prefix=sys.prefix,
         torch_dir=os.path.dirname(torch.__file__),
         source_path=str(_SOURCE),
@@ -111,6 +111,31 @@ def build_key(
     return f"moedoctor_native_{digest.hexdigest()[:12]}"
 
 
+def _schema_header() -> str:
+    """``moedoctor_schema.h``, the keys the kernel writes (``moedoctor.trace.schema.cpp_header``)."""
+    from moedoctor.trace.schema import cpp_header
+
+    return cpp_header()
+
+
+def _write_schema_header(folder: Path) -> Path:
+    """Write ``moedoctor_schema.h`` into ``folder/include`` (only when its text changed: ninja rebuilds
+    on a newer header) and return that folder. Ranks building at once write the same text."""
+    include = folder / "include"
+    include.mkdir(parents=True, exist_ok=True)
+    header = include / "moedoctor_schema.h"
+    text = _schema_header()
+    try:
+        if header.read_text() == text:
+            return include
+    except OSError:
+        pass
+    tmp = include / f".moedoctor_schema.h.{os.getpid()}"
+    tmp.write_text(text)
+    tmp.replace(header)
+    return include
+
+
 def _build(announce):
     import torch.distributed as dist
     from torch.utils import cpp_extension
@@ -127,8 +152,15 @@ def _build(announce):
     if before is None:
         announce("building the native recorder for this environment (first run, ~40 s)...")
     started = time.monotonic()
+    folder = _folder(name)
+    if folder is None:
+        raise RuntimeError("torch's extension build folder is unknown (torch.utils.cpp_extension changed)")
     module = cpp_extension.load(
-        name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=environment.native_verbose()
+        name=name,
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O2"],
+        extra_include_paths=[str(_write_schema_header(folder))],
+        verbose=environment.native_verbose(),
     )
     after = _library_mtime(name)
     if after != before:  # built now (or rebuilt: torch decided the inputs changed)
