@@ -170,7 +170,7 @@ class Recorder:
             return
         if self._native is not None:  # [native seam]
             self._native.set_fd(self._fd)
-        self.records.write(lines.header_line(rank, world))
+        self.records.write(lines.header_line(rank, world, self.kernel))
         if self._fd is None:  # the header could not be written: recording stopped already
             return
         self._progress.start()
@@ -202,6 +202,11 @@ class Recorder:
         if self._native is not None:  # [native seam]
             self._native.set_fd(None)
         self._progress.clear()
+
+    @property
+    def kernel(self) -> str:
+        """The kernel recording now: ``native`` while the C++ kernels are registered, else ``python``."""
+        return "native" if self._native is not None and self._native.registered else "python"
 
     def _events_recorded(self) -> int:
         """Collectives and p2p ops recorded so far (on either kernel)."""
@@ -249,7 +254,8 @@ class Recorder:
         records = self.records
         counts: dict[str, tuple[int, int]] = {}
         dropped = records.dropped
-        if self._native is not None and self._native.registered:  # [native seam] counters live in C++
+        kernel = self.kernel
+        if kernel == "native":  # [native seam] counters live in C++
             counts, dropped = self._native.counts()
         groups = []
         for pg, name in list(_world.pg_names.items()):
@@ -259,7 +265,7 @@ class Recorder:
                 backend = None
             collectives, p2p = counts.get(name) or (records.seq.get(name, 0), records.p2p_count(name))
             groups.append([name, collectives + (0 if is_nccl(pg) else p2p), backend])
-        records.write_locked(lines.coverage_line(reason, groups, dropped))
+        records.write_locked(lines.coverage_line(reason, groups, dropped, kernel))
 
     def internal_error(self, op: str, error: Exception | str, native: bool = False) -> None:
         """A failure of ours while recording ``op``: the first three become ``recorder_error`` evidence."""

@@ -43,7 +43,7 @@ def encode(record: dict) -> bytes:
 # -- the lines, each from its table ------------------------------------------------------------------
 
 
-def header_line(rank: int, world_size: int) -> bytes:
+def header_line(rank: int, world_size: int, kernel: str) -> bytes:
     return fmt.encode(
         schema.fields(
             schema.HEADER,
@@ -57,6 +57,7 @@ def header_line(rank: int, world_size: int) -> bytes:
             torch_version=torch.__version__,
             moedoctor_version=moedoctor.__version__,
             start_time=time.time(),
+            kernel=kernel,
         )
     )
 
@@ -90,8 +91,10 @@ def evidence_line(kind: str, step: int, data: dict | None) -> bytes:
     return fmt.encode(schema.fields(schema.EVIDENCE, time=time.time(), kind=kind, step=step, data=data or None))
 
 
-def coverage_line(reason: str, groups: list, dropped: int) -> bytes:
-    return fmt.encode(schema.fields(schema.COVERAGE, time=time.time(), reason=reason, groups=groups, dropped=dropped))
+def coverage_line(reason: str, groups: list, dropped: int, kernel: str) -> bytes:
+    return fmt.encode(
+        schema.fields(schema.COVERAGE, time=time.time(), reason=reason, groups=groups, dropped=dropped, kernel=kernel)
+    )
 
 
 # -- the trace and what its records number ---------------------------------------------------------

@@ -402,6 +402,13 @@ COVERAGE = Record(
         Key("reason", "reason", STR),
         Key("groups", "groups", COVERAGE_GROUPS, doc="`[name, recorded, backend]` per process group"),
         Key("dropped", "dropped", COUNT, required=False),
+        Key(
+            "kernel",
+            "kernel",
+            STR,
+            required=False,
+            doc="the kernel whose counters gave `recorded`: `python` or `native`; absent in older traces",
+        ),
     ),
 )
 
@@ -464,6 +471,14 @@ HEADER = Record(
         Key("torch", "torch_version", STR, doc="torch's version"),
         Key("moedoctor", "moedoctor_version", STR, doc="moedoctor's version"),
         Key("start_time", "start_time", NUMBER, doc="Unix time the trace was opened (at `init_process_group`)"),
+        Key(
+            "kernel",
+            "kernel",
+            STR,
+            required=False,
+            doc="the kernel recording this rank's collectives when the trace was opened: `python` or `native` "
+            "(`--recorder auto` falls back to `python` where the native one cannot be built); absent in older traces",
+        ),
     ),
 )
 
