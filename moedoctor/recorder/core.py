@@ -280,9 +280,3 @@ class Recorder:
     def process_group(name: str):
         """The process group named ``name``, or None."""
         return process_group(name)
-
-    @staticmethod
-    def reduce_name(value) -> str | None:
-        from moedoctor.recorder.kernels import reduce_name
-
-        return reduce_name(value)
