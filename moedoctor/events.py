@@ -59,6 +59,8 @@ class TraceHeader:
     torch_version: str
     moedoctor_version: str
     start_time: float
+    #: The recording kernel when the trace was opened (``python``, ``native``); None in older traces.
+    kernel: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +274,8 @@ class Coverage:
     reason: str
     groups: tuple[GroupCoverage, ...]
     dropped: int = 0
+    #: The kernel whose counters gave ``recorded`` (``python``, ``native``); None in older traces.
+    kernel: str | None = None
 
     @property
     def complete(self) -> bool:

@@ -7,7 +7,7 @@ CLI). ``tests/unit/test_owners.py`` fails on a manifest read as a raw dict anywh
 leaf: no torch, nothing above ``run_records``.
 
 Top-level keys (``Key``): ``format``, ``version``, ``command``, ``moedoctor_version``,
-``torch_version``, ``recorder``, ``fixes``, ``env``, ``nodes`` (node name -> the node's entry,
+``torch_version``, ``python_version``, ``recorder``, ``fixes``, ``env``, ``nodes`` (node name -> the node's entry,
 ``runner.manifest.NodeRecord``), ``world_size``, ``hosts``, ``start``, ``end``, ``status``,
 ``ranks`` (rank -> ``RankExit``), ``hang`` (``HangRecord``), ``busy`` (``BusyRecord`` list),
 ``coverage`` (``{complete, gaps}``), ``trace_problems``.
@@ -45,6 +45,7 @@ class Key:
     TRACE_PROBLEMS = "trace_problems"
     MOEDOCTOR_VERSION = "moedoctor_version"
     TORCH_VERSION = "torch_version"
+    PYTHON_VERSION = "python_version"  # of the moedoctor process that ran the job, as torch_version
     RECORDER = "recorder"  # the recording kernel the run used
     FIXES = "fixes"  # the fixes injected
 
@@ -161,6 +162,12 @@ class Manifest:
     def world_size(self) -> int | None:
         world = self.doc.get(Key.WORLD_SIZE)
         return world if _is_int(world) else None
+
+    @property
+    def python_version(self) -> str | None:
+        """The Python version of the moedoctor process that ran the job (``3.11.9``), when recorded."""
+        version = self.doc.get(Key.PYTHON_VERSION)
+        return version if isinstance(version, str) else None
 
     @property
     def recorder(self) -> str | None:

@@ -20,10 +20,9 @@ import sys
 import threading
 import time
 import types
-from typing import Any
 
 from moedoctor.events import Phase
-from moedoctor.trace import format as fmt
+from moedoctor.trace import schema
 from moedoctor.trace.schema import MAX_FRAMES, MAX_FRAMES_OUTER, MAX_MESSAGE, MAX_STRING
 
 _TORCH_DIR = os.sep + "torch" + os.sep
@@ -71,22 +70,18 @@ def exception_record(exc_type, exc, tb, thread: str, step: int, checkpoint_phase
     if len(frames) > MAX_FRAMES:
         cut = len(frames) - MAX_FRAMES
         frames = frames[:MAX_FRAMES_OUTER] + frames[-(MAX_FRAMES - MAX_FRAMES_OUTER) :]
-    record: dict[str, Any] = {
-        "k": fmt.EXCEPTION,
-        "t": time.time(),
-        "type": _bounded(_qualified(exc_type)),
-        "msg": _message(exc),
-        "tb": frames,
-    }
-    if cut:
-        record["cut"] = cut
-    record["th"] = _bounded(thread)
-    record["ph"] = (checkpoint_phase or _phase(tb_frames)).value
-    record["step"] = step
-    checkpointed = _checkpointed(tb_frames)
-    if checkpointed is not None:
-        record["ckpt"] = checkpointed
-    return record
+    return schema.fields(
+        schema.EXCEPTION,
+        time=time.time(),
+        type=_bounded(_qualified(exc_type)),
+        message=_message(exc),
+        frames=frames,
+        frames_left_out=cut or None,
+        thread=_bounded(thread),
+        phase=(checkpoint_phase or _phase(tb_frames)).value,
+        step=step,
+        checkpointed=_checkpointed(tb_frames),
+    )
 
 
 def _walk(tb):

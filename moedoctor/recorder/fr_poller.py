@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from moedoctor import environment
 from moedoctor.layout import RunDir
+from moedoctor.recorder.records import done_line
 
 from moedoctor.trace import format as fmt
 from moedoctor.trace.flight_recorder import _last_completed
@@ -91,7 +92,7 @@ class FlightRecorderPoller:
     def _backend(self, group: str) -> str:
         backend = self._backends.get(group)
         if backend is None:
-            pg = self._recorder._process_group(group)
+            pg = self._recorder.process_group(group)
             try:
                 backend = str(dist.get_backend(pg)) if pg is not None else ""
             except Exception:
@@ -168,9 +169,7 @@ class FlightRecorderPoller:
             done += tracker.resolve_states(entries_from_dump(raw), other)
         if done:
             self.claimed += len(done)
-            record = fmt.encode({"k": fmt.DONE, "t": time.time(), "i": sorted(done), "src": DONE_SOURCE_FR})
-            with self._recorder._lock:
-                self._recorder._write(record)
+            self._recorder.records.write_locked(done_line(sorted(done), source=DONE_SOURCE_FR))
 
     def _needs_full_dump(self, groups: list[str], settled: int) -> bool:
         """A full dump (about 30 ms on an H100 host, holding the GIL) once a minute at most, when a

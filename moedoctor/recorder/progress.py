@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Work
 
 from moedoctor.layout import RunDir
-from moedoctor.trace import format as fmt
+from moedoctor.recorder.kernels import reduce_name
+from moedoctor.recorder.records import annotation_line, done_line
 
 if TYPE_CHECKING:
     from moedoctor.recorder.core import Recorder
@@ -153,8 +154,7 @@ class Progress:
             if recorder._native is not None:  # [native seam] native works; Python ones left by a switch
                 done = recorder._native.poll()
                 if done:
-                    with recorder._lock:
-                        recorder._write(fmt.encode({"k": fmt.DONE, "t": time.time(), "i": done}))
+                    recorder.records.write_locked(done_line(done))
             self._poll_pending_locked()
 
     def _poll_pending_locked(self) -> None:
@@ -180,9 +180,7 @@ class Progress:
                 last_done[group_id] = max(event_id, last_done.get(group_id, -1))
                 continue
             if reduce_op is not None:
-                annotations.append(
-                    fmt.encode({"k": fmt.ANNOTATE, "i": event_id, "red": self._recorder.reduce_name(reduce_op)})
-                )
+                annotations.append(annotation_line(event_id, reduce_name(reduce_op)))
             self._pending.append((event_id, group_id, work))
         still = []
         for _ in range(len(self._pending)):
@@ -201,9 +199,8 @@ class Progress:
             self._pending.popleft()  # the oldest: its completion stays unknown
         if done or annotations:
             if done:
-                annotations.append(fmt.encode({"k": fmt.DONE, "t": time.time(), "i": sorted(done)}))
-            with self._recorder._lock:
-                self._recorder._write(b"".join(annotations))
+                annotations.append(done_line(sorted(done)))
+            self._recorder.records.write_locked(b"".join(annotations))
 
     @staticmethod
     def completed(work) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import signal
 import socket
 import time
@@ -181,7 +182,11 @@ def _versions() -> dict[str, str]:
         torch_version = metadata.version("torch")  # without importing torch: seconds saved
     except metadata.PackageNotFoundError:
         torch_version = None
-    return {Key.MOEDOCTOR_VERSION: moedoctor.__version__, Key.TORCH_VERSION: torch_version}
+    return {
+        Key.MOEDOCTOR_VERSION: moedoctor.__version__,
+        Key.TORCH_VERSION: torch_version,
+        Key.PYTHON_VERSION: platform.python_version(),
+    }
 
 
 class _Run:

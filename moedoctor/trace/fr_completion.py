@@ -360,6 +360,8 @@ def _p2p_entry(index, group: str, event) -> FrEntry | None:
 # Run time: the recorder's progress thread following its own trace
 
 #: A collective record as both recorders write it (keys in the schema's order); others go through json.
+#: How the lines followed begin (``{"k":"c"``), from the schema.
+_COLLECTIVE, _DONE, _GROUP = (schema.line_prefix(r) for r in (schema.COLLECTIVE, schema.DONE, schema.GROUP))
 _C_RECORD = re.compile(schema.line_pattern("th", ("i", "g", "seq", "pseq", "op", "raw", "in", "th"), strings=("th",)))
 
 
@@ -433,11 +435,11 @@ class LiveTracker:
         if end < 0:
             return
         for line in data[:end].split(b"\n"):
-            if line.startswith(b'{"k":"c"'):
+            if line.startswith(_COLLECTIVE):
                 self._collective(line)
-            elif line.startswith(b'{"k":"d"'):
+            elif line.startswith(_DONE):
                 self._done(line)
-            elif line.startswith(b'{"k":"g"'):
+            elif line.startswith(_GROUP):
                 self._group(line)
 
     def skip(self, data: bytes) -> None:
@@ -451,7 +453,7 @@ class LiveTracker:
             return
         self.skipped += data.count(b"\n", 0, end + 1)
         pos = 0
-        while (i := data.find(b'{"k":"g"', pos, end)) >= 0:
+        while (i := data.find(_GROUP, pos, end)) >= 0:
             stop = data.find(b"\n", i, end + 1)
             if i == 0 or data[i - 1] == 0x0A:
                 self._group(data[i:stop])

@@ -135,6 +135,7 @@ def read_header(path: Path) -> TraceHeader:
             torch_version=str(raw["torch"]),
             moedoctor_version=str(raw["moedoctor"]),
             start_time=float(raw["start_time"]),
+            kernel=schema.HEADER.key("kernel").type.decode(raw["kernel"]) if "kernel" in raw else None,
         )
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise TraceError(f"{path}: malformed header ({type(e).__name__}: {str(e)[:120]})") from None
@@ -211,7 +212,7 @@ class TraceFile:
         elif kind == fmt.COVERAGE:
             v = schema.decode(schema.COVERAGE, rec)
             groups = tuple(GroupCoverage(name, recorded, backend) for name, recorded, backend in v["groups"])
-            return Coverage(rank, v["time"], v["reason"], groups, v.get("dropped", 0))
+            return Coverage(rank, v["time"], v["reason"], groups, v.get("dropped", 0), v.get("kernel"))
         elif kind == fmt.EXCEPTION:
             return decode_exception(rec, rank)
         elif kind == fmt.CAP:

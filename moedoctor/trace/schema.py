@@ -10,12 +10,15 @@ Everything else derives from the tables below:
 - the test factory writes records with ``record_of``;
 - the streaming scanners (``analysis.scan``, ``trace.fr_completion``) match collective lines with
   regular expressions built by ``line_pattern`` from the key order;
-- the C++ kernel (``recorder/native/kernel.cpp``) cannot import it: ``problems`` checks any record
-  against the tables, and the native kernel's test runs it on every record kind the kernel writes;
+- every other record is written from ``fields`` (``recorder/records.py``, ``recorder/exceptions.py``);
+- the C++ kernel (``recorder/native/kernel.cpp``) cannot import it: it includes the header
+  ``cpp_header`` generates at each of its builds (every key a macro), and ``problems`` checks any
+  record against the tables (the native kernel's test runs it on every record kind the kernel writes);
 - ``markdown`` prints the tables of ``docs/trace-format.md`` (a test keeps them equal).
 
-To add a key to the collective record: a ``Key`` line here (and, when the typed record keeps it, the
-``CollectiveEvent`` field it fills), the value in the C++ writer, and the code that gives or uses it.
+To add a key to a record: a ``Key`` line here (and, when the typed record keeps it, the field it
+fills), the value where it is produced (for the collective record also in the C++ writer, after its
+``MDK_`` macro), and the code that uses it. Renaming a key on the wire: here only.
 """
 
 from __future__ import annotations
@@ -399,6 +402,13 @@ COVERAGE = Record(
         Key("reason", "reason", STR),
         Key("groups", "groups", COVERAGE_GROUPS, doc="`[name, recorded, backend]` per process group"),
         Key("dropped", "dropped", COUNT, required=False),
+        Key(
+            "kernel",
+            "kernel",
+            STR,
+            required=False,
+            doc="the kernel whose counters gave `recorded`: `python` or `native`; absent in older traces",
+        ),
     ),
 )
 
@@ -461,6 +471,14 @@ HEADER = Record(
         Key("torch", "torch_version", STR, doc="torch's version"),
         Key("moedoctor", "moedoctor_version", STR, doc="moedoctor's version"),
         Key("start_time", "start_time", NUMBER, doc="Unix time the trace was opened (at `init_process_group`)"),
+        Key(
+            "kernel",
+            "kernel",
+            STR,
+            required=False,
+            doc="the kernel recording this rank's collectives when the trace was opened: `python` or `native` "
+            "(`--recorder auto` falls back to `python` where the native one cannot be built); absent in older traces",
+        ),
     ),
 )
 
@@ -544,6 +562,41 @@ def _writer(record: Record) -> Callable[..., str]:
 #: module=None, peer=None) -> str``: every argument the JSON text of its value (an int may be given as
 #: is); the line ends in ``\n``.
 encode_collective = _writer(COLLECTIVE)
+
+
+def fields(record: Record, /, *, after: str | None = None, **values: Any) -> dict[str, Any]:
+    """One record of kind ``record`` as a dict in the table's key order, ready for ``format.encode``:
+    ``"k"`` first (the header has none), then each key from the value given by its attribute name
+    (``Key.name``); an optional key given None (or not given) is left out. With ``after``, only the
+    keys after that one, for a writer that wrote the kind and the keys up to it itself (the C++
+    kernel writes ``"k"`` and ``"id"`` of its ``g`` and ``s`` records). Raises TypeError for a name
+    the table does not have or a required one missing: a writer out of step with the table fails
+    its first test, not a reader."""
+    names = {k.name for k in record.keys}
+    unknown = values.keys() - names
+    if unknown:
+        raise TypeError(f"{record.kind or 'header'} record has no key named {sorted(unknown)}")
+    keys = record.keys
+    out: dict[str, Any] = {}
+    if after is not None:
+        keys = keys[[k.key for k in keys].index(after) + 1 :]
+    elif record.kind:
+        out["k"] = record.kind
+    for k in keys:
+        value = values.get(k.name)
+        if value is not None:
+            out[k.key] = value
+        elif k.required:
+            if k.name not in values:
+                raise TypeError(f"{record.kind or 'header'} record without {k.name!r}")
+            out[k.key] = None
+    return out
+
+
+def line_prefix(record: Record) -> bytes:
+    """How every line of kind ``record`` begins (``{"k":"c"``), for scanners that sort lines by kind
+    without parsing them."""
+    return b'{"k":"' + record.kind.encode() + b'"'
 
 
 def _json_value(key: Key, value) -> Any:
@@ -647,6 +700,58 @@ def line_pattern(until: str, capture: tuple[str, ...], strings: tuple[str, ...] 
     else:
         raise KeyError(until)
     return b"".join(parts)
+
+
+# ---- the C++ writer's header ---------------------------------------------------------------------
+
+#: Each record kind's name in the C++ header: ``MDK_<NAME>_KIND``, ``MDK_<NAME>_<KEY>``.
+CPP_NAMES = {
+    "GROUP": GROUP,
+    "SITE": SITE,
+    "COLLECTIVE": COLLECTIVE,
+    "DONE": DONE,
+    "ANNOTATE": ANNOTATE,
+    "EVIDENCE": EVIDENCE,
+    "COVERAGE": COVERAGE,
+    "CAP": CAP,
+    "EXCEPTION": EXCEPTION,
+}
+
+
+def _c_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _key_text(key: Key) -> str:
+    return ',"' + key.key + '":'
+
+
+def cpp_macro(record: Record, key: str | None = None) -> str:
+    """The name of the header's macro for ``record``'s kind (``key`` None) or for one of its keys: by
+    the key's attribute name (``MDK_COLLECTIVE_EVENT_ID`` for ``i``), so that a key renamed on the wire
+    is renamed in the C++ writer with nothing else to edit there."""
+    name = next(n for n, r in CPP_NAMES.items() if r is record)
+    return f"MDK_{name}_{'KIND' if key is None else record.key(key).name.upper()}"
+
+
+def cpp_header() -> str:
+    """The C++ writer's header (``moedoctor_schema.h``): per record kind, how its line begins
+    (``MDK_COLLECTIVE_KIND``: ``{"k":"c"``) and each key as written after a value
+    (``MDK_COLLECTIVE_P2P_SEQ``: ``,"pseq":``), as string literals the kernel joins with its own at
+    compile time. Generated at each build of the native kernel (``recorder/native``), whose build
+    name digests it: a key renamed on the wire is renamed there, and a key the kernel writes that
+    the table lost is an undefined macro, a failed build (the Python kernels record instead)."""
+    lines = [
+        "// Generated by moedoctor.trace.schema.cpp_header() at each build of the native kernel: do not edit.",
+        "#pragma once",
+        f"#define MDK_FORMAT_VERSION {FORMAT_VERSION}",
+    ]
+    for record in CPP_NAMES.values():
+        lines.append(f"// {record.kind}: {record.title}")
+        lines.append(f"#define {cpp_macro(record)} {_c_string(line_prefix(record).decode())}")
+        for k in record.keys:
+            lines.append(f"#define {cpp_macro(record, k.key)} {_c_string(_key_text(k))}")
+    return "\n".join(lines) + "\n"
 
 
 # ---- documentation -------------------------------------------------------------------------------

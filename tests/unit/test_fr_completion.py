@@ -9,6 +9,7 @@ the completion measure. At run time: ``LiveTracker`` following a trace and readi
 from __future__ import annotations
 
 import json
+import types
 
 from event_factory import TraceBuilder, write_traces
 from test_flight_recorder import nccl_entry, write_dump
@@ -416,12 +417,11 @@ class _FakeGroup:
 
 class _FakeRecorder:
     def __init__(self, run_dir, groups):
-        import threading
-
-        self.run_dir, self._rank, self._lock, self.groups = run_dir, 0, threading.Lock(), groups
+        self.run_dir, self._rank, self.groups = run_dir, 0, groups
+        self.records = types.SimpleNamespace(write_locked=self._write)
         self.written: list[bytes] = []
 
-    def _process_group(self, name):
+    def process_group(self, name):
         return self.groups.get(name)
 
     def _write(self, data: bytes) -> None:

@@ -115,3 +115,54 @@ def test_the_analysis_cycles_are_broken():
     for path in (analysis / "patterns").glob("*.py"):
         assert "moedoctor.analysis.from_stacks" not in _runtime_imports(path), path.name
     assert "moedoctor.analysis.patterns" not in _runtime_imports(analysis / "stack_reading.py")
+
+
+def _recorder_graph() -> dict[str, set[str]]:
+    """Each recorder module's runtime imports (deferred ones included) of other recorder modules;
+    ``from moedoctor.recorder import x`` counts as importing ``moedoctor.recorder.x``."""
+    recorder = PACKAGE / "recorder"
+    modules = {_module_name(path) for path in recorder.rglob("*.py")}
+    graph = {}
+    for path in recorder.rglob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                and ast.unparse(node.test) == "TYPE_CHECKING" for n in ast.walk(node)}
+        found = set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        name = _module_name(path)
+        graph[name] = {m for m in found if m in modules and m != name and m != "moedoctor.recorder"}
+    return graph
+
+
+def test_the_recorder_has_no_import_cycle():
+    """The recorder's modules import one way (``core`` -> ``kernels`` / ``progress`` / ``native`` ->
+    ``records`` -> ``writer``, ``groups``): no module reaches itself through runtime imports, deferred
+    ones included (``if TYPE_CHECKING:`` imports are for annotations only)."""
+    graph = _recorder_graph()
+    assert {"moedoctor.recorder.core", "moedoctor.recorder.native", "moedoctor.recorder.progress"} <= graph.keys()
+    cycles = []
+
+    def visit(module, path):
+        for target in sorted(graph.get(module, ())):
+            if target == path[0]:
+                cycles.append(" -> ".join([*path, target]))
+            elif target not in path and target > path[0]:  # each cycle once, from its least module
+                visit(target, [*path, target])
+
+    for start in sorted(graph):
+        visit(start, [start])
+    assert not cycles, "import cycles in the recorder:\n" + "\n".join(cycles)
+
+
+def test_the_native_kernel_and_the_progress_thread_use_no_private_name_of_the_recorder_core():
+    """What ``native`` and ``progress`` share with the Python kernels lives in ``records``, ``groups``
+    and ``kernels``: none reaches into ``core`` for a private helper (``core._json_str`` was one)."""
+    for name in ("native/__init__.py", "progress.py", "fr_poller.py", "kernels.py", "records.py"):
+        text = (PACKAGE / "recorder" / name).read_text()
+        assert "core._" not in text and "import core" not in text.replace("import core_", ""), name

@@ -100,3 +100,42 @@ def test_two_environments_build_once_each_and_never_rebuild_each_other(tmp_path)
     third = in_python(venv, code, TORCH_EXTENSIONS_DIR=str(cache))
     assert third.stdout.startswith("True") and "native recorder" not in third.stderr, third.stderr[-2000:]
     assert library.stat().st_mtime_ns == built_at
+
+
+def test_the_kernel_writes_every_key_from_the_header_the_schema_generates():
+    """``kernel.cpp`` spells no record key itself: each comes from a macro of ``moedoctor_schema.h``
+    (``schema.cpp_header``), so a key renamed in the schema is renamed in the C++ writer, and a key the
+    kernel writes that the schema dropped is an undefined macro: the build fails and the Python
+    kernels record (``available()`` is False, ``reason`` says why)."""
+    import re
+
+    from moedoctor.trace import schema
+
+    source = (REPO / "moedoctor" / "recorder" / "native" / "kernel.cpp").read_text()
+    code = "\n".join(line.split("//")[0] for line in source.splitlines())  # comments may quote records
+    assert not re.findall(r'\\"[A-Za-z_]+\\":', code), "a key spelled in kernel.cpp, not taken from the header"
+    header = schema.cpp_header()
+    defined = set(re.findall(r"^#define (MDK_\w+) ", header, flags=re.M))
+    used = set(re.findall(r"\bMDK_\w+", code))
+    assert used and used <= defined, sorted(used - defined)
+    assert '#define MDK_COLLECTIVE_P2P_SEQ ",\\"pseq\\":"' in header
+    assert '#define MDK_COLLECTIVE_KIND "{\\"k\\":\\"c\\""' in header
+    assert all(schema.cpp_macro(r, k.key) in defined for r in schema.CPP_NAMES.values() for k in r.keys)
+
+
+def test_the_build_name_digests_the_schema_header(monkeypatch):
+    """A schema change is a new build of the kernel (its name digests the generated header)."""
+    name = native.extension_name()
+    header = native._schema_header()
+    monkeypatch.setattr(native, "_schema_header", lambda: header.replace('\\"seq\\"', '\\"sq\\"'))
+    assert native.extension_name() != name
+
+
+def test_the_header_is_written_once_per_text(tmp_path):
+    include = native._write_schema_header(tmp_path)
+    header = include / "moedoctor_schema.h"
+    assert header.read_text() == native._schema_header()
+    mtime = header.stat().st_mtime_ns
+    os.utime(header, ns=(mtime - 10**9, mtime - 10**9))
+    native._write_schema_header(tmp_path)  # same text: untouched (ninja rebuilds on a newer header)
+    assert header.stat().st_mtime_ns == mtime - 10**9

@@ -39,12 +39,13 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def comparable(recs: list[dict]) -> list[dict]:
-    """Records without times; c10d reduce ops dropped (Python writes them as later ``a`` records)."""
+    """Records without times, nor the name of the kernel that wrote them (the coverage record's
+    ``kernel``); c10d reduce ops dropped (Python writes them as later ``a`` records)."""
     out = []
     for rec in recs:
         if rec["k"] == "a":
             continue
-        rec = {k: v for k, v in rec.items() if k != "t"}
+        rec = {k: v for k, v in rec.items() if k not in ("t", "kernel")}
         if rec["k"] == "c" and rec["raw"].startswith("c10d::"):
             rec.pop("red", None)
         out.append(rec)

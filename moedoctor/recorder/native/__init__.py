@@ -1,6 +1,6 @@
 """The native recording kernel: opt-in (``MOEDOCTOR_NATIVE=1``), the Python kernels stay the fallback.
 
-``kernel.cpp`` is the C++ twin of ``Recorder._kernel`` / ``Recorder._record``: a boxed kernel per
+``kernel.cpp`` is the C++ twin of ``kernels.PythonKernels._kernel`` / ``_record``: a boxed kernel per
 collective op at ``BackendSelect`` that writes the same ``c`` line with one ``write(2)`` before the
 op is issued, and keeps c10d ``Work`` objects for the progress thread's ``poll()``. It is built on
 first use with ``torch.utils.cpp_extension.load`` into torch's extension cache (``TORCH_EXTENSIONS_DIR``,
@@ -86,7 +86,7 @@ def extension_name() -> str:
     import torch
 
     return build_key(
-        _SOURCE.read_bytes(),
+        _SOURCE.read_bytes() + b"\0" + _schema_header().encode(),
         prefix=sys.prefix,
         torch_dir=os.path.dirname(torch.__file__),
         source_path=str(_SOURCE),
@@ -111,6 +111,31 @@ def build_key(
     return f"moedoctor_native_{digest.hexdigest()[:12]}"
 
 
+def _schema_header() -> str:
+    """``moedoctor_schema.h``, the keys the kernel writes (``moedoctor.trace.schema.cpp_header``)."""
+    from moedoctor.trace.schema import cpp_header
+
+    return cpp_header()
+
+
+def _write_schema_header(folder: Path) -> Path:
+    """Write ``moedoctor_schema.h`` into ``folder/include`` (only when its text changed: ninja rebuilds
+    on a newer header) and return that folder. Ranks building at once write the same text."""
+    include = folder / "include"
+    include.mkdir(parents=True, exist_ok=True)
+    header = include / "moedoctor_schema.h"
+    text = _schema_header()
+    try:
+        if header.read_text() == text:
+            return include
+    except OSError:
+        pass
+    tmp = include / f".moedoctor_schema.h.{os.getpid()}"
+    tmp.write_text(text)
+    tmp.replace(header)
+    return include
+
+
 def _build(announce):
     import torch.distributed as dist
     from torch.utils import cpp_extension
@@ -127,8 +152,15 @@ def _build(announce):
     if before is None:
         announce("building the native recorder for this environment (first run, ~40 s)...")
     started = time.monotonic()
+    folder = _folder(name)
+    if folder is None:
+        raise RuntimeError("torch's extension build folder is unknown (torch.utils.cpp_extension changed)")
     module = cpp_extension.load(
-        name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=environment.native_verbose()
+        name=name,
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O2"],
+        extra_include_paths=[str(_write_schema_header(folder))],
+        verbose=environment.native_verbose(),
     )
     after = _library_mtime(name)
     if after != before:  # built now (or rebuilt: torch decided the inputs changed)
@@ -192,38 +224,30 @@ class _Helper:
     """What the C++ kernel asks Python for, on cold paths only (the GIL is held)."""
 
     def __init__(self, recorder) -> None:
-        from moedoctor.recorder import callsite, core
-        from moedoctor.trace import format as fmt
+        from moedoctor.recorder import callsite, records
 
         self._recorder = recorder
-        self._fmt = fmt
-        self._describe = callsite.describe
+        self._records = records
         self.flags = callsite._flags
-        self.json_str = core._json_str
+        self.json_str = records.json_str
 
     def thread_name(self) -> str:
         return self.json_str(threading.current_thread().name)
 
     def group(self, name: str) -> tuple[bytes, list[int]]:
         """A ``g`` record without its kind and id, and the group's global ranks."""
-        recorder = self._recorder
-        ranks = list(recorder._ranks_of(name))
-        desc = getattr(recorder._process_group(name), "group_desc", "")
-        return self._fmt.encode({"name": name, "desc": desc, "ranks": ranks}), ranks
+        ranks = self._recorder.records.ranks.of(name)
+        return self._records.encode(self._records.group_fields(name, ranks)), list(ranks)
 
     def site(self, key: tuple) -> bytes:
         """An ``s`` record without its kind and id."""
-        file, line, fn, stack = self._describe(key)
-        return self._fmt.encode({"file": file, "line": line, "fn": fn, "stack": stack})
+        return self._records.encode(self._records.site_fields(key))
 
     def cap_record(self) -> bytes:
-        return self._fmt.encode({"k": self._fmt.CAP, "t": time.time(), "limit": self._recorder.max_events})
+        return self._records.cap_line(self._recorder.max_events)
 
     def error(self, op: str, message: str) -> None:
-        recorder = self._recorder
-        recorder._errors += 1
-        if recorder._errors <= 3:
-            recorder.write_evidence("recorder_error", {"op": op, "error": message, "native": True})
+        self._recorder.internal_error(op, message, native=True)
 
 
 def _fast_walk(module) -> bool:
@@ -258,7 +282,7 @@ class NativeKernels:
     """The native kernels of one recorder: registration, state hand-over, polling, counters."""
 
     def __init__(self, recorder) -> None:
-        from moedoctor.recorder import callsite, core, progress
+        from moedoctor.recorder import callsite, kernels, progress
 
         module = load()
         if module is None:
@@ -276,7 +300,7 @@ class NativeKernels:
             "FSDP_GROUP": callsite.FSDP_GROUP,
             "CKPT_SAVE": callsite.CKPT_SAVE,
             "CKPT_LOAD": callsite.CKPT_LOAD,
-            "MAX_SHAPES": core.MAX_SHAPES,
+            "MAX_SHAPES": kernels.MAX_SHAPES,
             "MAX_STACK": callsite.MAX_STACK,
             "MAX_WALK": callsite.MAX_WALK,
             "MAX_PENDING": progress.MAX_PENDING,
@@ -391,27 +415,25 @@ class NativeKernels:
     # -- state hand-over between the Python and the native kernels -----------------------------
 
     def _import_state(self) -> None:
-        r = self._recorder
-        with r._lock:
+        r = self._recorder.records
+        with r.lock:
             groups = []
-            for name, gid in r._group_ids.items():
-                pseq = {peer: n for (g, peer), n in r._p2p_seq.items() if g == name}
-                groups.append(
-                    (name, gid, list(r._ranks_of(name)), r._seq.get(name, 0), r._p2p_seq.get(("#p2p", name), 0), pseq)
-                )
-            self._m.import_state(r._next_event, r._written, r._dropped, groups, len(r._sites), list(r._sites.items()))
+            for name, gid in r.group_ids.items():
+                pseq = {peer: n for (g, peer), n in r.p2p_seq.items() if g == name}
+                groups.append((name, gid, list(r.ranks.of(name)), r.seq.get(name, 0), r.p2p_count(name), pseq))
+            self._m.import_state(r.next_event, r.written, r.dropped, groups, len(r.sites), list(r.sites.items()))
 
     def _export_state(self) -> None:
-        r = self._recorder
+        r = self._recorder.records
         next_event, written, dropped, groups, sites, next_site = self._m.export_state()
-        with r._lock:
-            r._next_event, r._written, r._dropped = next_event, written, dropped
+        with r.lock:
+            r.next_event, r.written, r.dropped = next_event, written, dropped
             for name, gid, ranks, seq, p2p_count, pseq in groups:
-                r._group_ids[name] = gid
-                r._group_ranks.setdefault(name, tuple(ranks))
-                r._seq[name] = seq
-                r._p2p_seq[("#p2p", name)] = p2p_count
+                r.group_ids[name] = gid
+                r.ranks.known.setdefault(name, tuple(ranks))
+                r.seq[name] = seq
+                r.p2p_seq[("#p2p", name)] = p2p_count
                 for peer, n in pseq.items():
-                    r._p2p_seq[(name, peer)] = n
+                    r.p2p_seq[(name, peer)] = n
             for key, sid in sites:
-                r._sites[key] = sid
+                r.sites[key] = sid

@@ -1,5 +1,6 @@
-// moedoctor's native recording kernel: the C++ twin of Recorder._kernel / Recorder._record
-// (moedoctor/recorder/core.py). Built at run time by moedoctor/recorder/native/__init__.py.
+// moedoctor's native recording kernel: the C++ twin of PythonKernels._kernel / _record
+// (moedoctor/recorder/kernels.py). Every key it writes is a macro of moedoctor_schema.h, which
+// moedoctor.trace.schema.cpp_header() generates at each build. Built at run time by moedoctor/recorder/native/__init__.py.
 //
 // One boxed kernel per collective op, registered at BackendSelect through a torch::Library of kind
 // IMPL per namespace. It writes the same `c` line as the Python recorder with one write(2) BEFORE
@@ -23,6 +24,8 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <Python.h>
+
+#include "moedoctor_schema.h"  // generated from moedoctor/trace/schema.py at each build
 #include <frameobject.h>
 
 #include <signal.h>
@@ -366,7 +369,7 @@ static std::string take_str(PyObject* obj) {
   return out;
 }
 
-// json.dumps(value), ASCII-escaped as the Python recorder's _json_str; cached (GIL held).
+// json.dumps(value), ASCII-escaped as the Python recorder's records.json_str; cached (GIL held).
 static const std::string& json_str(PyObject* str) {
   Py_ssize_t size;
   const char* utf8 = PyUnicode_AsUTF8AndSize(str, &size);
@@ -964,7 +967,7 @@ static GroupState& intern_group(const std::string& name, int target) {
   }
   Py_DECREF(result);
   if (!ok) throw std::runtime_error("bad group record: " + py_error_text());
-  std::string record = "{\"k\":\"g\",\"id\":";
+  std::string record = MDK_GROUP_KIND MDK_GROUP_ID;
   append_int(record, state.id);
   record += ',';
   record.append(fragment, 1, std::string::npos);
@@ -993,7 +996,7 @@ static int intern_site(const SiteKey& key, int target) {
   Py_DECREF(tuple);
   std::string fragment = take_bytes(result);
   int id = S.next_site++;
-  std::string record = "{\"k\":\"s\",\"id\":";
+  std::string record = MDK_SITE_KIND MDK_SITE_ID;
   append_int(record, id);
   record += ',';
   record.append(fragment, 1, std::string::npos);
@@ -1028,7 +1031,7 @@ static void report_error(const Spec& spec, const std::string& message) {
 
 // A tensor that only stands for one while torch.compile traces a graph (fake and functional tensors,
 // meta tensors): a collective on it sends nothing and advances no backend counter (as
-// recorder/core.py's _traced).
+// recorder/kernels.py's _traced).
 static bool traced_tensor(const c10::IValue& value) {
   const c10::IValue* first = nullptr;
   if (value.isTensor()) {
@@ -1076,7 +1079,7 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
   line.clear();
   if (spec.reduce_op >= 0) {
     const c10::IValue& value = arg(spec.reduce_op);
-    extra += ",\"red\":\"";
+    extra += MDK_COLLECTIVE_REDUCE_OP "\"";
     if (value.isString()) {
       for (char c : value.toStringRef()) extra += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
     } else {
@@ -1086,14 +1089,14 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
     extra += '"';
   }
   if (inputs.count > MAX_SHAPES || outputs.count > MAX_SHAPES) {
-    extra += ",\"n\":[";
+    extra += MDK_COLLECTIVE_COUNTS "[";
     append_int(extra, static_cast<int64_t>(inputs.count));
     extra += ',';
     append_int(extra, static_cast<int64_t>(outputs.count));
     extra += ']';
   }
   if (spec.out_splits >= 0) {  // as the Python recorder: "sp":[[input splits],[output splits]]
-    extra += ",\"sp\":[";
+    extra += MDK_COLLECTIVE_SPLITS "[";
     if (spec.in_splits >= 0) {
       append_int_list(extra, arg(spec.in_splits));
     } else {
@@ -1129,7 +1132,7 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
   GroupState& group = intern_group(group_name, target);
   group_id = group.id;
   if (spec.root >= 0) {  // the root's global rank, as the Python recorder's _global_rank
-    extra += ",\"root\":";
+    extra += MDK_COLLECTIVE_ROOT;
     if (root_rank == INT64_MIN) {
       extra += "null";
     } else {
@@ -1148,34 +1151,34 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
   }
   const int64_t event = S.next_event++;
   line.reserve(256 + inputs.shapes.size() + outputs.shapes.size() + extra.size() + attribution.module_json.size());
-  line += "{\"k\":\"c\",\"i\":";
+  line += MDK_COLLECTIVE_KIND MDK_COLLECTIVE_EVENT_ID;
   append_int(line, event);
-  line += ",\"g\":";
+  line += MDK_COLLECTIVE_GROUP;
   append_int(line, group.id);
-  line += ",\"seq\":";
+  line += MDK_COLLECTIVE_SEQ;
   if (spec.peer >= 0) {
     const int64_t peer = (group_rank >= 0 && group_rank < static_cast<int64_t>(group.ranks.size()))
         ? group.ranks[static_cast<size_t>(group_rank)] : group_rank;
     const int64_t pseq = ++group.pseq[peer];
     ++group.p2p_count;
     append_int(line, group.seq);  // the collectives before it; not advanced
-    line += ",\"pseq\":";
+    line += MDK_COLLECTIVE_P2P_SEQ;
     append_int(line, pseq);
     if (attribution.has_module) {
-      extra += ",\"mod\":";
+      extra += MDK_COLLECTIVE_MODULE;
       extra += attribution.module_json;
     }
-    extra += ",\"peer\":";
+    extra += MDK_COLLECTIVE_PEER;
     append_int(extra, peer);
   } else {
     append_int(line, ++group.seq);
     if (attribution.has_module) {
-      extra += ",\"mod\":";
+      extra += MDK_COLLECTIVE_MODULE;
       extra += attribution.module_json;
     }
   }
   if (inputs.device != nullptr) {
-    extra += ",\"dev\":\"";
+    extra += MDK_COLLECTIVE_DEVICE "\"";
     extra += *inputs.device;
     extra += '"';
   }
@@ -1187,33 +1190,33 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
     return -1;
   }
   ++S.written;
-  line += ",\"s\":";
+  line += MDK_COLLECTIVE_CALL_SITE;
   if (site < 0) {
     line += "null";
   } else {
     append_int(line, site);
   }
-  line += ",\"t\":";  // time.time() as "%.6f"
+  line += MDK_COLLECTIVE_TIME;  // time.time() as "%.6f"
   const int64_t micros = (now_ns + 500) / 1000;
   append_int(line, micros / 1000000);
   char fraction[8] = {'.', '0', '0', '0', '0', '0', '0', 0};
   for (int64_t rest = micros % 1000000, i = 6; i > 0; --i, rest /= 10) fraction[i] = static_cast<char>('0' + rest % 10);
   line.append(fraction, 7);
-  line += ",\"op\":\"";
+  line += MDK_COLLECTIVE_OP "\"";
   line += spec.op;
-  line += "\",\"raw\":\"";
+  line += "\"" MDK_COLLECTIVE_RAW_OP "\"";
   line += spec.qualified;
-  line += "\",\"in\":";
+  line += "\"" MDK_COLLECTIVE_IN_SHAPES;
   line += inputs.shapes;
-  line += ",\"out\":";
+  line += MDK_COLLECTIVE_OUT_SHAPES;
   line += outputs.shapes;
-  line += ",\"dt\":";
+  line += MDK_COLLECTIVE_DTYPES;
   line += inputs.dtypes;
-  line += is_async ? ",\"async\":true,\"th\":" : ",\"async\":false,\"th\":";
+  line += is_async ? MDK_COLLECTIVE_ASYNC_OP "true" MDK_COLLECTIVE_THREAD : MDK_COLLECTIVE_ASYNC_OP "false" MDK_COLLECTIVE_THREAD;
   line += thread;
-  line += ",\"ph\":\"";
+  line += MDK_COLLECTIVE_PHASE "\"";
   line += phase;
-  line += "\",\"step\":";
+  line += "\"" MDK_COLLECTIVE_STEP;
   append_int(line, step);
   line += extra;
   line += "}\n";
