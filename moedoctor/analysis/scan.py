@@ -59,6 +59,11 @@ SLACK = 64 << 10
 # number and signature; group and call-site definitions are captured whole.
 _RECORDS = re.compile(b"(?:" + schema.line_pattern("dt", ("g", "pseq", "op", "in", "dt")) + rb')|\{"k":"([gs]",[^\n]*)')
 _P2P = re.compile(schema.line_pattern("peer", ("g", "pseq", "peer"), strings=("th", "mod")))
+_CAP = schema.line_prefix(schema.CAP)
+#: The cap record as the scan feeds it to the loader (its time and limit are not read from the scan).
+_CAP_LINE = json.dumps(schema.fields(schema.CAP, time=0, limit=0), separators=(",", ":")).encode() + b"\n"
+_DEFINITIONS = (schema.line_prefix(schema.GROUP), schema.line_prefix(schema.SITE))
+_COLLECTIVE = schema.line_prefix(schema.COLLECTIVE)
 _SIGNATURE = itemgetter(2, 3, 4)  # op, input shapes, dtypes: what CollectiveEvent.signature() compares
 
 
@@ -116,8 +121,8 @@ def _scan(buf, scan: RankScan) -> None:
         if line.startswith(b'g"'):
             rec = json.loads(scan.definitions[-1])
             gids[int(rec["id"])] = (str(rec["name"]), tuple(int(r) for r in rec["ranks"]))
-    if b'{"k":"cap"' in buf[max(0, len(buf) - TAIL) :]:
-        scan.definitions.append(b'{"k":"cap","t":0,"limit":0}\n')
+    if _CAP in buf[max(0, len(buf) - TAIL) :]:
+        scan.definitions.append(_CAP_LINE)
     if any(map(getpseq, rows)):  # p2p ops: counted per peer here, matched in the loaded windows
         for raw_gid, pseq, peer in _P2P.findall(buf):
             key = (gids[int(raw_gid)][0], int(peer))
@@ -300,9 +305,9 @@ def load_ranges(path: str, definitions: list[bytes], ranges) -> tuple[RankTrace 
             for line in data.splitlines(keepends=True):
                 at = offset
                 offset += len(line)
-                if line.startswith((b'{"k":"g"', b'{"k":"s"')):
+                if line.startswith(_DEFINITIONS):
                     continue  # definitions were fed above
-                if keep is not None and line.startswith(b'{"k":"c"') and _gid(line) not in keep:
+                if keep is not None and line.startswith(_COLLECTIVE) and _gid(line) not in keep:
                     continue
                 if not folder.feed(line, at):
                     break
