@@ -303,12 +303,74 @@ def mechanism_of(
     if exit_ is None and div.kind == DivergenceKind.MISMATCH:
         exit_ = period_exit(view, div.group.name, div.seq, list(div.per_rank))
     if exit_ is not None:
+        unit_skip = _unit_skipped(view, div.group.name, div.seq, exit_)
+        if unit_skip is not None:
+            at, skipped, went_on = unit_skip
+            return made(
+                Mechanism.SKIPPED_COLLECTIVE,
+                exit_.left,
+                f"{rank_names(exit_.left)} left out the {'unit' if len(skipped) == 1 else 'units'} "
+                f"{', '.join(skipped)} of the per-unit collectives at {exit_.short} that "
+                f"{rank_names(exit_.looping)} issued, and went on with the next unit ({went_on}): "
+                "each iteration is another FSDP unit, so a unit missing in the middle is a skipped "
+                "collective, not a shorter loop",
+                seq=at,
+            )
         return made(
             Mechanism.LOOP_TRIP_COUNT, exit_.left, _loop_text(exit_), counts=dict(exit_.counts), loop_site=exit_.site
         )
     if div.kind == DivergenceKind.MISMATCH:
         return _mismatch(view, div, present, culprits, made)
     return _missing(view, div, present, edges, made)
+
+
+def _unit_run(view: RunView, rank: int, group: str, seq: int, site: str) -> list[CollectiveEvent]:
+    """The rank's last run (one step, one phase) of collectives from ``site`` on ``group`` up to ``seq``."""
+    evs = view.events(rank, group, before=seq + 1)
+    last = max((i for i, e in enumerate(evs) if e.call_site is not None and e.call_site.where == site), default=None)
+    if last is None:
+        return []
+    run: list[CollectiveEvent] = []
+    for e in reversed(evs[: last + 1]):
+        if token(e)[:2] != token(evs[last])[:2] or e.step != evs[last].step or e.phase != evs[last].phase:
+            break
+        run.append(e)
+    return run[::-1]
+
+
+def _unit_skipped(view: RunView, group: str, seq: int, exit_: LoopExit) -> tuple[int, list[str], str] | None:
+    """A loop exit whose iterations are each another FSDP unit (every collective of the run names a
+    unit, none twice), where every rank that "left" issued a unit that the looping ranks issued
+    only after one it never issued in the run: it left out that unit in the middle of the sequence
+    and went on with the next ones. "The same collective" includes the FSDP unit, so this is a
+    skipped collective. A rank whose units are a prefix of the others' (it stopped early) stays a
+    loop exit. Returns (the position where the units first differ, the units left out, the unit it
+    went on with), or None."""
+    runs = {r: _unit_run(view, r, group, seq, exit_.site) for r in (*exit_.looping, *exit_.left)}
+    units = {r: [e.module for e in run] for r, run in runs.items()}
+    if any(not u or None in u or len(set(u)) != len(u) for u in units.values()):
+        return None
+    ref = units[exit_.looping[0]]
+    if any(units[r] != ref for r in exit_.looping[1:]):
+        return None
+    at: int | None = None
+    skipped: list[str] = []
+    went_on = ""
+    for r in exit_.left:
+        mine = units[r]
+        i = next((k for k, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
+        if i is None or mine[i] not in ref[i + 1 :]:
+            return None  # a prefix of the others' units, or a unit they never issued: not a skip
+        missing = ref[i : ref.index(mine[i])]
+        if any(m in mine for m in missing):
+            return None  # the left-out unit comes later: another reading (a reordering)
+        pos = runs[r][i].seq
+        at = pos if at is None else min(at, pos)
+        skipped.extend(m for m in missing if m not in skipped)
+        went_on = mine[i]
+    if at is None:
+        return None
+    return at, skipped, went_on
 
 
 def _moved_on(view: RunView, rank: int, site: str) -> bool:

@@ -32,3 +32,20 @@ def test_a_plain_microbatch_loop_is_a_loop_trip_count_not_a_checkpoint_pattern(t
         assert "rank 0 ran 3, rank 1 ran 4 iterations of uneven_microbatch_loop.py:27" in text, context
     if "uneven-dtensor-allgather" in report["not_named"]:
         assert any("checkpoint" in m for m in report["not_named"]["uneven-dtensor-allgather"]), context
+
+
+def test_an_fsdp_unit_left_out_in_the_middle_of_a_per_unit_loop_is_a_skipped_collective(tmp_path):
+    """One call site all-gathers one FSDP unit per iteration; rank 1 leaves out expert 1 and goes on
+    with expert 2. "The same collective" includes the FSDP unit, so rank 1 skipped expert 1's
+    all-gather at the position where the units first differ (issue 28, corpus 28's per-expert
+    units), not a loop that ran fewer iterations."""
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, "fsdp2_unit_skipped_mid_loop.py", "--hang-timeout", "10", timeout=150)
+    assert result.returncode != 0, result.tail()
+    report = json.loads((run_dir / "report.json").read_text())
+    context = f"{report['summary']}\n{json.dumps(report['mechanism'], indent=1)}\n{result.tail()}"
+    mech = report["mechanism"]
+    assert mech["mechanism"] == "skipped-collective", context
+    assert mech["ranks"] == [1] and mech["step"] == 2 and mech["phase"] == "forward", context
+    assert "experts.1" in mech["detail"] and "experts.2" in mech["detail"], context
+    assert report["pattern"] in ("inactive-experts", "unknown-desync", None), context
