@@ -316,6 +316,18 @@ def mechanism_of(
                 "collective, not a shorter loop",
                 seq=at,
             )
+        restart = _pass_restarted(view, div.group.name, div.seq, exit_)
+        if restart is not None:
+            at, n, after = restart
+            return made(
+                Mechanism.SKIPPED_COLLECTIVE,
+                exit_.looping,
+                f"every earlier pass of the loop at {exit_.short} issued the same {n} items and then "
+                f"{after}; {rank_names(exit_.looping)} issued the first item again after {n}, beginning the "
+                f"next pass, while {rank_names(exit_.left)} went on with {after} as before: "
+                f"{rank_names(exit_.looping)} skipped what follows the loop",
+                seq=at,
+            )
         return made(
             Mechanism.LOOP_TRIP_COUNT, exit_.left, _loop_text(exit_), counts=dict(exit_.counts), loop_site=exit_.site
         )
@@ -371,6 +383,70 @@ def _unit_skipped(view: RunView, group: str, seq: int, exit_: LoopExit) -> tuple
     if at is None:
         return None
     return at, skipped, went_on
+
+
+def _runs(evs: list[CollectiveEvent], key: tuple) -> list[list[CollectiveEvent]]:
+    """The maximal runs of consecutive collectives of ``key`` (op, call site) in ``evs``."""
+    runs: list[list[CollectiveEvent]] = []
+    for i, e in enumerate(evs):
+        if token(e)[:2] != key:
+            continue
+        if i and token(evs[i - 1])[:2] == key and runs:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    return runs
+
+
+def _pass_restarted(view: RunView, group: str, seq: int, exit_: LoopExit) -> tuple[int, int, str] | None:
+    """A loop exit where the "looping" ranks did not loop longer but began the next pass: the last
+    two earlier runs of the loop's collective, on every rank, were the same ``n`` items (the same
+    sequence of sizes, at least two different ones), every earlier run followed by the same
+    collective; the ranks that "left" issued the ``n`` items and went on with that collective, and
+    the looping ranks issued them and then the first items again (the sequence restarted). They
+    skipped what every earlier pass issued after the loop. (Where the step counter parts the runs,
+    a run is counted within one step and never reaches past ``n``.) Returns (the position of the
+    restart, ``n``, the collective the others went on with), or None."""
+    ranks = (*exit_.looping, *exit_.left)
+    evs = {r: view.events(r, group, before=seq + 1) for r in ranks}
+    key = token(evs[exit_.looping[0]][-1])[:2]
+    runs = {r: _runs(evs[r], key) for r in ranks}
+    if any(len(rs) < 3 for rs in runs.values()):
+        return None
+    items = [e.in_shapes for e in runs[exit_.looping[0]][-2]]
+    n = len(items)
+    if n < 2 or len(set(items)) < 2:
+        return None
+    follow = set()
+    for r in ranks:
+        earlier = runs[r][:-1]
+        if any([e.in_shapes for e in run] != items for run in earlier[-2:]):
+            return None
+        for run in earlier:
+            idx = evs[r].index(run[-1])
+            if idx + 1 < len(evs[r]):
+                follow.add(token(evs[r][idx + 1])[:2])
+    if len(follow) != 1:
+        return None
+    after = next(iter(follow))
+    for r in exit_.left:
+        if [e.in_shapes for e in runs[r][-1]] != items:
+            return None
+        idx = evs[r].index(runs[r][-1][-1])
+        if idx + 1 >= len(evs[r]) or token(evs[r][idx + 1])[:2] != after:
+            return None
+    at: int | None = None
+    for r in exit_.looping:
+        cur = runs[r][-1]
+        if cur[-1] is not evs[r][-1] or len(cur) <= n:
+            return None
+        shapes = [e.in_shapes for e in cur]
+        if shapes[:n] != items or shapes[n:] != items[: len(shapes) - n]:
+            return None
+        at = cur[n].seq if at is None else min(at, cur[n].seq)
+    if at is None:
+        return None
+    return at, n, f"{after[0]} ({_short(after[1])})"
 
 
 def _moved_on(view: RunView, rank: int, site: str) -> bool:

@@ -49,3 +49,19 @@ def test_an_fsdp_unit_left_out_in_the_middle_of_a_per_unit_loop_is_a_skipped_col
     assert mech["ranks"] == [1] and mech["step"] == 2 and mech["phase"] == "forward", context
     assert "experts.1" in mech["detail"] and "experts.2" in mech["detail"], context
     assert report["pattern"] in ("inactive-experts", "unknown-desync", None), context
+
+
+def test_a_rank_that_begins_the_next_pass_over_the_parameters_skipped_what_follows_the_loop(tmp_path):
+    """Gradients all-reduced one parameter at a time, then broadcasts (a hand-rolled ZeRO-1, no torch
+    optimizer, so no step counter). Every earlier pass issued the same 4 items and then a broadcast;
+    rank 1 skips its step and all-reduces the first parameter again while rank 0 broadcasts: rank 1
+    skipped the broadcasts (issue 28, corpus 28's AlphaZero learner), not a loop of 5 iterations."""
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, "param_loop_skipped_broadcasts.py", "--hang-timeout", "10", timeout=150)
+    assert result.returncode == EXIT_HANG, result.tail()
+    report = json.loads((run_dir / "report.json").read_text())
+    context = f"{report['summary']}\n{json.dumps(report['mechanism'], indent=1)}\n{result.tail()}"
+    mech = report["mechanism"]
+    assert mech["mechanism"] == "skipped-collective", context
+    assert mech["ranks"] == [1] and report["culprit_ranks"] == [1], context
+    assert "the same 4 items and then broadcast" in mech["detail"], context
