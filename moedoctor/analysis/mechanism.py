@@ -300,6 +300,13 @@ def mechanism_of(
         and not all(view.finished(r) or _moved_on(view, r, exit_.site) for r in exit_.left)
     ):
         exit_ = None  # a rank that issued nothing since its last iteration has not left the loop: not arrived
+    if (
+        exit_ is not None
+        and div.kind == DivergenceKind.MISMATCH
+        and _pass_restarted(view, div.group.name, div.seq, exit_) is None
+        and _alternating(view, div.group.name, div.seq, exit_)
+    ):
+        exit_ = None  # a walk whose items issue one of two collectives: another path at one item, not a loop exit
     if exit_ is None and div.kind == DivergenceKind.MISMATCH:
         exit_ = period_exit(view, div.group.name, div.seq, list(div.per_rank))
     if exit_ is not None:
@@ -447,6 +454,33 @@ def _pass_restarted(view: RunView, group: str, seq: int, exit_: LoopExit) -> tup
     if at is None:
         return None
     return at, n, f"{after[0]} ({_short(after[1])})"
+
+
+def _alternating(view: RunView, group: str, seq: int, exit_: LoopExit) -> bool:
+    """Is the collective the "left" ranks issued at ``seq`` one that every rank already issued in
+    this pass (same step and phase), between items of the loop (the loop's collective issued both
+    before and after it)? Then the loop does not issue one collective per iteration: each item
+    issues one of the two, and at ``seq`` the ranks took different paths at one item (a
+    different op), not a loop that some ranks left."""
+    here = [view.event(r, group, seq) for r in exit_.left]
+    if any(e is None or e.call_site is None for e in here):
+        return False
+    nexts = {token(e)[:2] for e in here if e is not None}
+    if len(nexts) != 1:
+        return False
+    other = next(iter(nexts))
+    for r in (*exit_.looping, *exit_.left):
+        at = view.event(r, group, seq)
+        if at is None:
+            return False
+        evs = [e for e in view.events(r, group, before=seq) if e.step == at.step and e.phase == at.phase]
+        marks = [token(e)[:2] for e in evs]
+        firsts = [i for i, t in enumerate(marks) if t == other]
+        if not firsts or not any(t[1] == exit_.site for t in marks[: firsts[0]]):
+            return False
+        if not any(t[1] == exit_.site for t in marks[firsts[-1] + 1 :]):
+            return False
+    return True
 
 
 def _moved_on(view: RunView, rank: int, site: str) -> bool:

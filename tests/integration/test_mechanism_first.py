@@ -65,3 +65,19 @@ def test_a_rank_that_begins_the_next_pass_over_the_parameters_skipped_what_follo
     assert mech["mechanism"] == "skipped-collective", context
     assert mech["ranks"] == [1] and report["culprit_ranks"] == [1], context
     assert "the same 4 items and then broadcast" in mech["detail"], context
+
+
+def test_two_paths_at_one_item_of_a_walk_are_a_different_op_not_a_loop_exit(tmp_path):
+    """Each item of a walk issues an all-gather or an all-reduce, chosen on the rank's own chunk;
+    both were issued by every rank earlier in the walk. At the item chunked 3 + 2 rank 0 takes the
+    all-reduce path and rank 1 the all-gather path: a different op at one item (issue 28, corpus
+    28's DiT offload manifest), not a run of all-gathers that rank 0 left after fewer."""
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, "walk_two_paths_per_item.py", "--hang-timeout", "10", timeout=150)
+    assert result.returncode != 0, result.tail()
+    report = json.loads((run_dir / "report.json").read_text())
+    context = f"{report['summary']}\n{json.dumps(report['mechanism'], indent=1)}\n{result.tail()}"
+    mech = report["mechanism"]
+    assert mech["mechanism"] == "different-op", context
+    assert mech["call_sites"]["0"].endswith("walk_two_paths_per_item.py:25"), context
+    assert mech["call_sites"]["1"].endswith("walk_two_paths_per_item.py:29"), context
