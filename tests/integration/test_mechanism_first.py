@@ -81,3 +81,19 @@ def test_two_paths_at_one_item_of_a_walk_are_a_different_op_not_a_loop_exit(tmp_
     assert mech["mechanism"] == "different-op", context
     assert mech["call_sites"]["0"].endswith("walk_two_paths_per_item.py:25"), context
     assert mech["call_sites"]["1"].endswith("walk_two_paths_per_item.py:29"), context
+
+
+def test_a_per_parameter_loop_left_early_where_task_heads_got_no_gradient_is_inactive_experts(tmp_path):
+    """Gradients all-reduced one parameter at a time, skipping those without a gradient; rank 1's
+    batch has no sample of one task, so that head (a module-list member) gets none and rank 1 leaves
+    the loop early for the per-task count. The required evidence of inactive experts is in the trace
+    (parameters without a gradient naming a heads member on rank 1 only; corpus 28's Decision
+    Transformer task heads), so the pattern is named, rank 1 the culprit (was `unknown-desync`)."""
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, "task_heads_grad_none_loop.py", "--hang-timeout", "10", timeout=150)
+    assert result.returncode != 0, result.tail()
+    report = json.loads((run_dir / "report.json").read_text())
+    context = f"{report['summary']}\n{json.dumps(report['mechanism'], indent=1)}\n{result.tail()}"
+    assert report["mechanism"]["mechanism"] == "loop-trip-count", context
+    assert report["pattern"] == "inactive-experts" and report["culprit_ranks"] == [1], context
+    assert any("heads.1" in line for line in report["evidence"]), context
