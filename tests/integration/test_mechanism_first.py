@@ -32,3 +32,68 @@ def test_a_plain_microbatch_loop_is_a_loop_trip_count_not_a_checkpoint_pattern(t
         assert "rank 0 ran 3, rank 1 ran 4 iterations of uneven_microbatch_loop.py:27" in text, context
     if "uneven-dtensor-allgather" in report["not_named"]:
         assert any("checkpoint" in m for m in report["not_named"]["uneven-dtensor-allgather"]), context
+
+
+def test_an_fsdp_unit_left_out_in_the_middle_of_a_per_unit_loop_is_a_skipped_collective(tmp_path):
+    """One call site all-gathers one FSDP unit per iteration; rank 1 leaves out expert 1 and goes on
+    with expert 2. "The same collective" includes the FSDP unit, so rank 1 skipped expert 1's
+    all-gather at the position where the units first differ (issue 28, corpus 28's per-expert
+    units), not a loop that ran fewer iterations."""
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, "fsdp2_unit_skipped_mid_loop.py", "--hang-timeout", "10", timeout=150)
+    assert result.returncode != 0, result.tail()
+    report = json.loads((run_dir / "report.json").read_text())
+    context = f"{report['summary']}\n{json.dumps(report['mechanism'], indent=1)}\n{result.tail()}"
+    mech = report["mechanism"]
+    assert mech["mechanism"] == "skipped-collective", context
+    assert mech["ranks"] == [1] and mech["step"] == 2 and mech["phase"] == "forward", context
+    assert "experts.1" in mech["detail"] and "experts.2" in mech["detail"], context
+    assert report["pattern"] in ("inactive-experts", "unknown-desync", None), context
+
+
+def test_a_rank_that_begins_the_next_pass_over_the_parameters_skipped_what_follows_the_loop(tmp_path):
+    """Gradients all-reduced one parameter at a time, then broadcasts (a hand-rolled ZeRO-1, no torch
+    optimizer, so no step counter). Every earlier pass issued the same 4 items and then a broadcast;
+    rank 1 skips its step and all-reduces the first parameter again while rank 0 broadcasts: rank 1
+    skipped the broadcasts (issue 28, corpus 28's AlphaZero learner), not a loop of 5 iterations."""
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, "param_loop_skipped_broadcasts.py", "--hang-timeout", "10", timeout=150)
+    assert result.returncode == EXIT_HANG, result.tail()
+    report = json.loads((run_dir / "report.json").read_text())
+    context = f"{report['summary']}\n{json.dumps(report['mechanism'], indent=1)}\n{result.tail()}"
+    mech = report["mechanism"]
+    assert mech["mechanism"] == "skipped-collective", context
+    assert mech["ranks"] == [1] and report["culprit_ranks"] == [1], context
+    assert "the same 4 items and then broadcast" in mech["detail"], context
+
+
+def test_two_paths_at_one_item_of_a_walk_are_a_different_op_not_a_loop_exit(tmp_path):
+    """Each item of a walk issues an all-gather or an all-reduce, chosen on the rank's own chunk;
+    both were issued by every rank earlier in the walk. At the item chunked 3 + 2 rank 0 takes the
+    all-reduce path and rank 1 the all-gather path: a different op at one item (issue 28, corpus
+    28's DiT offload manifest), not a run of all-gathers that rank 0 left after fewer."""
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, "walk_two_paths_per_item.py", "--hang-timeout", "10", timeout=150)
+    assert result.returncode != 0, result.tail()
+    report = json.loads((run_dir / "report.json").read_text())
+    context = f"{report['summary']}\n{json.dumps(report['mechanism'], indent=1)}\n{result.tail()}"
+    mech = report["mechanism"]
+    assert mech["mechanism"] == "different-op", context
+    assert mech["call_sites"]["0"].endswith("walk_two_paths_per_item.py:25"), context
+    assert mech["call_sites"]["1"].endswith("walk_two_paths_per_item.py:29"), context
+
+
+def test_a_per_parameter_loop_left_early_where_task_heads_got_no_gradient_is_inactive_experts(tmp_path):
+    """Gradients all-reduced one parameter at a time, skipping those without a gradient; rank 1's
+    batch has no sample of one task, so that head (a module-list member) gets none and rank 1 leaves
+    the loop early for the per-task count. The required evidence of inactive experts is in the trace
+    (parameters without a gradient naming a heads member on rank 1 only; corpus 28's Decision
+    Transformer task heads), so the pattern is named, rank 1 the culprit (was `unknown-desync`)."""
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, "task_heads_grad_none_loop.py", "--hang-timeout", "10", timeout=150)
+    assert result.returncode != 0, result.tail()
+    report = json.loads((run_dir / "report.json").read_text())
+    context = f"{report['summary']}\n{json.dumps(report['mechanism'], indent=1)}\n{result.tail()}"
+    assert report["mechanism"]["mechanism"] == "loop-trip-count", context
+    assert report["pattern"] == "inactive-experts" and report["culprit_ranks"] == [1], context
+    assert any("heads.1" in line for line in report["evidence"]), context

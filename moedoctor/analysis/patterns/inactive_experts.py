@@ -56,6 +56,7 @@ from math import prod
 
 from moedoctor.analysis.mechanism import left_out
 from moedoctor.analysis.model import Suggestion
+from moedoctor.analysis.steps import loop_exit
 from moedoctor.events import Phase
 from moedoctor.analysis.patterns import Context, Finding, Pattern, names
 
@@ -352,15 +353,23 @@ def _reduced_per_parameter(ctx: Context) -> Finding | None:
     div, view = ctx.div, ctx.view
     present = ctx.present()
     sites = {v.call_site for v in present.values()}
-    if len(present) < 2 or len(sites) != 1 or None in sites:
+    if len(present) < 2 or None in sites:
         return None
+    left = None
+    if len(sites) != 1:
+        # The ranks that skipped parameters may have run out of the loop already: a loop of the
+        # reduction's call site that exactly those ranks left after fewer iterations.
+        exit_ = loop_exit(view, div.group.name, div.seq, list(div.per_rank))
+        if exit_ is None:
+            return None
+        sites, left = {exit_.site}, sorted(exit_.left)
     site = next(iter(sites))
     step = min(v.step for v in present.values())
     missing = {r: _missing_at(view, r, step) for r in present}
     idle = _idle_members(missing)
     odd = sorted(r for r, members in idle.items() if members)
     kept = sorted(r for r in present if r not in odd)
-    if not odd or not kept:
+    if not odd or not kept or (left is not None and left != odd):
         return None
     group = div.group.name
 
@@ -380,7 +389,10 @@ def _reduced_per_parameter(ctx: Context) -> Finding | None:
         f"{', '.join(params[:4])}{f' and {len(params) - 4} more' if len(params) > 4 else ''} (parameters "
         f"of members of a module list) that {names(kept)} had gradients for: those members got no token",
         f"every rank issued #{div.seq} of group {div.group.label()} from the same call site "
-        f"({site.rsplit('/', 1)[-1]}), one collective per parameter with a gradient",
+        f"({site.rsplit('/', 1)[-1]}), one collective per parameter with a gradient"
+        if left is None
+        else f"{names(odd)} left the loop at {site.rsplit('/', 1)[-1]} (one collective per parameter with a "
+        f"gradient) after fewer iterations than {names(kept)}, by #{div.seq} of group {div.group.label()}",
     ]
     if all(n is not None for n in skipped.values()):
         score += 0.1
