@@ -330,6 +330,26 @@ def absent_ranks(run: RunData) -> list[int]:
     return [r for r in range(min(run.world_size or 0, MAX_WORLD_SIZE)) if r not in present]
 
 
+def never_started(run: RunData) -> str | None:
+    """The job never started, in one line: a run directory whose job ended with no trace from any
+    rank and no rank where moedoctor's recorder loaded (it failed before its process group); else None."""
+    m = run.manifest
+    if (
+        run.traces
+        or m is None
+        or m.status not in ("finished", "interrupted")
+        or run.kind != SourceKind.RUN_DIR
+        or recorder_markers(RunDir(run.path).control)
+    ):
+        return None
+    codes = [c for c in m.launcher_exits if c not in (None, 0)]
+    how = f"the launcher exited with status {codes[0]}" if codes else "the launcher ended"
+    return (
+        f"the job never started: no rank wrote a trace and moedoctor's recorder loaded in no rank "
+        f"({how}; see its log, {JOB_LOG})"
+    )
+
+
 def evidence_problem(run: RunData) -> str | None:
     """Why a verdict of healthy would have no evidence behind it, in one line; None when every
     rank that ran has a readable trace (the world size from the headers or the manifest against the
@@ -337,20 +357,7 @@ def evidence_problem(run: RunData) -> str | None:
     first_problem = next((line for line in run.incomplete if "left out" in line or "unreadable" in line), None)
     context = f" ({_clip(first_problem, 200)})" if first_problem else ""
     if not run.traces:
-        m = run.manifest
-        if (
-            m is not None
-            and m.status in ("finished", "interrupted")
-            and run.kind == SourceKind.RUN_DIR
-            and not recorder_markers(RunDir(run.path).control)
-        ):
-            codes = [c for c in m.launcher_exits if c not in (None, 0)]
-            how = f"the launcher exited with status {codes[0]}" if codes else "the launcher ended"
-            return (
-                f"the job never started: no rank wrote a trace and moedoctor's recorder loaded in no rank "
-                f"({how}; see its log, {JOB_LOG})"
-            )
-        return f"{run.path}: no readable moedoctor trace, so no verdict{context}"
+        return never_started(run) or f"{run.path}: no readable moedoctor trace, so no verdict{context}"
     if not run.world_size:
         return f"{run.path}: the world size is unknown, so a healthy verdict has no evidence{context}"
     absent = absent_ranks(run)
@@ -371,6 +378,8 @@ def verdict_problem(run: RunData, verdict: Verdict) -> str | None:
     hang was declared while the job ran: its trace ends at the stop, not at a hang."""
     if verdict == Verdict.HEALTHY:
         return evidence_problem(run)
+    if verdict == Verdict.CRASHED and not run.traces:  # whether the runner saw the ranks die is timing
+        return never_started(run)
     hang_declared = run.manifest is not None and run.manifest.hang is not None
     if verdict == Verdict.STUCK and run.recording_stopped and not hang_declared:
         return evidence_problem(run)

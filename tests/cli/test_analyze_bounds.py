@@ -322,3 +322,20 @@ def test_the_report_is_bounded(tmp_path):
     assert any(op.get("shapes_total") == [4096, len(op["out_shapes"])] for op in ops)
     small = json.loads(json_report.dumps(report, limit=1000))
     assert small["truncated"] is True and len(small["incomplete"]) <= json_report.CUT_TO
+
+
+def test_run_dir_of_a_job_that_never_started_is_bad_input_even_when_its_ranks_were_seen_dying(tmp_path, capsys):
+    """Whether the runner saw the rank processes before they died is timing (a loaded machine starts
+    them slower): with their exit codes in the manifest the verdict would be "crashed, no collective
+    divergence recorded"; with no trace and no rank where the recorder loaded it is the same job that
+    never started, and says so."""
+    (tmp_path / "traces").mkdir()
+    seen = {str(r): {"rank": r, "host": "h", "pid": 10 + r, "local_rank": r, "exit_code": 1, "source": "launcher"}
+            for r in (0, 1)}
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "status": "finished", "command": ["torchrun", "fails.py"], "world_size": 2, "ranks": seen,
+        "hang": None, "nodes": {"h:1": {"node": "h:1", "status": "finished", "launcher_exit": 1}}}))
+    with pytest.raises(SystemExit) as e:
+        main(["analyze", str(tmp_path)])
+    assert e.value.code == EXIT_BAD_INPUT
+    assert "the job never started" in capsys.readouterr().err
