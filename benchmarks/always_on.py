@@ -104,15 +104,19 @@ def pool(files: list[str]) -> int:
 
     runs = [json.loads(Path(f).read_text()) for f in files]
     every = lambda key: [x for run in runs for x in run[key]]  # noqa: E731
-    cpu_mid, cpu_lo, cpu_hi, pairs = paired(every("cpu_on"), every("cpu_off"))
-    step_mid, step_lo, step_hi, _ = paired(every("step_on"), every("step_off"))
-    per_step = runs[0]["collectives_per_step"]
-    print(f"pooled: {len(runs)} runs, {pairs} pairs")
-    print(
-        f"always-on: {per_step:.0f} collectives/step, training-thread CPU {cpu_mid:+.2f}% "
-        f"(CI {cpu_lo:+.2f}..{cpu_hi:+.2f}), step time {step_mid:+.2f}% (CI {step_lo:+.2f}..{step_hi:+.2f})"
-    )
+    cpu, step = paired(every("cpu_on"), every("cpu_off")), paired(every("step_on"), every("step_off"))
+    print(f"pooled: {len(runs)} runs, {cpu[3]} pairs")
+    print(always_on_line(runs[0]["collectives_per_step"], cpu, step))
     return 0
+
+
+def always_on_line(per_step: float, cpu: tuple, step: tuple) -> str:
+    """The script's last line, from ``paired``'s (median, low, high, pairs) of the training thread's
+    CPU time and of the step time."""
+    return (
+        f"always-on: {per_step:.0f} collectives/step, training-thread CPU {cpu[0]:+.2f}% "
+        f"(CI {cpu[1]:+.2f}..{cpu[2]:+.2f}), step time {step[0]:+.2f}% (CI {step[1]:+.2f}..{step[2]:+.2f})"
+    )
 
 
 def main() -> int:
@@ -274,11 +278,7 @@ def main() -> int:
                     }
                 )
             )
-        print(
-            f"always-on: {per_step:.0f} collectives/step, training-thread CPU {cpu_mid:+.2f}% "
-            f"(CI {cpu_lo:+.2f}..{cpu_hi:+.2f}), step time {step_mid:+.2f}% (CI {step_lo:+.2f}..{step_hi:+.2f})",
-            flush=True,
-        )
+        print(always_on_line(per_step, (cpu_mid, cpu_lo, cpu_hi), (step_mid, step_lo, step_hi)), flush=True)
     dist.destroy_process_group()
     return 0
 
