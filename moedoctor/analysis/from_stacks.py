@@ -32,14 +32,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moedoctor.analysis.declarations import admits
-from moedoctor.analysis.load import GpuSnapshot
-from moedoctor.analysis.mechanism import mechanism_from_stacks
+from moedoctor.analysis.patterns import admits
+from moedoctor.analysis.loading.run_data import GpuSnapshot
+from moedoctor.analysis.mechanisms.detection import mechanism_from_stacks
 from moedoctor.analysis.model import RankSummary, Report, Verdict
 from moedoctor.analysis import patterns
 from moedoctor.analysis.patterns import names
 from moedoctor.process_state import FROZEN_STATES
-from moedoctor.analysis.stack_reading import RankStack, read_rank_stack
+from moedoctor.analysis.evidence.stack_reading import RankStack, read_rank_stack
 from moedoctor.run_records import StackDump
 
 SOURCE_KIND = "stacks"

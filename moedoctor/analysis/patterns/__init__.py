@@ -17,11 +17,13 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moedoctor.analysis.culprits import Culprits
+from moedoctor.analysis.evidence.requirements import Requirement
+from moedoctor.analysis.mechanisms.culprits import Culprits
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism, MechanismFinding
 from moedoctor.analysis.model import Divergence, DivergenceKind, OpView, Suggestion, WaitEdge
-from moedoctor.analysis.source import Branch, decision_branch
-from moedoctor.analysis.steps import position
-from moedoctor.analysis.view import RunView
+from moedoctor.analysis.evidence.source import Branch, decision_branch
+from moedoctor.analysis.evidence.steps import position
+from moedoctor.analysis.evidence.view import RunView
 from moedoctor.events import CollectiveEvent
 from moedoctor.wording import rank_names
 
@@ -213,3 +215,75 @@ names = rank_names  # the patterns' word for a list of ranks
 
 def verb(ranks, singular: str, plural: str) -> str:
     return singular if len(list(ranks)) == 1 else plural
+
+
+# ---- the declarations: what a pattern refines, requires and reads ------------------------------
+
+#: Evidence the sources classifiers read.
+STACKS = frozenset({"stack", "stack_frame", "in_distributed"})
+PROCESS = frozenset({"process", "frozen", "frozen_ranks"})
+EXCEPTION = frozenset({"exception", "exception_line"})
+EXITS = frozenset({"exit_code", "died", "finished"})
+STEPS = frozenset({"discarded_steps", "discarded_in", "stepped", "nonfinite_loss"})
+#: The job's own source, read at the stacks' lines (``analysis.evidence.source``); declared, not
+#: recorded by the test's view proxy.
+SOURCE = frozenset({"source"})
+#: ``moedoctor run``'s account of the silences it judged busy (``RunView.busy_records``).
+BUSY = frozenset({"busy_records"})
+
+
+def ev(*kinds: str) -> frozenset[str]:
+    return frozenset(f"evidence:{k}" for k in kinds)
+
+
+#: The mechanisms of a code desync, and those of one collective differing at one position.
+DESYNC = frozenset(
+    {
+        Mechanism.EXTRA_COLLECTIVE,
+        Mechanism.SKIPPED_COLLECTIVE,
+        Mechanism.DIFFERENT_OP,
+        Mechanism.LOOP_TRIP_COUNT,
+        Mechanism.WAIT_CYCLE,
+    }
+)
+SAME_POSITION = frozenset({Mechanism.DIFFERENT_SHAPE, Mechanism.DIFFERENT_DTYPE, Mechanism.DIFFERENT_REDUCE_OP})
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """Level 2's contract, in the pattern's own module (``DECLARATION``): a pattern is named only when
+    the divergence's mechanism is one it ``refines`` and every evidence it ``requires`` is present;
+    otherwise the report names the mechanism and says per candidate pattern what was missing.
+    ``reads`` lists every source of domain evidence its classifier may read (recorder evidence
+    records ``evidence:<kind>``, the ranks' ``stacks``, ``process`` states, ``exception`` records,
+    ``exits``, the step-discard accessors); ``tests/unit/test_declarations.py`` checks it reads
+    nothing else."""
+
+    pattern: str
+    refines: frozenset[Mechanism]
+    requires: tuple[Requirement, ...]
+    reads: frozenset[str] | set[str]
+
+
+def declarations() -> dict[str, Declaration]:
+    """Every pattern's declaration, by pattern id."""
+    found = (importlib.import_module(f"{__name__}.{m}").DECLARATION for m in MODULES)
+    return {d.pattern: d for d in found}
+
+
+def missing(pattern: str, ctx, mech: MechanismFinding | None) -> list[str]:
+    """What keeps ``pattern`` from being named here: the mechanism it does not refine, or each piece
+    of required evidence that is absent (empty: admitted)."""
+    decl = declarations().get(pattern)
+    if decl is None:
+        return [f"{pattern} declares nothing"]
+    if mech is not None and mech.mechanism not in decl.refines:
+        return [f"a mechanism it refines (this one is {mech.mechanism.value})"]
+    return [r.name for r in decl.requires if not r.holds(ctx, mech)]
+
+
+def admits(pattern: str, mech: MechanismFinding) -> bool:
+    """Whether ``pattern`` refines ``mech`` (the part of its declaration that needs no traces: a job
+    known only by its stacks)."""
+    decl = declarations().get(pattern)
+    return decl is not None and mech.mechanism in decl.refines

@@ -5,7 +5,7 @@ rank issued what, at which sequence number of which group, from which call site,
 on the ranks' states (inside a collective or not, process running, stopped or dead). It reads no
 phase name, no module name, no job source and no recorder evidence record: it claims nothing the
 traces do not show, so it holds on code moedoctor has never seen. The patterns (level 2,
-``analysis.patterns`` with their declarations in ``analysis.declarations``) refine a mechanism
+``analysis.patterns``, each with its declaration) refine a mechanism
 with domain evidence; when none has the evidence it needs, the mechanism is the diagnosis.
 
 Exactly one mechanism per divergence (``mechanism_of``), chosen in this order: a cycle of waits
@@ -21,14 +21,14 @@ said). Nothing here imports torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
-from moedoctor.analysis.culprits import Culprits
-from moedoctor.analysis.source import same_loop
-from moedoctor.analysis.model import Divergence, DivergenceKind, Suggestion, WaitEdge
-from moedoctor.analysis.steps import (
+from moedoctor.analysis.mechanisms.culprits import Culprits
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism, MechanismFinding, RankState
+from moedoctor.analysis.mechanisms.wording import short_site
+from moedoctor.analysis.evidence.source import same_loop
+from moedoctor.analysis.model import Divergence, DivergenceKind, WaitEdge
+from moedoctor.analysis.evidence.steps import (
     CLOSING,
     LOOKBACK,
     RESTART,
@@ -42,176 +42,10 @@ from moedoctor.analysis.steps import (
     token,
     usual_pass,
 )
-from moedoctor.analysis.view import RunView
-from moedoctor.analysis.waitfor import chain_roots
+from moedoctor.analysis.evidence.view import RunView
+from moedoctor.analysis.mechanisms.waitfor import chain_roots
 from moedoctor.events import CollectiveEvent
 from moedoctor.wording import rank_names
-
-
-class Mechanism(str, Enum):
-    """What happened at a divergence, in terms of the traces' structure only (the flight recorder's
-    ``MatchState`` is the model: a closed set, one value per divergence)."""
-
-    EXTRA_COLLECTIVE = "extra-collective"
-    """Some ranks issued a collective the other members never issue at that point: its call site
-    appears nowhere in the others' streams of the group, or the others had ended normally, or it
-    repeats the collective every rank issued just before while the others went on as the shared
-    history (at least two earlier occurrences of what they issued) says, a repeat that history
-    never shows. ``ranks``: those that issued it."""
-
-    SKIPPED_COLLECTIVE = "skipped-collective"
-    """Some ranks left out one or more collectives that the others issue: aligned on the history
-    every rank shares up to where they part (op, call site, unit and shapes), the others issued what
-    that history always issued next, and the skipping ranks issued what it puts ``m >= 1`` places
-    further (their stream at k is the others' expected stream at k+m), without issuing the left-out
-    ones later (that is a reordering: ``DIFFERENT_OP``). ``ranks``: those that skipped. With two
-    sides, "A skipped" and "B issued an extra one" describe the same trace; the history's
-    continuation decides which side is the normal one."""
-
-    DIFFERENT_OP = "different-op"
-    """The ranks issued different collectives at the same position of the group (another op, or the
-    same op from another call site), each one a collective both sides issue elsewhere, and the
-    history does not show one side skipping or adding one (a reordering, collectives held back, or
-    a decision that took another path). Read before a loop exit or a skip where some ranks' backward
-    pass ended with fewer of its reductions and they issued a collective after it while the others,
-    in the same pass, issue the next reduction (``_held_back_pass``: held back past it)."""
-
-    DIFFERENT_SHAPE = "different-shape"
-    """The same collective (op and call site) at the same position, with tensors of different
-    sizes. The same op from two call sites with different sizes is two collectives: ``DIFFERENT_OP``
-    (or a skip or an extra one where the history shows it)."""
-
-    DIFFERENT_DTYPE = "different-dtype"
-    """Same op and sizes at the same position, with different dtypes."""
-
-    DIFFERENT_REDUCE_OP = "different-reduce-op"
-    """Same op, sizes and dtypes at the same position, with a different reduce op."""
-
-    DIFFERENT_SPLITS = "different-splits"
-    """Same op at the same position, but what one rank sends another does not expect (the split
-    sizes of an all_to_all, the per-rank sizes of a gather or scatter)."""
-
-    LOOP_TRIP_COUNT = "loop-trip-count"
-    """A loop ran a different number of times on different ranks: a run (at least two in a row on
-    every rank) of collectives from one call site that some ranks left after fewer iterations, or
-    the step's repeated part (a pass with a backward) that some ranks began again while the others
-    closed the step (or stepped: ``_stepped``), the ranks being in different passes
-    (``steps.another_pass``)."""
-
-    WAIT_CYCLE = "wait-cycle"
-    """A cycle of waits across groups: each rank of the cycle waits in one group for a rank that
-    waits in another group; every group's own sequence may agree."""
-
-    UNMATCHED_P2P = "unmatched-p2p"
-    """A send or recv whose peer never posted the matching op (or posted one of another size)."""
-
-    RANK_OUTSIDE = "rank-outside-collective"
-    """The ranks the others wait for are outside any collective of the group: working, stopped,
-    dead or crashed (``RankState``), or in a state nothing recorded."""
-
-    TRANSPORT_HANG = "transport-hang"
-    """Every member is inside the same collective (same op, shapes, call site) and none completed it:
-    nothing in the sequence differs."""
-
-
-class RankState(str, Enum):
-    """Where a waited-for rank is, for ``Mechanism.RANK_OUTSIDE``."""
-
-    WORKING = "working"  # its stack shows it running outside torch.distributed
-    STOPPED = "stopped"  # its process does not run (state T, t or D)
-    DEAD = "dead"  # its process exited or was killed
-    CRASHED = "crashed"  # it raised an exception nothing caught
-    UNKNOWN = "unknown"  # no stack, no process state, no exit status
-
-
-@dataclass(frozen=True)
-class MechanismFinding:
-    """One mechanism with where it happened: ``ranks`` are the ranks it is about (those that issued
-    the extra collective, skipped one, ran the loop fewer times, the waited-for ones; empty where the
-    structure singles out none), ``others`` the rest of the members; ``sites`` each side's call site."""
-
-    mechanism: Mechanism
-    group: str
-    seq: int
-    ranks: tuple[int, ...]
-    others: tuple[int, ...]
-    sites: dict[int, str] = field(default_factory=dict)  # rank -> file:line at the divergence
-    functions: dict[int, str] = field(default_factory=dict)
-    step: int | None = None
-    phase: str | None = None
-    detail: str = ""
-    state: RankState | None = None  # RANK_OUTSIDE
-    counts: dict[int, int] | None = None  # LOOP_TRIP_COUNT of one call site: iterations per rank
-    loop_site: str | None = None
-
-    def sentence(self) -> str:
-        """``loop-trip-count at #7 of group 0 (step 2, backward): <detail>``."""
-        where = ", ".join(x for x in (f"step {self.step}" if self.step is not None else "", self.phase or "") if x)
-        return (
-            f"{self.mechanism.value} at #{self.seq} of group {self.group}"
-            + (f" ({where})" if where else "")
-            + (f": {self.detail}" if self.detail else "")
-        )
-
-    def suggestion(self) -> Suggestion:
-        """What to change, written at the call site from the mechanism alone."""
-        site = self.loop_site or next((self.sites[r] for r in self.ranks if r in self.sites), None)
-        site = site or next(iter(self.sites.values()), None)
-        fn = next((self.functions[r] for r in self.ranks if r in self.functions), None)
-        short = site.rsplit("/", 1)[-1] if site else "the call site"
-        m, mine, theirs = self.mechanism, rank_names(self.ranks), rank_names(self.others)
-        if m == Mechanism.LOOP_TRIP_COUNT and self.counts:
-            ran = ", ".join(f"rank {r} ran {n}" for r, n in sorted(self.counts.items()))
-            text = f"make the loop's trip count agree across ranks: {ran} iterations of {short}"
-        elif m == Mechanism.LOOP_TRIP_COUNT:
-            text = (
-                f"make the number of passes over the step's repeated part agree across ranks: {mine} closed the step "
-                f"while {theirs} began another pass ({short})"
-            )
-        elif m == Mechanism.EXTRA_COLLECTIVE:
-            text = f"issue the collective at {short} on every rank of the group, or on none: only {mine} issued it"
-        elif m == Mechanism.SKIPPED_COLLECTIVE:
-            text = (
-                f"make {mine} issue the collective the others issue at {short}, or take the decision to skip it "
-                "collectively"
-            )
-        elif m in (Mechanism.DIFFERENT_SHAPE, Mechanism.DIFFERENT_DTYPE, Mechanism.DIFFERENT_REDUCE_OP):
-            what = {Mechanism.DIFFERENT_SHAPE: "sizes", Mechanism.DIFFERENT_DTYPE: "dtypes"}.get(m, "reduce op")
-            text = f"make the {what} of the collective at {short} agree across ranks"
-        elif m == Mechanism.DIFFERENT_SPLITS:
-            text = f"derive the receive sizes at {short} from what the peers send (exchange the counts first)"
-        elif m == Mechanism.DIFFERENT_OP:
-            text = f"make every rank issue the group's collectives in the same order at {short}"
-        elif m == Mechanism.WAIT_CYCLE:
-            text = f"issue the collectives of these groups in one fixed order on every rank (at {short})"
-        elif m == Mechanism.UNMATCHED_P2P:
-            text = f"pair every send at {short} with a recv of the same size on its peer"
-        elif m == Mechanism.RANK_OUTSIDE:
-            state = self.state.value if self.state else "state unknown"
-            text = f"find why {mine} never reached the collective the others wait in at {short} ({state})"
-        else:
-            text = f"every rank is inside the collective at {short}: check the transport (network, GPU, NCCL settings)"
-        return Suggestion(site, fn, text)
-
-    def to_dict(self) -> dict:
-        return {
-            "mechanism": self.mechanism.value,
-            "group": self.group,
-            "seq": self.seq,
-            "ranks": list(self.ranks),
-            "others": list(self.others),
-            "call_sites": {str(r): s for r, s in sorted(self.sites.items())},
-            "step": self.step,
-            "phase": self.phase,
-            "state": self.state.value if self.state else None,
-            "loop_counts": {str(r): n for r, n in sorted(self.counts.items())} if self.counts else None,
-            "loop_site": self.loop_site,
-            "detail": self.detail,
-        }
-
-
-def _short(site: str | None) -> str:
-    return site.rsplit("/", 1)[-1] if site else "?"
 
 
 def rank_state(view: RunView, rank: int) -> RankState:
@@ -272,7 +106,7 @@ def mechanism_of(
             Mechanism.TRANSPORT_HANG,
             (),
             f"every member of group {div.group.label()} is inside {first.op if first else 'the same collective'} "
-            f"#{div.seq} ({_short(first.call_site if first else None)}) and none completed it",
+            f"#{div.seq} ({short_site(first.call_site if first else None)}) and none completed it",
         )
     if div.kind == DivergenceKind.P2P:
         a, b = div.peers or (None, None)
@@ -281,7 +115,7 @@ def mechanism_of(
             Mechanism.UNMATCHED_P2P,
             lone,
             f"p2p #{div.seq} between ranks {a} and {b}: "
-            + ("; ".join(f"rank {r} posted {v.op} ({_short(v.call_site)})" for r, v in present.items()) or "no op"),
+            + ("; ".join(f"rank {r} posted {v.op} ({short_site(v.call_site)})" for r, v in present.items()) or "no op"),
         )
     if div.kind == DivergenceKind.CONTRACT:
         return made(Mechanism.DIFFERENT_SPLITS, culprits.ranks, "; ".join(div.breaches[:2]))
@@ -453,7 +287,7 @@ def _pass_restarted(view: RunView, group: str, seq: int, exit_: LoopExit) -> tup
         at = cur[n].seq if at is None else min(at, cur[n].seq)
     if at is None:
         return None
-    return at, n, f"{after[0]} ({_short(after[1])})"
+    return at, n, f"{after[0]} ({short_site(after[1])})"
 
 
 def _alternating(view: RunView, group: str, seq: int, exit_: LoopExit) -> bool:
@@ -526,7 +360,7 @@ def _same_op(div: Divergence, present: dict, culprits: Culprits, made) -> Mechan
         if cls and cls[0] in present
     )
     return made(
-        mech, culprits.ranks, f"every rank issued {v.op} from {_short(v.call_site)} with different {what} ({per})"
+        mech, culprits.ranks, f"every rank issued {v.op} from {short_site(v.call_site)} with different {what} ({per})"
     )
 
 
@@ -947,14 +781,14 @@ def _what(events: dict, ranks) -> str:
     e = next((events[r] for r in ranks if events.get(r) is not None), None)
     if e is None:
         return "nothing"
-    return f"{e.op} from {_short(e.call_site.where if e.call_site else None)}"
+    return f"{e.op} from {short_site(e.call_site.where if e.call_site else None)}"
 
 
 def _missing(view: RunView, div: Divergence, present: dict, edges: list[WaitEdge], made) -> MechanismFinding:
     missing = tuple(div.missing) or tuple(r for r, v in div.per_rank.items() if v is None)
     waiting = sorted(present)
     v = next(iter(present.values()), None)
-    op = f"{v.op} #{div.seq} ({_short(v.call_site)})" if v else f"#{div.seq}"
+    op = f"{v.op} #{div.seq} ({short_site(v.call_site)})" if v else f"#{div.seq}"
     roots = chain_roots(edges, missing) or list(missing)
     states = {r: rank_state(view, r) for r in roots}
     bad = [r for r, s in states.items() if s in (RankState.STOPPED, RankState.CRASHED)] or [
