@@ -38,7 +38,8 @@ from moedoctor.analysis.model import (
     Verdict,
     WaitEdge,
 )
-from moedoctor.analysis.patterns import THRESHOLD, TIE, Context, Finding, Pattern, by_id, classify_all, names
+from moedoctor.analysis.patterns import THRESHOLD, TIE, by_id, classify_all
+from moedoctor.analysis.patterns.base import Context, Finding, Pattern, names
 from moedoctor.analysis.patterns.not_a_desync import not_established
 from moedoctor.analysis.patterns.rank_stopped import stopped_line, waits_in
 from moedoctor.analysis.evidence.view import RunView

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from moedoctor.analysis.from_stacks import classify_stacks
 from moedoctor.analysis.model import Report
-from moedoctor.analysis.patterns import names
+from moedoctor.analysis.patterns.base import names
 from moedoctor.analysis.evidence.source import Enclosing, enclosing, loops_around
 from moedoctor.run_records import Frame, StackDump, is_library_frame
 

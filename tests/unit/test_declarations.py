@@ -16,13 +16,15 @@ from event_factory import ranks, run_of
 
 from moedoctor.analysis import analyze, load_run
 from moedoctor.analysis.mechanisms.culprits import find_culprits
-from moedoctor.analysis.patterns import BUSY, EXCEPTION, EXITS, PROCESS, STACKS, STEPS, declarations, missing
+from moedoctor.analysis.patterns import declarations, missing
+from moedoctor.analysis.patterns.base import BUSY, EXCEPTION, EXITS, PROCESS, STACKS, STEPS
 from moedoctor.analysis.diagnosis import _hang, _primary
 from moedoctor.analysis.matching import all_divergences
 from moedoctor.analysis.mechanisms.wording import suggestion
 from moedoctor.analysis.mechanisms.vocabulary import Mechanism
 from moedoctor.analysis.mechanisms.detection import mechanism_of
-from moedoctor.analysis.patterns import Context, registry
+from moedoctor.analysis.patterns import registry
+from moedoctor.analysis.patterns.base import Context
 from moedoctor.analysis.evidence.view import RunView
 from moedoctor.analysis.mechanisms.waitfor import find_cycle, wait_edges
 from moedoctor.events import Phase

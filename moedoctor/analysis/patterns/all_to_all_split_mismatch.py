@@ -36,7 +36,7 @@ from moedoctor.analysis.contracts import breaches
 from moedoctor.analysis.evidence.requirements import VARIABLE_SIZE_OP
 from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import DivergenceKind, Suggestion
-from moedoctor.analysis.patterns import Context, Declaration, Finding, Pattern, names
+from moedoctor.analysis.patterns.base import Context, Declaration, Finding, Pattern, names
 
 
 def classify(ctx: Context) -> Finding | None:

@@ -54,7 +54,16 @@ from moedoctor.analysis.evidence.requirements import Requirement
 from moedoctor.analysis.evidence.view import user_frame
 from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import DESYNC, EXCEPTION, SAME_POSITION, Context, Declaration, Finding, Pattern, names
+from moedoctor.analysis.patterns.base import (
+    DESYNC,
+    EXCEPTION,
+    SAME_POSITION,
+    Context,
+    Declaration,
+    Finding,
+    Pattern,
+    names,
+)
 from moedoctor.events import Phase, RankException
 from moedoctor.wording import phase_label
 

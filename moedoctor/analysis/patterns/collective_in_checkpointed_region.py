@@ -43,7 +43,7 @@ from __future__ import annotations
 from moedoctor.analysis.evidence.requirements import Requirement
 from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import DivergenceKind, Suggestion
-from moedoctor.analysis.patterns import DESYNC, SAME_POSITION, Context, Declaration, Finding, Pattern, names, verb
+from moedoctor.analysis.patterns.base import DESYNC, SAME_POSITION, Context, Declaration, Finding, Pattern, names, verb
 from moedoctor.events import CollectiveEvent, Phase
 from moedoctor.wording import phase_label
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 from moedoctor.analysis.evidence.source import Branch, decision_branch, frames, on_the_way, rank_guard
 from moedoctor.analysis.evidence.steps import cycle_loop_exit
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import DESYNC, SOURCE, Context, Declaration, Finding, Pattern, names
+from moedoctor.analysis.patterns.base import DESYNC, SOURCE, Context, Declaration, Finding, Pattern, names
 
 
 def classify(ctx: Context) -> Finding | None:

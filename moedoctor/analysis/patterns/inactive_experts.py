@@ -60,7 +60,7 @@ from moedoctor.analysis.evidence.steps import loop_exit
 from moedoctor.analysis.mechanisms.detection import left_out
 from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import DESYNC, SAME_POSITION, Context, Declaration, Finding, Pattern, ev, names
+from moedoctor.analysis.patterns.base import DESYNC, SAME_POSITION, Context, Declaration, Finding, Pattern, ev, names
 from moedoctor.events import Phase
 
 

@@ -41,7 +41,7 @@ from moedoctor.analysis.evidence.requirements import Requirement
 from moedoctor.analysis.evidence.source import calls_in, rank_guard, shared_loop
 from moedoctor.analysis.evidence.steps import deferred_sync
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import (
+from moedoctor.analysis.patterns.base import (
     DESYNC,
     SAME_POSITION,
     SOURCE,

@@ -42,7 +42,7 @@ from moedoctor.analysis.evidence.source import calls_in, same_loop, shared_loop
 from moedoctor.analysis.evidence.steps import CLOSING, RESTART, another_pass, deferred_sync, usual_pass
 from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import (
+from moedoctor.analysis.patterns.base import (
     DESYNC,
     SAME_POSITION,
     SOURCE,

@@ -32,7 +32,7 @@ from moedoctor.analysis.evidence.stack_reading import RankStack, read_rank_stack
 from moedoctor.analysis.loading.run_data import SourceKind
 from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Divergence, DivergenceKind, Suggestion
-from moedoctor.analysis.patterns import Context, Declaration, Finding, Pattern, names, verb
+from moedoctor.analysis.patterns.base import Context, Declaration, Finding, Pattern, names, verb
 
 
 #: Both conditions established.

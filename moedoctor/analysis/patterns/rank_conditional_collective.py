@@ -39,7 +39,16 @@ from __future__ import annotations
 from moedoctor.analysis.evidence.source import rank_guard
 from moedoctor.analysis.evidence.steps import loop_exit, omission, shape_token
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import DESYNC, SAME_POSITION, SOURCE, Context, Declaration, Finding, Pattern, names
+from moedoctor.analysis.patterns.base import (
+    DESYNC,
+    SAME_POSITION,
+    SOURCE,
+    Context,
+    Declaration,
+    Finding,
+    Pattern,
+    names,
+)
 
 
 def _site(e) -> str | None:

@@ -31,7 +31,7 @@ from moedoctor.analysis.evidence.requirements import Requirement
 from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.mechanisms.waitfor import chain_roots
 from moedoctor.analysis.model import DivergenceKind, Suggestion
-from moedoctor.analysis.patterns import Context, Declaration, Finding, Pattern, StackContext, StackFinding, names
+from moedoctor.analysis.patterns.base import Context, Declaration, Finding, Pattern, StackContext, StackFinding, names
 from moedoctor.process_state import ProcessState
 
 

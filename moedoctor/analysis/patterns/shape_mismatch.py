@@ -31,7 +31,7 @@ from moedoctor.analysis.evidence.requirements import Requirement, checkpoint_io,
 from moedoctor.analysis.evidence.steps import omission
 from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import SAME_POSITION, Context, Declaration, Finding, Pattern, ev
+from moedoctor.analysis.patterns.base import SAME_POSITION, Context, Declaration, Finding, Pattern, ev
 
 
 def classify(ctx: Context) -> Finding | None:

@@ -47,7 +47,7 @@ from moedoctor.analysis.evidence.source import checks_finiteness, finite_side
 from moedoctor.analysis.evidence.steps import CLOSING, RESTART
 from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import (
+from moedoctor.analysis.patterns.base import (
     DESYNC,
     SAME_POSITION,
     SOURCE,

@@ -35,7 +35,7 @@ from moedoctor.analysis.evidence.requirements import Requirement
 from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.mechanisms.vocabulary import RankState
 from moedoctor.analysis.model import DivergenceKind, Suggestion
-from moedoctor.analysis.patterns import (
+from moedoctor.analysis.patterns.base import (
     BUSY,
     EXCEPTION,
     EXITS,

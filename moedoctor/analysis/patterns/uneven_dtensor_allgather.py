@@ -37,7 +37,17 @@ from moedoctor.analysis.evidence.source import collection_decision
 from moedoctor.analysis.evidence.steps import cycle_loop_exit, loop_exit
 from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import DESYNC, SAME_POSITION, SOURCE, Context, Declaration, Finding, Pattern, ev, names
+from moedoctor.analysis.patterns.base import (
+    DESYNC,
+    SAME_POSITION,
+    SOURCE,
+    Context,
+    Declaration,
+    Finding,
+    Pattern,
+    ev,
+    names,
+)
 from moedoctor.events import Phase
 
 

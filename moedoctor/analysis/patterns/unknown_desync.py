@@ -20,7 +20,7 @@ from moedoctor.analysis.evidence.source import rank_guard
 from moedoctor.analysis.evidence.steps import CLOSING, RESTART, loop_exit, omission
 from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import (
+from moedoctor.analysis.patterns.base import (
     SOURCE,
     Context,
     Declaration,
