@@ -190,7 +190,7 @@ def test_a_history_whose_continuation_varies_does_not_say_who_skipped():
         r.coll("all_reduce", (1,), line=40)
     a.coll("all_gather", (8,), line=30, done=False)
     b.coll("broadcast", (4,), line=50, done=False)
-    from moedoctor.analysis.mechanisms.detection import expected_next
+    from moedoctor.analysis.mechanisms.alignment import expected_next
     from moedoctor.analysis.evidence.steps import shape_token
 
     history = [shape_token(e) for e in a.events[:-1]]

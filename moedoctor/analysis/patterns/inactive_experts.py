@@ -35,7 +35,7 @@ others wait in a backward gradient reduction that the culprits never issued, and
 in the next forward; the finding ``explains_crash``, so the crash is named with this pattern.
 
 A fourth path, in forward (one FSDP unit per expert, the block looping over the experts that got
-tokens): aligned on the history every rank shares (``mechanisms.detection.left_out``), some ranks skipped
+tokens): aligned on the history every rank shares (``mechanisms.alignment.left_out``), some ranks skipped
 collectives that are all of units that are indexed module-list members, where the others, as in
 every earlier step, gather them (culprits: the skipping ranks).
 
@@ -57,7 +57,7 @@ from math import prod
 
 from moedoctor.analysis.evidence.requirements import Requirement
 from moedoctor.analysis.evidence.steps import loop_exit
-from moedoctor.analysis.mechanisms.detection import left_out
+from moedoctor.analysis.mechanisms.alignment import left_out
 from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns.base import DESYNC, SAME_POSITION, Context, Declaration, Finding, Pattern, ev, names
@@ -224,7 +224,7 @@ def classify(ctx: Context) -> Finding | None:
 
 def member_units_left_out(ctx: Context) -> dict[int, list[str]]:
     """Rank -> the FSDP units it left out, when aligning the ranks' streams on their shared history
-    (``mechanisms.detection.left_out``) shows some ranks skipping collectives that are all of sharded units that
+    (``mechanisms.alignment.left_out``) shows some ranks skipping collectives that are all of sharded units that
     are indexed members of a module list (``moe.experts.0``): the members they did not run."""
     if ctx.div is None:
         return {}
