@@ -115,8 +115,9 @@ def _analysis_graph() -> dict[str, set[str]]:
                 found |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
-                if node.level:
-                    base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *filter(None, [base])])
+                if node.level:  # relative: ``from . import x`` in package ``a.b`` is ``a.b.x``
+                    parts = package.split(".")
+                    base = ".".join([*parts[: len(parts) - node.level + 1], *filter(None, [base])])
                 found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
         graph[name] = {m for m in found if m in modules and m != name}
     return graph
