@@ -5,7 +5,7 @@ says the true pattern, ranks, culprits, call site and fix) and every healthy job
 ``fixtures/healthy_*`` and ``fixtures/variants/healthy/healthy_*`` under ``moedoctor run``
 (``--backend`` passed to the jobs), reads each ``report.json``, then runs the ``moedoctor verify``
 command the report printed where the variant has a fix. Prints a confusion matrix (true pattern x
-reported pattern), the mechanism (level 1, ``moedoctor.analysis.mechanism``: right when it is one of
+reported pattern), the mechanism (level 1, ``moedoctor.analysis.mechanisms``: right when it is one of
 those ``MECHANISMS`` lists for the true pattern, or the yaml's ``mechanism``), culprit accuracy, the
 confident wrong calls (a named pattern that is not the true one; ``unknown-desync`` and "no pattern"
 are not confident), the verify results, the false alarms on the healthy jobs, then the same for

@@ -41,7 +41,7 @@ def kind_of(event) -> str:
 
 
 def report(traces, title: str) -> None:
-    from moedoctor.analysis.completion import completion_stats, source_of
+    from moedoctor.analysis.loading.completion import completion_stats, source_of
 
     stats = completion_stats(traces)
     frac = stats.fraction()
@@ -61,7 +61,7 @@ def report(traces, title: str) -> None:
 
 
 def read_traces(run_dir: Path, ranks=None):
-    from moedoctor.analysis.load import read_rank_trace
+    from moedoctor.analysis.loading.load import read_rank_trace
     from moedoctor.trace.reader import trace_paths
 
     notes: list[str] = []

@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 from moedoctor.analysis.from_stacks import report_from_stacks
-from moedoctor.analysis.load import load_run
+from moedoctor.analysis.loading.load import load_run
 from moedoctor.errors import MoedoctorError
 from moedoctor.triage.loop_exit import name_culprit
 

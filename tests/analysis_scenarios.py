@@ -10,7 +10,7 @@ from event_factory import (
     TraceBuilder, in_collective, manifest, ranks, run_of, stack,
 )
 
-from moedoctor.analysis.load import GpuSnapshot
+from moedoctor.analysis.loading.run_data import GpuSnapshot
 from moedoctor.events import Coverage, Group, Phase
 
 F, B, O, S, CK = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.OTHER, Phase.CHECKPOINT_SAVE

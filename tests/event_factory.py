@@ -14,7 +14,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from moedoctor.analysis.load import GpuSnapshot, ManifestInfo, RunData, last_sequences
+from moedoctor.analysis.loading.run_data import GpuSnapshot, ManifestInfo, RunData
+from moedoctor.analysis.loading.load import last_sequences
 from moedoctor.events import (
     CallSite, CheckpointedFunction, CollectiveEvent, Coverage, Evidence, Group, Phase, RankException, TraceHeader,
     TracebackFrame,

@@ -8,7 +8,8 @@ page, JSON, HTML or a Perfetto trace. Nothing here imports torch, prints, or exi
 """
 
 from moedoctor.analysis.diagnosis import analyze
-from moedoctor.analysis.load import RunData, load_run, load_runs
+from moedoctor.analysis.loading.run_data import RunData
+from moedoctor.analysis.loading.load import load_run, load_runs
 from moedoctor.analysis.model import Report, Verdict
 
 __all__ = ["RunData", "Report", "Verdict", "analyze", "load_run", "load_runs"]

@@ -17,13 +17,15 @@ from dataclasses import replace
 from collections.abc import Sequence
 import signal
 
-from moedoctor.analysis.completion import completion_stats
-from moedoctor.analysis.culprits import Culprits, find_culprits
-from moedoctor.analysis.declarations import missing as missing_evidence
+from moedoctor.analysis.loading.completion import completion_stats
+from moedoctor.analysis.mechanisms.culprits import Culprits, find_culprits
+from moedoctor.analysis.patterns import missing as missing_evidence
 from moedoctor.analysis.from_stacks import report_from_stacks
-from moedoctor.analysis.load import RunData, SourceKind
+from moedoctor.analysis.loading.run_data import RunData, SourceKind
 from moedoctor.analysis.matching import all_divergences, stalled
-from moedoctor.analysis.mechanism import MechanismFinding, mechanism_of
+from moedoctor.analysis.mechanisms.vocabulary import MechanismFinding
+from moedoctor.analysis.mechanisms.detection import mechanism_of
+from moedoctor.analysis.mechanisms.wording import suggestion as mechanism_suggestion
 from moedoctor.analysis.model import (
     AlignedRow,
     Candidate,
@@ -36,12 +38,13 @@ from moedoctor.analysis.model import (
     Verdict,
     WaitEdge,
 )
-from moedoctor.analysis.patterns import THRESHOLD, TIE, Context, Finding, Pattern, by_id, classify_all, names
+from moedoctor.analysis.patterns import THRESHOLD, TIE, by_id, classify_all
+from moedoctor.analysis.patterns.base import Context, Finding, Pattern, names
 from moedoctor.analysis.patterns.not_a_desync import not_established
 from moedoctor.analysis.patterns.rank_stopped import stopped_line, waits_in
-from moedoctor.analysis.view import RunView
-from moedoctor.analysis.timing import slow_report, storm_fix_config
-from moedoctor.analysis.waitfor import chain_roots, find_cycle, roots, wait_edges
+from moedoctor.analysis.evidence.view import RunView
+from moedoctor.analysis.evidence.timing import slow_report, storm_fix_config
+from moedoctor.analysis.mechanisms.waitfor import chain_roots, find_cycle, roots, wait_edges
 from moedoctor.process_state import FROZEN_STATES
 
 #: Rows shown before and after the divergence in the side-by-side table.
@@ -150,8 +153,10 @@ def analyze(run: RunData) -> Report:
     summary = _summary(view, verdict, pattern, primary, culprit_ranks, cycle, died, finding, candidates)
     if mechanism is not None and (pattern is None or pattern.id == "unknown-desync"):
         # No pattern has the evidence it needs: the mechanism is the diagnosis, and its own fix.
-        suggestion = _suggestion(by_id("unknown-desync"), Finding(0.0, (), suggestion=mechanism.suggestion()), None, [])
-        summary = f"{summary} Mechanism: {mechanism.mechanism.value} ({mechanism.suggestion().text})."
+        suggestion = _suggestion(
+            by_id("unknown-desync"), Finding(0.0, (), suggestion=mechanism_suggestion(mechanism)), None, []
+        )
+        summary = f"{summary} Mechanism: {mechanism.mechanism.value} ({mechanism_suggestion(mechanism).text})."
     report = Report(
         source=str(run.path),
         source_kind=run.kind,
@@ -308,7 +313,7 @@ def _admitted(
     mechanism: MechanismFinding | None,
     not_named: dict[str, list[str]],
 ) -> list[tuple[Pattern, Finding]]:
-    """The findings whose pattern's declaration admits them (``analysis.declarations``): the mechanism
+    """The findings whose pattern's declaration admits them (each pattern module's ``DECLARATION``): the mechanism
     is one it refines and its required evidence is present. The others are recorded in ``not_named``
     with what they lacked."""
     if mechanism is None:

@@ -32,14 +32,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moedoctor.analysis.declarations import admits
-from moedoctor.analysis.load import GpuSnapshot
-from moedoctor.analysis.mechanism import mechanism_from_stacks
+from moedoctor.analysis.patterns import admits
+from moedoctor.analysis.loading.run_data import GpuSnapshot
+from moedoctor.analysis.mechanisms.detection import mechanism_from_stacks
 from moedoctor.analysis.model import RankSummary, Report, Verdict
 from moedoctor.analysis import patterns
-from moedoctor.analysis.patterns import names
+from moedoctor.analysis.patterns.base import StackContext, names
 from moedoctor.process_state import FROZEN_STATES
-from moedoctor.analysis.stack_reading import RankStack, read_rank_stack
+from moedoctor.analysis.evidence.stack_reading import RankStack, read_rank_stack
 from moedoctor.run_records import StackDump
 
 SOURCE_KIND = "stacks"
@@ -113,7 +113,7 @@ def report_from_stacks(
     found = (
         None
         if not classes and not frozen
-        else patterns.from_stacks(patterns.StackContext(stacks, inside, outside, frozen, letters))
+        else patterns.from_stacks(StackContext(stacks, inside, outside, frozen, letters))
     )
     if found is not None and mechanism is not None and not admits(found[0].id, mechanism):
         found = None  # the pattern does not refine what the stacks show: the mechanism is the diagnosis

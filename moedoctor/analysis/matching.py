@@ -11,7 +11,7 @@ from collections import defaultdict
 
 from moedoctor.analysis.contracts import breaches, contract_classes
 from moedoctor.analysis.model import Divergence, DivergenceKind, OpView
-from moedoctor.analysis.view import RunView
+from moedoctor.analysis.evidence.view import RunView
 from moedoctor.events import CollectiveEvent
 
 

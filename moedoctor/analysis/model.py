@@ -8,15 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
-
-from moedoctor.analysis.timing import SlowReport
+from moedoctor.analysis.evidence.timing import SlowReport
+from moedoctor.analysis.mechanisms.vocabulary import MechanismFinding
 from moedoctor.events import CollectiveEvent
 from moedoctor.run_records import BusyRecord
 from moedoctor.wording import phase_label
-
-if TYPE_CHECKING:
-    from moedoctor.analysis.mechanism import MechanismFinding
 
 #: Bumped when a field of the JSON report changes meaning or type, or is removed.
 SCHEMA_VERSION = 1
@@ -230,23 +226,23 @@ class Report:
     traced_ranks: list[int]
     collectives: int
     schema_version: int = SCHEMA_VERSION
-    #: Completion observed for how many collectives, by source (``moedoctor.analysis.completion``).
+    #: Completion observed for how many collectives, by source (``moedoctor.analysis.loading.completion``).
     completion: dict | None = None
     #: Why no verify command is offered although a fix is named (the fix cannot reach this code).
     fix_note: str | None = None
     #: The fix's settings derived from this job's code (``{fix name: section}``); ``moedoctor verify
     #: --run`` uses them when no --config is given.
     fix_config: dict | None = None
-    #: Storms of small collectives (slow, not stuck: ``moedoctor.analysis.timing``); None when none.
+    #: Storms of small collectives (slow, not stuck: ``moedoctor.analysis.evidence.timing``); None when none.
     slow: SlowReport | None = None
     #: Silences of the collectives that ``moedoctor run`` judged busy (or could not prove a hang),
     #: from the manifest (``moedoctor.rank_states``): the job was not stopped for them.
     busy: list[BusyRecord] = field(default_factory=list)
-    #: Level 1: what the traces show happened at the divergence (``analysis.mechanism``); None
+    #: Level 1: what the traces show happened at the divergence (``analysis.mechanisms``); None
     #: where there is no divergence.
     mechanism: MechanismFinding | None = None
     #: Level 2's gate: per candidate pattern that was not named, what it lacked (its declaration in
-    #: ``analysis.declarations``: a mechanism it does not refine, or evidence it requires).
+    #: ``analysis.patterns``: each pattern's ``DECLARATION``: a mechanism it does not refine, or evidence it requires).
     not_named: dict[str, list[str]] = field(default_factory=dict)
 
     @property

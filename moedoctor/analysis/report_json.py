@@ -13,7 +13,7 @@ from pathlib import Path
 import moedoctor
 from moedoctor._files import write_atomically
 from moedoctor.analysis.model import Divergence, OpView, Report, WaitEdge
-from moedoctor.analysis.timing import SlowReport
+from moedoctor.analysis.evidence.timing import SlowReport
 
 #: Tensors per op shown in the report (a record may hold 4096): the rest are counted in ``shapes_total``.
 MAX_SHAPES = 32
@@ -84,7 +84,7 @@ def report_to_dict(report: Report) -> dict:
 
 
 def slow_to_dict(slow: SlowReport | None) -> dict | None:
-    """The "Slow, not stuck" section (``moedoctor.analysis.timing``); None when no storm was found."""
+    """The "Slow, not stuck" section (``moedoctor.analysis.evidence.timing``); None when no storm was found."""
     if slow is None:
         return None
     return {

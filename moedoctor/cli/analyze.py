@@ -13,7 +13,7 @@ from moedoctor.cli._command import Command
 from moedoctor.cli.params import render_params_check, run_params_check
 from moedoctor.analysis import analyze as analyze_run
 from moedoctor.analysis import load_runs
-from moedoctor.analysis.load import verdict_problem
+from moedoctor.analysis.loading.load import verdict_problem
 from moedoctor.analysis.model import Verdict
 from moedoctor.analysis.params import has_params
 from moedoctor.errors import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_OK, MoedoctorError, reading

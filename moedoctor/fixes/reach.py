@@ -20,9 +20,9 @@ import dataclasses
 import os
 from collections.abc import Iterable
 
-from moedoctor.analysis.load import RunData
+from moedoctor.analysis.loading.run_data import RunData
 from moedoctor.analysis.model import Report
-from moedoctor.analysis.source import assigns_attribute, defined_classes, frames, overrides_method
+from moedoctor.analysis.evidence.source import assigns_attribute, defined_classes, frames, overrides_method
 from moedoctor.fixes import FIXES
 
 

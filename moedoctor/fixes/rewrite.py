@@ -2,7 +2,7 @@
 
 Some fixes cannot patch a function: the rank-local decision is an ``if`` inline in the training
 loop (``if not math.isfinite(loss.item()): continue``). The analysis names that ``if``
-(``moedoctor.analysis.source.decision_branch``) and the report carries it in the fix's settings::
+(``moedoctor.analysis.evidence.source.decision_branch``) and the report carries it in the fix's settings::
 
     skip-step-collectively:
       branch: {file: /abs/train.py, line: 86, agree: any}

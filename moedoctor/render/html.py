@@ -16,9 +16,9 @@ from html import escape
 from pathlib import Path
 from urllib.parse import quote
 
-from moedoctor.analysis.load import RunData
+from moedoctor.analysis.loading.run_data import RunData
 from moedoctor.analysis.model import Divergence, DivergenceKind, OpView, Report, Verdict, WaitEdge
-from moedoctor.analysis.timing import megabytes
+from moedoctor.analysis.evidence.timing import megabytes
 from moedoctor.run_records import Frame, is_library_frame
 from moedoctor.wording import phase_label, rank_names
 

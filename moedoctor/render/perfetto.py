@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moedoctor.analysis.load import RunData
+from moedoctor.analysis.loading.run_data import RunData
 from moedoctor.analysis.model import Report
 from moedoctor.events import CollectiveEvent
 

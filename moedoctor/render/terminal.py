@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from moedoctor.analysis.model import AlignedRow, DivergenceKind, OpView, Report, Verdict
-from moedoctor.analysis.timing import direct_call, megabytes
+from moedoctor.analysis.evidence.timing import direct_call, megabytes
 from moedoctor.wording import phase_label, rank_names
 
 _VERDICT_STYLE = {

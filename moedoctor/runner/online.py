@@ -45,7 +45,7 @@ def describe(e: CollectiveEvent, detail: bool = False) -> str:
 
 
 def first_mechanism(a: CollectiveEvent, b: CollectiveEvent) -> str:
-    """The mechanism two members' events at one sequence number show (``analysis.mechanism``'s
+    """The mechanism two members' events at one sequence number show (``analysis.mechanisms``'s
     vocabulary and definitions, without the history the offline analysis reads): the same op from
     two call sites is two collectives (``different-op``), as offline."""
     sites = {x.call_site.where for x in (a, b) if x.call_site is not None}
@@ -61,7 +61,7 @@ def first_mechanism(a: CollectiveEvent, b: CollectiveEvent) -> str:
 
 
 #: What the first report says of level 2: two collectives at one position are a mechanism, never a
-#: pattern's evidence (``analysis.declarations``: every pattern needs the ranks' history or domain
+#: pattern's evidence (``analysis.patterns``' declarations: every pattern needs the ranks' history or domain
 #: evidence the report reads once the stacks are in).
 NO_PATTERN_YET = "pattern not named yet: it needs the ranks' history and its own evidence, read next"
 
@@ -80,7 +80,7 @@ class Desync:
     issued_at: float  # the later of those two issue times (ranks' wall clock)
     detected_at: float  # when the detector saw it (this host's wall clock)
     reason: str | None = None  # a size contract broken (all_to_all splits): which pair
-    #: Level 1 (``moedoctor.analysis.mechanism``) as far as two events at one seq tell: the same op
+    #: Level 1 (``moedoctor.analysis.mechanisms``) as far as two events at one seq tell: the same op
     #: with other shapes / dtypes / reduce op, a broken size contract (splits), or another op there
     #: (the offline analysis, with the history, may call that an extra, skipped or looped one).
     mechanism: str | None = None

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moedoctor.analysis import Report, analyze, load_run
-from moedoctor.analysis.load import verdict_problem
+from moedoctor.analysis.loading.load import verdict_problem
 from moedoctor.analysis.report_json import write_json
 from moedoctor.errors import MoedoctorError, cannot_write
 from moedoctor.fixes.reach import with_fix_reach

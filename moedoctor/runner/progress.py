@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moedoctor.analysis.timing import StormWatch
+from moedoctor.analysis.evidence.timing import StormWatch
 from moedoctor.events import CollectiveEvent, Coverage
 from moedoctor.trace.format import STOPPED, read_status, stopped_line
 from moedoctor.trace.reader import RECORD_ERRORS, Completion, TraceError, TraceFile, trace_paths

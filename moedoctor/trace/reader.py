@@ -94,7 +94,7 @@ class RankTrace:
     #: (``moedoctor.trace.fr_completion``: "flight-recorder", "flight-recorder-dump").
     completed_by: dict[int, str] = field(default_factory=dict)
     #: Collectives Flight Recorder showed issued and not completed, and ones it could not tell
-    #: (filled when the run directory holds Flight Recorder dumps: ``moedoctor.analysis.completion``).
+    #: (filled when the run directory holds Flight Recorder dumps: ``moedoctor.analysis.loading.completion``).
     fr_pending: set[int] = field(default_factory=set)
     fr_unknown: set[int] = field(default_factory=set)
 

@@ -8,7 +8,7 @@ Everything else derives from the tables below:
 - the reader turns a record into a ``CollectiveEvent`` with ``decode_collective``, type-checked by
   the same table (a damaged or hostile record raises; the reader notes it and goes on);
 - the test factory writes records with ``record_of``;
-- the streaming scanners (``analysis.scan``, ``trace.fr_completion``) match collective lines with
+- the streaming scanners (``analysis.loading.scan``, ``trace.fr_completion``) match collective lines with
   regular expressions built by ``line_pattern`` from the key order;
 - every other record is written from ``fields`` (``recorder/records.py``, ``recorder/exceptions.py``);
 - the C++ kernel (``recorder/native/kernel.cpp``) cannot import it: it includes the header

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from moedoctor.analysis import analyze, load_runs
 from moedoctor.analysis.from_stacks import report_from_stacks
-from moedoctor.analysis.load import read_gpu_snapshots
+from moedoctor.analysis.loading.load import read_gpu_snapshots
 from moedoctor.analysis.diagnosis import slow_not_stuck
 from moedoctor.analysis.model import Report, Verdict
 from moedoctor import environment
@@ -222,7 +222,7 @@ def merge_triages(dirs: list[Path]) -> tuple[Report, str, list[str]]:
     ranks' states of every node are merged; the traces of the nodes that have them (jobs under
     ``moedoctor run``) are analyzed together (``load_runs``), else the Flight Recorder dumps of every
     node together, else the stacks alone."""
-    from moedoctor.analysis.load import read_stacks
+    from moedoctor.analysis.loading.load import read_stacks
 
     notes: list[str] = []
     stacks: dict[int, StackDump] = {}

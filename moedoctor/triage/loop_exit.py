@@ -7,7 +7,7 @@ same function, one group at a line inside a loop and the other at a line after t
 micro-batch loop one rank left after skipping a backward, an epoch loop one rank's shorter shard
 ended), the ranks past the loop ran fewer iterations of it, or skipped the loop's collective in its
 last one, and the ranks still inside wait for them. Those are the culprits, as the trace analysis
-names them (``analysis/steps.py``, a loop one side left early).
+names them (``analysis/evidence/steps.py``, a loop one side left early).
 
 Evidence required, else nothing is named: exactly two groups of ranks, each waiting in a collective;
 their own frames (outside torch and installed packages) the same from the outermost frame down to
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from moedoctor.analysis.from_stacks import classify_stacks
 from moedoctor.analysis.model import Report
-from moedoctor.analysis.patterns import names
-from moedoctor.analysis.source import Enclosing, enclosing, loops_around
+from moedoctor.analysis.patterns.base import names
+from moedoctor.analysis.evidence.source import Enclosing, enclosing, loops_around
 from moedoctor.run_records import Frame, StackDump, is_library_frame
 
 #: The report from stacks whose culprit this refines (ranks in different collectives, no majority).

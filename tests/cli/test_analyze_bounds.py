@@ -73,7 +73,7 @@ def test_internal_error_exits_3_in_one_line_naming_the_file(tmp_path, monkeypatc
     def broken(*args, **kwargs):
         raise RuntimeError("boom " + "x" * 10_000)
 
-    monkeypatch.setattr("moedoctor.analysis.trace_files.TraceFolder.finish", broken)
+    monkeypatch.setattr("moedoctor.analysis.loading.trace_files.TraceFolder.finish", broken)
     with pytest.raises(SystemExit) as e:
         main(["analyze", str(folder)])
     err = capsys.readouterr().err

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from torchrun_util import FIXTURES, REPO, run_command, torchrun_command
 
-from moedoctor.analysis.timing import LIVE_STORM_SECONDS, MIN_STORM_COUNT
+from moedoctor.analysis.evidence.timing import LIVE_STORM_SECONDS, MIN_STORM_COUNT
 
 FIXTURE = FIXTURES / "broadcast_storm"
 EXPECTED = yaml.safe_load((FIXTURE / "expected.yaml").read_text())

@@ -6,8 +6,8 @@ complete from Flight Recorder, and everything else from the Work."""
 
 from __future__ import annotations
 
-from moedoctor.analysis.completion import completion_stats, source_of
-from moedoctor.analysis.load import load_run
+from moedoctor.analysis.loading.completion import completion_stats, source_of
+from moedoctor.analysis.loading.load import load_run
 from torchrun_util import REPO, assert_ok, recorded_env, run_command, torchrun_command
 
 SCRIPT = REPO / "benchmarks" / "nccl_completion.py"

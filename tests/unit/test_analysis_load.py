@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moedoctor.analysis import analyze, load_run
-from moedoctor.analysis.load import SourceKind
+from moedoctor.analysis.loading.run_data import SourceKind
 from moedoctor.errors import MoedoctorError
 from moedoctor.render.json_report import report_to_dict
 
@@ -156,7 +156,7 @@ def test_streaming_path_agrees_with_full_load(tmp_path, name):
 
 def test_streaming_finds_an_early_divergence_far_from_the_tail(tmp_path):
     """A divergence thousands of collectives before the end, outside every file's loaded tail."""
-    from moedoctor.analysis import scan
+    from moedoctor.analysis.loading import scan
 
     a, b = ranks(2)
     for i in range(3000):

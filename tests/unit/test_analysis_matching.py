@@ -12,7 +12,7 @@ from event_factory import both, manifest, ranks, run_of, world
 from moedoctor.analysis import analyze
 from moedoctor.analysis.matching import all_divergences, first_divergence
 from moedoctor.analysis.model import DivergenceKind
-from moedoctor.analysis.view import RunView
+from moedoctor.analysis.evidence.view import RunView
 from moedoctor.events import Group, Phase
 from moedoctor.render.json_report import report_to_dict
 

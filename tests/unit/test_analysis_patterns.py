@@ -12,7 +12,8 @@ from analysis_scenarios import SCENARIOS, collective_order_inversion, healthy
 from moedoctor.analysis import analyze
 from moedoctor.analysis import diagnosis
 from moedoctor.analysis.model import DivergenceKind, Verdict
-from moedoctor.analysis.patterns import MODULES, Finding, registry
+from moedoctor.analysis.patterns import MODULES, registry
+from moedoctor.analysis.patterns.base import Finding
 
 
 @pytest.mark.parametrize("pattern", sorted(SCENARIOS))

@@ -92,7 +92,7 @@ def test_perfetto_one_track_per_rank_with_the_divergence_marked():
 
 
 def test_analysis_and_renderers_import_no_torch():
-    code = ("import sys, moedoctor.analysis, moedoctor.analysis.scan, moedoctor.analysis.patterns as p, "
+    code = ("import sys, moedoctor.analysis, moedoctor.analysis.loading.scan, moedoctor.analysis.patterns as p, "
             "moedoctor.render.terminal, moedoctor.render.json_report, moedoctor.render.html, "
             "moedoctor.render.perfetto; "
             "p.registry(); sys.exit(1 if 'torch' in sys.modules else 0)")

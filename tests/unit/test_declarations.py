@@ -1,4 +1,4 @@
-"""Level 2's declarations (``moedoctor.analysis.declarations``): every pattern declares the
+"""Level 2's declarations (each ``moedoctor.analysis.patterns`` module's ``DECLARATION``): every pattern declares the
 mechanisms it refines and the domain evidence it needs, and its classifier reads nothing else.
 
 The classifiers run against a ``RunView`` proxy that records each domain accessor it is asked for
@@ -15,14 +15,18 @@ from pathlib import Path
 from event_factory import ranks, run_of
 
 from moedoctor.analysis import analyze, load_run
-from moedoctor.analysis.culprits import find_culprits
-from moedoctor.analysis.declarations import BUSY, DECLARATIONS, EXCEPTION, EXITS, PROCESS, STACKS, STEPS, missing
+from moedoctor.analysis.mechanisms.culprits import find_culprits
+from moedoctor.analysis.patterns import declarations, missing
+from moedoctor.analysis.patterns.base import BUSY, EXCEPTION, EXITS, PROCESS, STACKS, STEPS
 from moedoctor.analysis.diagnosis import _hang, _primary
 from moedoctor.analysis.matching import all_divergences
-from moedoctor.analysis.mechanism import Mechanism, mechanism_of
-from moedoctor.analysis.patterns import Context, registry
-from moedoctor.analysis.view import RunView
-from moedoctor.analysis.waitfor import find_cycle, wait_edges
+from moedoctor.analysis.mechanisms.wording import suggestion
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism
+from moedoctor.analysis.mechanisms.detection import mechanism_of
+from moedoctor.analysis.patterns import registry
+from moedoctor.analysis.patterns.base import Context
+from moedoctor.analysis.evidence.view import RunView
+from moedoctor.analysis.mechanisms.waitfor import find_cycle, wait_edges
 from moedoctor.events import Phase
 
 DOMAIN = STACKS | PROCESS | EXCEPTION | EXITS | STEPS | BUSY
@@ -65,8 +69,8 @@ def _context(run, recording: RecordingView | None = None) -> tuple[Context, obje
 
 
 def test_every_pattern_declares_itself():
-    assert {p.id for p in registry()} == set(DECLARATIONS)
-    for decl in DECLARATIONS.values():
+    assert {p.id for p in registry()} == set(declarations())
+    for decl in declarations().values():
         assert decl.refines, decl.pattern
 
 
@@ -77,19 +81,19 @@ def test_a_classifier_reads_only_what_it_declares(scenario, pattern):
     recording = RecordingView(RunView(run))
     ctx, mech = _context(run, recording)
     next(p for p in registry() if p.id == pattern).classify(ctx)
-    undeclared = recording.read - DECLARATIONS[pattern].reads
+    undeclared = recording.read - declarations()[pattern].reads
     assert not undeclared, f"{pattern} read {sorted(undeclared)} on {scenario}, not in its declaration"
 
 
 @pytest.mark.parametrize("scenario", RUNS)
-@pytest.mark.parametrize("pattern", sorted(DECLARATIONS))
+@pytest.mark.parametrize("pattern", sorted(declarations()))
 def test_a_requirement_reads_only_its_patterns_declaration(scenario, pattern):
     run = _run(scenario)
     recording = RecordingView(RunView(run))
     ctx, mech = _context(run, recording)
-    for req in DECLARATIONS[pattern].requires:
+    for req in declarations()[pattern].requires:
         req.holds(ctx, mech)
-    assert not recording.read - DECLARATIONS[pattern].reads
+    assert not recording.read - declarations()[pattern].reads
 
 
 EXPECTED = {
@@ -156,7 +160,7 @@ def test_a_plain_loop_with_uneven_trip_counts_is_never_a_checkpoint_pattern():
     mech = report.mechanism
     assert mech.mechanism == Mechanism.LOOP_TRIP_COUNT and mech.counts == {0: 15, 1: 16}, mech
     assert report.pattern != "uneven-dtensor-allgather"
-    assert "rank 0 ran 15, rank 1 ran 16 iterations of h.py:14" in mech.suggestion().text
+    assert "rank 0 ran 15, rank 1 ran 16 iterations of h.py:14" in suggestion(mech).text
     if report.pattern in (None, "unknown-desync"):
         assert "rank 0 ran 15, rank 1 ran 16 iterations of h.py:14" in report.suggestion.text
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from event_factory import ranks, run_of
 
 from moedoctor.analysis import analyze
-from moedoctor.analysis.mechanism import Mechanism
-from moedoctor.analysis.source import same_loop
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism
+from moedoctor.analysis.evidence.source import same_loop
 from moedoctor.events import Phase
 
 SOURCE = """\

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from moedoctor.analysis.source import decision_branch
+from moedoctor.analysis.evidence.source import decision_branch
 from moedoctor.fixes import rewrite
 from moedoctor.fixes.base import FixConfigError
 from moedoctor.fixes.skip_step_collectively import FIX as SKIP
@@ -96,7 +96,7 @@ def test_the_checkpoint_fix_takes_a_branch_too(tmp_path):
 
 
 def test_an_inf_nan_check_is_read_through_one_assignment_or_one_call(tmp_path):
-    from moedoctor.analysis.source import Branch, checks_finiteness
+    from moedoctor.analysis.evidence.source import Branch, checks_finiteness
 
     path = tmp_path / "opt.py"
     path.write_text(textwrap.dedent("""\
@@ -124,7 +124,7 @@ def test_an_inf_nan_check_is_read_through_an_assignment_that_calls_a_method_of_t
     """``overflow = self.scaler.has_overflow(buf)`` then ``if overflow:`` (a loss scaler of the same
     file, as DeepSpeed-style optimizers written into a script have); a call that checks nothing does
     not count."""
-    from moedoctor.analysis.source import Branch, checks_finiteness
+    from moedoctor.analysis.evidence.source import Branch, checks_finiteness
 
     path = tmp_path / "zero.py"
     path.write_text(textwrap.dedent("""\
@@ -173,7 +173,7 @@ def test_a_schedule_on_the_loop_counter_is_not_a_decision(tmp_path):
 
 
 def test_which_side_of_an_inf_nan_check_saw_finite_numbers(tmp_path):
-    from moedoctor.analysis.source import Branch, finite_side
+    from moedoctor.analysis.evidence.source import Branch, finite_side
 
     path = tmp_path / "outer.py"
     path.write_text(textwrap.dedent("""\

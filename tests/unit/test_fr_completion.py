@@ -15,9 +15,9 @@ from event_factory import TraceBuilder, write_traces
 from test_flight_recorder import nccl_entry, write_dump
 
 from moedoctor.analysis import analyze, load_run
-from moedoctor.analysis.completion import completion_stats
-from moedoctor.analysis.view import RunView
-from moedoctor.analysis.waitfor import blocked_event
+from moedoctor.analysis.loading.completion import completion_stats
+from moedoctor.analysis.evidence.view import RunView
+from moedoctor.analysis.mechanisms.waitfor import blocked_event
 from moedoctor.events import Group
 from moedoctor.render.json_report import report_to_dict
 from moedoctor.trace.fr_completion import (

@@ -1,4 +1,4 @@
-"""Level 1, the mechanism (``moedoctor.analysis.mechanism``): what the traces and the ranks' states
+"""Level 1, the mechanism (``moedoctor.analysis.mechanisms``): what the traces and the ranks' states
 show, on factory-built runs and synthetic stacks."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from event_factory import in_collective, manifest, ranks, run_of, stack
 
 from moedoctor.analysis import analyze
 from moedoctor.analysis.from_stacks import report_from_stacks
-from moedoctor.analysis.mechanism import Mechanism, RankState
+from moedoctor.analysis.mechanisms.wording import suggestion
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism, RankState
 from moedoctor.events import Phase
 
 TRAIN = "/job/train.py"
@@ -33,7 +34,7 @@ def test_a_rank_that_ended_after_fewer_iterations_ran_the_loop_fewer_times():
     mech = report.mechanism
     assert mech.mechanism == Mechanism.LOOP_TRIP_COUNT and mech.counts == {0: 4, 1: 3}, mech
     assert mech.ranks == (1,) and mech.loop_site == f"{TRAIN}:14" and mech.step == 1
-    assert "rank 0 ran 4, rank 1 ran 3 iterations of train.py:14" in mech.suggestion().text
+    assert "rank 0 ran 4, rank 1 ran 3 iterations of train.py:14" in suggestion(mech).text
 
 
 def test_a_rank_that_issued_nothing_since_its_last_iteration_has_not_left_the_loop():
@@ -189,8 +190,8 @@ def test_a_history_whose_continuation_varies_does_not_say_who_skipped():
         r.coll("all_reduce", (1,), line=40)
     a.coll("all_gather", (8,), line=30, done=False)
     b.coll("broadcast", (4,), line=50, done=False)
-    from moedoctor.analysis.mechanism import expected_next
-    from moedoctor.analysis.steps import shape_token
+    from moedoctor.analysis.mechanisms.alignment import expected_next
+    from moedoctor.analysis.evidence.steps import shape_token
 
     history = [shape_token(e) for e in a.events[:-1]]
     assert expected_next(history) is None

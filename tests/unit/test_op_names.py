@@ -89,7 +89,7 @@ def test_the_analysis_fast_scan_leaves_a_trace_with_raw_op_names_to_the_exact_lo
     dispatcher name) goes to the exact load, which reads it as its canonical op."""
     from event_factory import TraceBuilder, write_traces
 
-    from moedoctor.analysis.scan import scan_rank
+    from moedoctor.analysis.loading.scan import scan_rank
 
     plain, raw = TraceBuilder(0, 2), TraceBuilder(1, 2)
     plain.coll("all_gather", (4,)).coll("all_reduce", (4,))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from event_factory import ranks, run_of
 
 from moedoctor.analysis import analyze
-from moedoctor.analysis.mechanism import Mechanism
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism
 from moedoctor.events import Phase
 
 

@@ -1,5 +1,5 @@
-"""Structural evidence the classifiers use: the code around a call site (``analysis/source.py``),
-where a rank is in its step and loops run a different number of times (``analysis/steps.py``), and
+"""Structural evidence the classifiers use: the code around a call site (``analysis/evidence/source.py``),
+where a rank is in its step and loops run a different number of times (``analysis/evidence/steps.py``), and
 steps whose gradients were thrown away (``RunView.discarded_steps``)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import textwrap
 from event_factory import ranks, run_of
 
 from moedoctor.analysis import analyze
-from moedoctor.analysis.source import enclosing, rank_guard, shared_loop
-from moedoctor.analysis.steps import CLOSING, RESTART, loop_exit, position
-from moedoctor.analysis.view import RunView
+from moedoctor.analysis.evidence.source import enclosing, rank_guard, shared_loop
+from moedoctor.analysis.evidence.steps import CLOSING, RESTART, loop_exit, position
+from moedoctor.analysis.evidence.view import RunView
 from moedoctor.events import Phase
 
 TRAIN = textwrap.dedent("""\
@@ -391,7 +391,7 @@ EMA = textwrap.dedent("""\
 
 
 def test_the_if_that_filled_the_per_key_collection_is_the_decision(tmp_path):
-    from moedoctor.analysis.source import collection_decision
+    from moedoctor.analysis.evidence.source import collection_decision
 
     path = tmp_path / "ema.py"
     path.write_text(EMA)

@@ -1,4 +1,4 @@
-"""Slow, not stuck (``moedoctor.analysis.timing``): storms of small collectives from factory-built
+"""Slow, not stuck (``moedoctor.analysis.evidence.timing``): storms of small collectives from factory-built
 events, the report's section, the live status line's watch, and the fix's bucketing."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from event_factory import manifest, ranks, run_of
 
 from moedoctor.analysis import Verdict, analyze
-from moedoctor.analysis import timing
-from moedoctor.analysis.timing import MIN_STORM_COUNT, StormWatch, event_bytes, rank_storms, slow_report
+from moedoctor.analysis.evidence import timing
+from moedoctor.analysis.evidence.timing import MIN_STORM_COUNT, StormWatch, event_bytes, rank_storms, slow_report
 from moedoctor.events import Phase
 from moedoctor.fixes.coalesce_broadcasts import Buckets, _parse_config
 from moedoctor.fixes.base import FixConfigError

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from event_factory import ranks, write_traces
-from moedoctor.analysis.load import evidence_problem, load_run
+from moedoctor.analysis.loading.load import evidence_problem, load_run
 from moedoctor.runner import launch, manifest
 from moedoctor.runner.manifest import NodeRecord, write_node
 from moedoctor.runner.progress import ProgressTracker

@@ -33,8 +33,10 @@ from __future__ import annotations
 import math
 
 from moedoctor.analysis.contracts import breaches
+from moedoctor.analysis.evidence.requirements import VARIABLE_SIZE_OP
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import DivergenceKind, Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+from moedoctor.analysis.patterns.base import Context, Declaration, Finding, Pattern, names
 
 
 def classify(ctx: Context) -> Finding | None:
@@ -126,6 +128,12 @@ def _counts_exchanged(ctx: Context, bad: tuple[int, ...]) -> str | None:
 _ADVICE = (
     "Exchange the per-destination counts first (dist.all_to_all_single on the counts tensor) and pass "
     "what was received as output_split_sizes; never compute the receive counts locally."
+)
+
+# ---- what it refines, the evidence it requires and what its classifier reads ---------------------
+
+DECLARATION = Declaration(
+    "all-to-all-split-mismatch", frozenset({M.DIFFERENT_SPLITS, M.DIFFERENT_SHAPE}), (VARIABLE_SIZE_OP,), frozenset()
 )
 
 PATTERN = Pattern(

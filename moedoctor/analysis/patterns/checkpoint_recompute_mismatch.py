@@ -50,11 +50,23 @@ from __future__ import annotations
 
 import re
 
+from moedoctor.analysis.evidence.requirements import Requirement
+from moedoctor.analysis.evidence.view import user_frame
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern, names
-from moedoctor.analysis.view import user_frame
+from moedoctor.analysis.patterns.base import (
+    DESYNC,
+    EXCEPTION,
+    SAME_POSITION,
+    Context,
+    Declaration,
+    Finding,
+    Pattern,
+    names,
+)
 from moedoctor.events import Phase, RankException
 from moedoctor.wording import phase_label
+
 
 _CHECKPOINT_FILE = "torch/utils/checkpoint.py"
 _MODULE = "torch.utils.checkpoint."
@@ -204,6 +216,26 @@ def _failed_in(ctx: Context, rank: int) -> bool:
     last = ctx.view.last_event.get(rank)
     return event is not None and exc is not None and exc.time >= event.time and last is event
 
+
+# ---- what it refines, the evidence it requires and what its classifier reads ---------------------
+
+
+def checkpoint_raised(ctx, mech) -> bool:
+    """A rank raised, uncaught, an exception of ``torch.utils.checkpoint`` (its recompute check)."""
+    ranks = set(ctx.div.per_rank) if ctx.div is not None else set()
+    ranks |= {r for e in ctx.edges for r in e.waits_for}
+    return any((x := ctx.view.exception(r)) is not None and checkpoint_exception(x) for r in ranks)
+
+
+CHECKPOINT_RAISED = Requirement("an exception raised by torch.utils.checkpoint's recompute check", checkpoint_raised)
+
+
+DECLARATION = Declaration(
+    "checkpoint-recompute-mismatch",
+    DESYNC | SAME_POSITION | {M.RANK_OUTSIDE},
+    (CHECKPOINT_RAISED,),
+    EXCEPTION | {"died"},
+)
 
 PATTERN = Pattern(
     id="checkpoint-recompute-mismatch",

@@ -40,10 +40,13 @@ the region's collectives returned in forward (inputs checked bitwise) instead of
 
 from __future__ import annotations
 
+from moedoctor.analysis.evidence.requirements import Requirement
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import DivergenceKind, Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb
+from moedoctor.analysis.patterns.base import DESYNC, SAME_POSITION, Context, Declaration, Finding, Pattern, names, verb
 from moedoctor.events import CollectiveEvent, Phase
 from moedoctor.wording import phase_label
+
 
 #: A file of torch.utils.checkpoint (the recompute) in a stack dump's frames.
 _CHECKPOINT_FILE = "torch/utils/checkpoint.py"
@@ -303,6 +306,38 @@ _ADVICE = (
     "torch.utils.checkpoint.checkpoint(...) and pass its result into the checkpointed function (or cache it "
     "for the step), so the recompute in backward does not issue it again; a recompute that stops early or "
     "does not run on some ranks then cannot desync them."
+)
+
+# ---- what it refines, the evidence it requires and what its classifier reads ---------------------
+
+
+def recomputed_in_backward(ctx, mech) -> bool:
+    """A rank issued, in backward, a collective from a call site it issued in forward earlier in
+    the same step (the recompute of a checkpointed region)."""
+    if ctx.div is None:
+        return False
+    for r, v in ctx.present().items():
+        if v.phase != Phase.BACKWARD.value or v.call_site is None:
+            continue
+        if any(
+            e.phase == Phase.FORWARD
+            and e.step == v.step
+            and e.call_site is not None
+            and e.call_site.where == v.call_site
+            for e in ctx.view.events(r, ctx.div.group.name, before=ctx.div.seq)
+        ):
+            return True
+    return False
+
+
+RECOMPUTED_IN_BACKWARD = Requirement("a forward call site re-issued in backward (a recompute)", recomputed_in_backward)
+
+
+DECLARATION = Declaration(
+    "collective-in-checkpointed-region",
+    DESYNC | SAME_POSITION | {M.RANK_OUTSIDE},
+    (RECOMPUTED_IN_BACKWARD,),
+    frozenset({"stack"}),
 )
 
 PATTERN = Pattern(

@@ -45,10 +45,10 @@ DCP-side-group cycle named `uneven-dtensor-allgather` (a checkpoint phase alone 
 
 from __future__ import annotations
 
+from moedoctor.analysis.evidence.source import Branch, decision_branch, frames, on_the_way, rank_guard
+from moedoctor.analysis.evidence.steps import cycle_loop_exit
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern, names
-from moedoctor.analysis.source import Branch, decision_branch, frames, on_the_way, rank_guard
-from moedoctor.analysis.steps import cycle_loop_exit
+from moedoctor.analysis.patterns.base import DESYNC, SOURCE, Context, Declaration, Finding, Pattern, names
 
 
 def classify(ctx: Context) -> Finding | None:
@@ -299,6 +299,10 @@ _ADVICE = (
     "always the tensor-parallel group before the data-parallel one), or launch both asynchronously and "
     "wait on both."
 )
+
+# ---- what it refines, the evidence it requires and what its classifier reads ---------------------
+
+DECLARATION = Declaration("collective-order-inversion", DESYNC, (), SOURCE)
 
 PATTERN = Pattern(
     id="collective-order-inversion",

@@ -35,7 +35,7 @@ others wait in a backward gradient reduction that the culprits never issued, and
 in the next forward; the finding ``explains_crash``, so the crash is named with this pattern.
 
 A fourth path, in forward (one FSDP unit per expert, the block looping over the experts that got
-tokens): aligned on the history every rank shares (``mechanism.left_out``), some ranks skipped
+tokens): aligned on the history every rank shares (``mechanisms.alignment.left_out``), some ranks skipped
 collectives that are all of units that are indexed module-list members, where the others, as in
 every earlier step, gather them (culprits: the skipping ranks).
 
@@ -52,13 +52,17 @@ import, over the fix's patch).
 
 from __future__ import annotations
 
+import re
 from math import prod
 
-from moedoctor.analysis.mechanism import left_out
+from moedoctor.analysis.evidence.requirements import Requirement
+from moedoctor.analysis.evidence.steps import loop_exit
+from moedoctor.analysis.mechanisms.alignment import left_out
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.steps import loop_exit
+from moedoctor.analysis.patterns.base import DESYNC, SAME_POSITION, Context, Declaration, Finding, Pattern, ev, names
 from moedoctor.events import Phase
-from moedoctor.analysis.patterns import Context, Finding, Pattern, names
+
 
 _FSDP_BACKWARD_OPS = {"reduce_scatter", "all_gather", "all_reduce", "reduce_scatter_coalesced", "all_gather_coalesced"}
 
@@ -220,7 +224,7 @@ def classify(ctx: Context) -> Finding | None:
 
 def member_units_left_out(ctx: Context) -> dict[int, list[str]]:
     """Rank -> the FSDP units it left out, when aligning the ranks' streams on their shared history
-    (``mechanism.left_out``) shows some ranks skipping collectives that are all of sharded units that
+    (``mechanisms.alignment.left_out``) shows some ranks skipping collectives that are all of sharded units that
     are indexed members of a module list (``moe.experts.0``): the members they did not run."""
     if ctx.div is None:
         return {}
@@ -418,6 +422,46 @@ _ADVICE = (
     "Make every expert take part every step: run all experts on all tokens with zero routing weight for "
     "unrouted ones (or add a zero-weighted term over every expert parameter), so every rank has the same "
     "gradients and FSDP2 reduces the same buffers in the same order. Check the output matches the sparse path."
+)
+
+# ---- what it refines, the evidence it requires and what its classifier reads ---------------------
+
+_MEMBER = re.compile(r"\.\d+(\.|$)|:\d+$")
+
+
+def experts_without_gradients(ctx, mech) -> bool:
+    """Some rank's recorder listed parameters of indexed module-list members without a gradient
+    (``...experts.2.w1``, stacked ``moe.wi:4``) at the end of a backward or at an optimizer step; or,
+    at the divergence, the ranks reduce the gradients of sharded units (FSDP, ``mod`` set) in
+    backward with different sizes or different units (a unit's parameters got no gradient on some);
+    or some ranks left out the collectives of sharded units that are indexed module-list members
+    (``inactive_experts.member_units_left_out``: the experts they did not run)."""
+    if ctx.div is None:
+        return False
+    present = ctx.present()
+    units = [v for v in present.values() if v.module is not None and v.phase == Phase.BACKWARD.value]
+    if len(units) == len(present) > 1 and len({(v.module, v.shapes) for v in units}) > 1:
+        return True
+    if member_units_left_out(ctx):
+        return True
+    for r in ctx.div.per_rank:
+        for e in ctx.view.evidence(r, "params_without_grad"):
+            names = e.data.get("params") or e.data.get("names") or {}
+            if any(_MEMBER.search(str(n)) for n in names):
+                return True
+    return False
+
+
+EXPERTS_WITHOUT_GRADIENTS = Requirement(
+    "module-list members (experts) without gradients on some rank", experts_without_gradients
+)
+
+
+DECLARATION = Declaration(
+    "inactive-experts",
+    DESYNC | SAME_POSITION | {M.RANK_OUTSIDE},
+    (EXPERTS_WITHOUT_GRADIENTS,),
+    ev("params_without_grad", "backward_begin", "backward_end") | {"exception"},
 )
 
 PATTERN = Pattern(

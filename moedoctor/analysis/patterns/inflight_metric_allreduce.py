@@ -37,10 +37,24 @@ from __future__ import annotations
 
 from collections import Counter
 
+from moedoctor.analysis.evidence.requirements import Requirement
+from moedoctor.analysis.evidence.source import calls_in, rank_guard, shared_loop
+from moedoctor.analysis.evidence.steps import deferred_sync
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb
-from moedoctor.analysis.source import calls_in, rank_guard, shared_loop
-from moedoctor.analysis.steps import deferred_sync
+from moedoctor.analysis.patterns.base import (
+    DESYNC,
+    SAME_POSITION,
+    SOURCE,
+    Context,
+    Declaration,
+    Finding,
+    Pattern,
+    ev,
+    names,
+    verb,
+)
+from moedoctor.events import Phase
+
 
 #: A metric all-reduce moves a handful of scalars.
 SMALL = 64
@@ -188,6 +202,27 @@ def classify(ctx: Context) -> Finding | None:
 _ADVICE = (
     "Move the metric all_reduce out of the micro-batch loop: accumulate the metrics locally and "
     "all_reduce them once after the last micro-batch, or reduce them on a separate process group."
+)
+
+# ---- what it refines, the evidence it requires and what its classifier reads ---------------------
+
+
+def sharded_or_bucketed_other_side(ctx, mech) -> bool:
+    """At the divergence some rank issued a collective of a sharded unit (FSDP, ``mod`` set) or of
+    backward (a gradient bucket): what a misplaced metric all-reduce meets."""
+    return any(v.module is not None or v.phase == Phase.BACKWARD.value for v in ctx.present().values())
+
+
+SHARDED_OR_BUCKETED_OTHER_SIDE = Requirement(
+    "a sharded-unit (FSDP) or backward-bucket collective on the other side", sharded_or_bucketed_other_side
+)
+
+
+DECLARATION = Declaration(
+    "inflight-metric-allreduce",
+    DESYNC | SAME_POSITION,
+    (SHARDED_OR_BUCKETED_OTHER_SIDE,),
+    ev("backward_begin", "backward_end") | {"discarded_in"} | SOURCE,
 )
 
 PATTERN = Pattern(

@@ -37,10 +37,23 @@ from __future__ import annotations
 
 from collections import Counter
 
+from moedoctor.analysis.evidence.requirements import Requirement
+from moedoctor.analysis.evidence.source import calls_in, same_loop, shared_loop
+from moedoctor.analysis.evidence.steps import CLOSING, RESTART, another_pass, deferred_sync, usual_pass
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb
-from moedoctor.analysis.source import calls_in, same_loop, shared_loop
-from moedoctor.analysis.steps import CLOSING, RESTART, deferred_sync, usual_pass
+from moedoctor.analysis.patterns.base import (
+    DESYNC,
+    SAME_POSITION,
+    SOURCE,
+    Context,
+    Declaration,
+    Finding,
+    Pattern,
+    ev,
+    names,
+    verb,
+)
 
 
 def _split(ctx: Context) -> tuple[list[int], list[int], str] | None:
@@ -184,6 +197,52 @@ def classify(ctx: Context) -> Finding | None:
 _ADVICE = (
     "Make the number of micro-batches per step the same on every rank: all_reduce the local count with "
     "ReduceOp.MAX and pad with empty micro-batches, or balance the batches before the step."
+)
+
+# ---- what it refines, the evidence it requires and what its classifier reads ---------------------
+
+
+def gradient_accumulation(ctx, mech) -> bool:
+    """Some rank ran more than one backward pass within one step (micro-batches), or began the
+    step's repeated part again after a backward pass of the step (``steps.position``: restart)."""
+    if ctx.div is None:
+        return False
+    if "restart" in ctx.positions().values():
+        return True
+    for r in ctx.div.per_rank:
+        steps = [e.step for e in ctx.view.evidence(r, "backward_begin")]
+        if any(steps.count(s) > 1 for s in set(steps)):
+            return True
+    return False
+
+
+GRADIENT_ACCUMULATION = Requirement("more than one backward pass in a step (micro-batches)", gradient_accumulation)
+
+
+def another_pass_begun(ctx, mech) -> bool:
+    """The ranks are in different micro-batches at the divergence: they had begun different numbers
+    of backward passes in the step when they issued its collectives, or a rank issued again a
+    collective that opens each pass (first issued in the step before its first backward pass: a
+    forward all-gather, a per-micro-batch count). A collective issued after each backward pass (a
+    per-micro-batch metric) issued again by a rank that has run as many passes as the others is not
+    another pass: its reductions were held back, the ranks are in the same micro-batch."""
+    if ctx.div is None:
+        return False
+    events = [e for r in ctx.div.per_rank if (e := ctx.event(r)) is not None]
+    return another_pass(ctx.view, events, ctx.positions())
+
+
+ANOTHER_PASS_BEGUN = Requirement(
+    "ranks in different micro-batches (different backward-pass counts, or a pass-opening collective issued again)",
+    another_pass_begun,
+)
+
+
+DECLARATION = Declaration(
+    "microbatch-count-mismatch",
+    DESYNC | SAME_POSITION | {M.RANK_OUTSIDE},
+    (GRADIENT_ACCUMULATION, ANOTHER_PASS_BEGUN),
+    ev("backward_begin", "backward_end", "grad_norm", "optimizer_step_begin", "zero_grad") | {"discarded_in"} | SOURCE,
 )
 
 PATTERN = Pattern(

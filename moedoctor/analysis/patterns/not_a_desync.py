@@ -28,10 +28,12 @@ Fix: none in the code. Check the hardware and the network.
 
 from __future__ import annotations
 
-from moedoctor.analysis.stack_reading import RankStack, read_rank_stack
-from moedoctor.analysis.load import SourceKind
+from moedoctor.analysis.evidence.stack_reading import RankStack, read_rank_stack
+from moedoctor.analysis.loading.run_data import SourceKind
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Divergence, DivergenceKind, Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb
+from moedoctor.analysis.patterns.base import Context, Declaration, Finding, Pattern, names, verb
+
 
 #: Both conditions established.
 ESTABLISHED = 0.9
@@ -244,6 +246,10 @@ _ADVICE = (
     "pages in nvidia-smi -q, transport errors with NCCL_DEBUG=INFO, and each rank's process state "
     "(ps -o stat: T is stopped, D is stuck in the kernel). Patching the training code would be wrong."
 )
+
+# ---- what it refines, the evidence it requires and what its classifier reads ---------------------
+
+DECLARATION = Declaration("not-a-desync", frozenset({M.TRANSPORT_HANG}), (), {"stack", "frozen"})
 
 PATTERN = Pattern(
     id="not-a-desync",

@@ -36,10 +36,19 @@ omission case.
 
 from __future__ import annotations
 
+from moedoctor.analysis.evidence.source import rank_guard
+from moedoctor.analysis.evidence.steps import loop_exit, omission, shape_token
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern, names
-from moedoctor.analysis.source import rank_guard
-from moedoctor.analysis.steps import loop_exit, omission, shape_token
+from moedoctor.analysis.patterns.base import (
+    DESYNC,
+    SAME_POSITION,
+    SOURCE,
+    Context,
+    Declaration,
+    Finding,
+    Pattern,
+    names,
+)
 
 
 def _site(e) -> str | None:
@@ -214,6 +223,10 @@ _ADVICE = (
     "Take this collective out of the rank-dependent branch: call it on every rank of the group (only the "
     "rank that needs the result uses it), or do the work locally on that one rank without a collective."
 )
+
+# ---- what it refines, the evidence it requires and what its classifier reads ---------------------
+
+DECLARATION = Declaration("rank-conditional-collective", DESYNC | SAME_POSITION, (), SOURCE)
 
 PATTERN = Pattern(
     id="rank-conditional-collective",

@@ -27,10 +27,13 @@ kernel log (``dmesg``: hung task, Xid, NFS "server not responding") and the devi
 
 from __future__ import annotations
 
+from moedoctor.analysis.evidence.requirements import Requirement
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
+from moedoctor.analysis.mechanisms.waitfor import chain_roots
 from moedoctor.analysis.model import DivergenceKind, Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern, StackContext, StackFinding, names
-from moedoctor.analysis.waitfor import chain_roots
+from moedoctor.analysis.patterns.base import Context, Declaration, Finding, Pattern, StackContext, StackFinding, names
 from moedoctor.process_state import ProcessState
+
 
 #: The stopped rank is the one the others wait for (or inside the stalled collective).
 AWAITED = 0.95
@@ -199,6 +202,24 @@ def from_stacks(ctx: StackContext) -> StackFinding | None:
         Suggestion(None, None, advice(state, first, dump)),
     )
 
+
+# ---- what it refines, the evidence it requires and what its classifier reads ---------------------
+
+
+def process_not_running(ctx, mech) -> bool:
+    """A rank's process state (read from /proc at the hang) says it does not run."""
+    return bool(ctx.view.frozen_ranks)
+
+
+PROCESS_NOT_RUNNING = Requirement("a process state showing a rank that does not run", process_not_running)
+
+
+DECLARATION = Declaration(
+    "rank-stopped",
+    frozenset({M.RANK_OUTSIDE, M.TRANSPORT_HANG}),
+    (PROCESS_NOT_RUNNING,),
+    {"frozen_ranks", "stack", "stack_frame", "in_distributed"},
+)
 
 PATTERN = Pattern(
     id="rank-stopped",

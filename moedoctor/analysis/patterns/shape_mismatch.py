@@ -8,7 +8,7 @@ the size mismatch; NCCL hangs or silently pairs unrelated buffers.
 Evidence: one op at the divergence on every rank that issued it, with different shapes, dtypes or
 (known) reduce ops; the more specific patterns (inactive experts, checkpoint keys) did not claim it.
 
-Required (``declarations.size_unexplained``): the sizes differ for no structural reason the trace
+Required (``size_unexplained``, its declaration below): the sizes differ for no structural reason the trace
 shows. Not a variable-size collective (an all_to_all whose capacity differs is a split question,
 judged by the pairwise contract), not a walk of gathers inside a checkpoint save (ranks at different
 keys). Corpus 27 named this pattern confidently for both.
@@ -27,9 +27,11 @@ skipped items shown).
 
 from __future__ import annotations
 
+from moedoctor.analysis.evidence.requirements import Requirement, checkpoint_io, gather_loop, variable_size_op
+from moedoctor.analysis.evidence.steps import omission
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern
-from moedoctor.analysis.steps import omission
+from moedoctor.analysis.patterns.base import SAME_POSITION, Context, Declaration, Finding, Pattern, ev
 
 
 def classify(ctx: Context) -> Finding | None:
@@ -80,6 +82,31 @@ def classify(ctx: Context) -> Finding | None:
 _ADVICE = (
     "Make the collective's sizes the same on every rank: agree on them first (a small all_gather of the "
     "sizes, then pad to the maximum), and build buckets in a deterministic order (sorted names, not a set)."
+)
+
+# ---- what it refines, the evidence it requires and what its classifier reads ---------------------
+
+
+def size_unexplained(ctx, mech) -> bool:
+    """The sizes differ for no structural reason the trace shows: not a variable-size collective
+    (whose sizes the pairwise contract judges), and not a walk of gathers over a state's items inside
+    a checkpoint save or load (ranks at different items of the walk, not one collective resized)."""
+    if variable_size_op(ctx, mech):
+        return False
+    return not (gather_loop(ctx, mech) and checkpoint_io(ctx, mech))
+
+
+SIZE_UNEXPLAINED = Requirement(
+    "sizes that differ for no structural reason (not a variable-size collective, not a checkpoint's walk of gathers)",
+    size_unexplained,
+)
+
+
+DECLARATION = Declaration(
+    "shape-mismatch",
+    SAME_POSITION | {M.DIFFERENT_SPLITS, M.DIFFERENT_OP},
+    (SIZE_UNEXPLAINED,),
+    ev("checkpoint_save_begin"),
 )
 
 PATTERN = Pattern(id="shape-mismatch", title="Shape mismatch", fixes=(), desync=True, classify=classify, advice=_ADVICE)

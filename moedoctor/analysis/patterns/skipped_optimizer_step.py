@@ -42,10 +42,24 @@ hand-written ZeRO-1 with a loss scaler, the skipping rank aborted by Gloo).
 
 from __future__ import annotations
 
+from moedoctor.analysis.evidence.requirements import Requirement
+from moedoctor.analysis.evidence.source import checks_finiteness, finite_side
+from moedoctor.analysis.evidence.steps import CLOSING, RESTART
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.source import checks_finiteness, finite_side
-from moedoctor.analysis.patterns import Context, Finding, Pattern, names, verb
-from moedoctor.analysis.steps import CLOSING, RESTART
+from moedoctor.analysis.patterns.base import (
+    DESYNC,
+    SAME_POSITION,
+    SOURCE,
+    STEPS,
+    Context,
+    Declaration,
+    Finding,
+    Pattern,
+    ev,
+    names,
+    verb,
+)
 from moedoctor.events import Evidence
 from moedoctor.wording import phase_label
 
@@ -207,6 +221,39 @@ _ADVICE = (
     "Decide to skip collectively: all_reduce the non-finite flag (a 0/1 tensor) with ReduceOp.MAX over "
     "the optimizer's group before the decision, so every rank skips optimizer.step() or none does. "
     "Zeroing the grads instead is not a no-op for AdamW (weight decay and momentum still move the weights)."
+)
+
+# ---- what it refines, the evidence it requires and what its classifier reads ---------------------
+
+
+def optimizer_step_signs(ctx, mech) -> bool:
+    """The optimizer's own hooks or values: a rank began ``optimizer.step`` or cleared its gradients,
+    a non-finite loss or gradient norm, a discarded step, or an inf/NaN test separating the ranks."""
+    if ctx.div is None:
+        return False
+    view = ctx.view
+    for r in ctx.div.per_rank:
+        if view.evidence(r, "optimizer_step_begin") or view.evidence(r, "zero_grad") or view.discarded_steps(r):
+            return True
+        if any(str(e.data.get("finite")).lower() == "false" for e in view.evidence(r, "grad_norm")):
+            return True
+        if any(view.nonfinite_loss(r, s) for s in {e.step for e in view.evidence(r, "loss")}):
+            return True
+    branch = ctx.decision()
+    return branch is not None and checks_finiteness(branch)
+
+
+OPTIMIZER_STEP_SIGNS = Requirement(
+    "optimizer-step evidence (step or zero_grad hooks, a non-finite value, a discarded step, an inf/NaN test)",
+    optimizer_step_signs,
+)
+
+
+DECLARATION = Declaration(
+    "skipped-optimizer-step",
+    DESYNC | SAME_POSITION | {M.RANK_OUTSIDE},
+    (OPTIMIZER_STEP_SIGNS,),
+    ev("backward_begin", "grad_norm", "loss", "optimizer_step_begin", "zero_grad") | STEPS | SOURCE,
 )
 
 PATTERN = Pattern(

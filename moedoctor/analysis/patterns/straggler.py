@@ -31,8 +31,22 @@ from __future__ import annotations
 
 import signal
 
+from moedoctor.analysis.evidence.requirements import Requirement
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
+from moedoctor.analysis.mechanisms.vocabulary import RankState
 from moedoctor.analysis.model import DivergenceKind, Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern, StackContext, StackFinding, names
+from moedoctor.analysis.patterns.base import (
+    BUSY,
+    EXCEPTION,
+    EXITS,
+    Context,
+    Declaration,
+    Finding,
+    Pattern,
+    StackContext,
+    StackFinding,
+    names,
+)
 
 
 def classify(ctx: Context) -> Finding | None:
@@ -200,6 +214,33 @@ def from_stacks(ctx: StackContext) -> StackFinding | None:
         summary, culprits, f"{names(culprits)}: outside any collective while the others wait in one", suggestion
     )
 
+
+# ---- what it refines, the evidence it requires and what its classifier reads ---------------------
+
+
+def waited_rank_working(ctx, mech) -> bool:
+    """The stacks show a rank the others wait for running outside ``torch.distributed``; or, when the
+    waiting ranks' own collective timeout ended the job, ``moedoctor run``'s busy record showed the
+    awaited ranks working outside any collective for the whole wait, and they did not crash
+    (``straggler.outlasted_wait``)."""
+    if mech is not None and mech.state == RankState.WORKING:
+        return True
+    return outlasted_wait(ctx) is not None
+
+
+WAITED_RANK_WORKING = Requirement(
+    "a stack (or a busy record lasting until the others' timeout) showing the waited-for rank working "
+    "outside torch.distributed",
+    waited_rank_working,
+)
+
+
+DECLARATION = Declaration(
+    "straggler",
+    frozenset({M.RANK_OUTSIDE}),
+    (WAITED_RANK_WORKING,),
+    {"stack_frame", "in_distributed", "frozen", "died"} | EXCEPTION | EXITS | BUSY,
+)
 
 PATTERN = Pattern(
     id="straggler",

@@ -32,11 +32,24 @@ from __future__ import annotations
 
 from collections import Counter
 
+from moedoctor.analysis.evidence.requirements import CHECKPOINT_IO, GATHER_LOOP, any_of
+from moedoctor.analysis.evidence.source import collection_decision
+from moedoctor.analysis.evidence.steps import cycle_loop_exit, loop_exit
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern, names
-from moedoctor.analysis.source import collection_decision
-from moedoctor.analysis.steps import cycle_loop_exit, loop_exit
+from moedoctor.analysis.patterns.base import (
+    DESYNC,
+    SAME_POSITION,
+    SOURCE,
+    Context,
+    Declaration,
+    Finding,
+    Pattern,
+    ev,
+    names,
+)
 from moedoctor.events import Phase
+
 
 _GATHERS = {"all_gather", "gather", "all_gather_coalesced", "broadcast"}
 
@@ -216,6 +229,15 @@ _ADVICE = (
     "Agree on one rank-invariant key manifest before the per-key collectives (all_reduce MAX of its "
     "length, then all_gather of the padded manifests), walk it in the same order on every rank, and "
     "take part with an empty shard for keys this rank lacks."
+)
+
+# ---- what it refines, the evidence it requires and what its classifier reads ---------------------
+
+DECLARATION = Declaration(
+    "uneven-dtensor-allgather",
+    DESYNC | SAME_POSITION | {M.RANK_OUTSIDE},
+    (any_of(CHECKPOINT_IO, GATHER_LOOP),),
+    ev("checkpoint_save_begin") | SOURCE,
 )
 
 PATTERN = Pattern(

@@ -16,10 +16,21 @@ Fix: none to name; read the side-by-side table around the divergence.
 
 from __future__ import annotations
 
+from moedoctor.analysis.evidence.source import rank_guard
+from moedoctor.analysis.evidence.steps import CLOSING, RESTART, loop_exit, omission
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Suggestion
-from moedoctor.analysis.patterns import Context, Finding, Pattern, StackContext, StackFinding, names
-from moedoctor.analysis.source import rank_guard
-from moedoctor.analysis.steps import CLOSING, RESTART, loop_exit, omission
+from moedoctor.analysis.patterns.base import (
+    SOURCE,
+    Context,
+    Declaration,
+    Finding,
+    Pattern,
+    StackContext,
+    StackFinding,
+    ev,
+    names,
+)
 
 
 def classify(ctx: Context) -> Finding | None:
@@ -143,6 +154,15 @@ def _site(stack) -> str | None:
     f = stack.user_frame
     return None if f is None else f"{f.file}:{f.line}"
 
+
+# ---- what it refines, the evidence it requires and what its classifier reads ---------------------
+
+DECLARATION = Declaration(
+    "unknown-desync",
+    frozenset(M),
+    (),
+    ev("backward_begin", "optimizer_step_begin") | {"died", "stack", "discarded_in"} | SOURCE,
+)
 
 PATTERN = Pattern(
     id="unknown-desync",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from functools import cached_property
 
-from moedoctor.analysis.load import RunData
+from moedoctor.analysis.loading.run_data import RunData
 from moedoctor.analysis.model import GroupRef
 from moedoctor.events import CollectiveEvent, Evidence, Phase, RankException, TracebackFrame
 from moedoctor.process_state import ProcessState

@@ -1,7 +1,7 @@
 """Reading one rank's trace file whole (``read_rank_trace``) or record by record (``TraceFolder``, for
-the streaming path of ``analysis.scan``), and the last sequence numbers the traces reached.
+the streaming path of ``analysis.loading.scan``), and the last sequence numbers the traces reached.
 
-Below both ``analysis.load`` (which opens a run) and ``analysis.scan`` (which streams a large one),
+Below both ``analysis.loading.load`` (which opens a run) and ``analysis.loading.scan`` (which streams a large one),
 so that neither imports the other at run time.
 """
 

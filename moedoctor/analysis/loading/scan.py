@@ -32,15 +32,13 @@ from dataclasses import dataclass, field
 from itertools import chain, compress, islice, repeat
 from operator import eq, itemgetter
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from moedoctor.analysis.trace_files import TraceFolder, last_sequences, read_rank_trace
+from moedoctor.analysis.loading.run_data import RunData
+from moedoctor.analysis.loading.trace_files import TraceFolder, last_sequences, read_rank_trace
 from moedoctor.trace import schema
 from moedoctor.trace.reader import RankTrace, TraceError, TraceFile
 from moedoctor.trace.op_names import CANONICAL_OPS
 
-if TYPE_CHECKING:  # only for the annotation: load imports this module, not the reverse
-    from moedoctor.analysis.load import RunData
 
 #: Sequence numbers per hash chunk.
 CHUNK = 256

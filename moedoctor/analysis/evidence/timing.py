@@ -33,7 +33,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from moedoctor.analysis.source import calls_in, line_text, qualified_function
+from moedoctor.analysis.evidence.source import calls_in, line_text, qualified_function
 from moedoctor.events import CollectiveEvent
 from moedoctor.wording import phase_label
 

@@ -7,7 +7,7 @@ rank, a stack dump or manifest that does not parse, each becomes a line of ``Run
 and the analysis goes on with what is left. Only a path that holds nothing to analyze at all raises
 ``MoedoctorError`` (exit status 2).
 
-Traces larger than ``stream_above`` bytes in all are not loaded whole: ``moedoctor.analysis.scan``
+Traces larger than ``stream_above`` bytes in all are not loaded whole: ``moedoctor.analysis.loading.scan``
 hashes each rank's collectives per group in one streaming pass, finds where the ranks first differ,
 and loads only those windows and each file's tail (``RunData.windowed``).
 """
@@ -16,131 +16,29 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
-from moedoctor.analysis.completion import fuse_flight_recorder
+from moedoctor.analysis.loading.completion import fuse_flight_recorder
+from moedoctor.analysis.loading.run_data import GpuDevice, GpuSnapshot, ManifestInfo, RunData, SourceKind
+from moedoctor.analysis.loading.scan import load_windowed
 from moedoctor.analysis.model import Verdict
 from moedoctor.errors import EXIT_USAGE, MoedoctorError
 from moedoctor.layout import GPU, JOB_LOG, JOB_LOGS, MANIFEST, STACK_FILES, STACKS, TRACES, RunDir
 from moedoctor.manifest_format import Manifest
-from moedoctor.run_records import BusyRecord, HangRecord, RankExit, StackDump, read_stack_dump, supervisor_alive
+from moedoctor.run_records import RankExit, StackDump, read_stack_dump, supervisor_alive
 from moedoctor.trace.format import STOPPED, read_statuses, recorder_markers, stopped_line
 from moedoctor.trace.reader import RankTrace, bounded_int, trace_paths
 from moedoctor.trace.schema import MAX_WORLD_SIZE
-from moedoctor.analysis.trace_files import _clip, _int, last_sequences, read_rank_trace
+from moedoctor.analysis.loading.trace_files import _clip, _int, last_sequences, read_rank_trace
 from moedoctor.wording import rank_ranges
 
-#: Above this many bytes of trace files the streaming path is used (see ``moedoctor.analysis.scan``).
+#: Above this many bytes of trace files the streaming path is used (see ``moedoctor.analysis.loading.scan``).
 STREAM_THRESHOLD = 64 << 20
-
-
-class SourceKind:
-    RUN_DIR = "run-dir"
-    TRACES = "traces"
-    FLIGHT_RECORDER = "flight-recorder"
-
-
-@dataclass(frozen=True, slots=True)
-class GpuDevice:
-    index: int
-    name: str | None
-    utilization: int | None  # percent, GPU
-    memory_used: int | None
-    memory_total: int | None
-    ecc_uncorrected: int | None  # volatile uncorrected ECC errors
-    retired_pending: bool | None
-    remapped_failure: bool | None
-    processes: int
-
-
-@dataclass(frozen=True, slots=True)
-class GpuSnapshot:
-    """``gpu/<host>.json``: NVML's view of one node when the hang was declared."""
-
-    host: str
-    available: bool
-    reason: str | None
-    devices: tuple[GpuDevice, ...] = ()
 
 
 #: Arguments of the recorded launch command kept (bounded analysis).
 MAX_COMMAND_ARGS = 4096
-
-
-@dataclass
-class ManifestInfo:
-    """What the analysis uses of ``manifest.json``."""
-
-    status: str | None
-    hang: HangRecord | None
-    exits: dict[int, RankExit]
-    world_size: int | None
-    coverage_gaps: list[str] = field(default_factory=list)
-    launcher_exits: list[int | None] = field(default_factory=list)  # one per node
-    command: list[str] | None = None  # the launch command (the job's script names its ``__main__``)
-    #: Silences of the collectives the supervisor judged not a hang (busy, or unproven).
-    busy: list[BusyRecord] = field(default_factory=list)
-    #: Supervisors that died without recording the run's end (``kill -9``): the manifest still says
-    #: ``running`` and no process holds the run directory's lock. One ``moedoctor pid N on HOST`` each.
-    lost_supervisors: list[str] = field(default_factory=list)
-    #: When the run was interrupted: the node's recorded end (Ctrl-C), or, for a lost supervisor, the
-    #: last write of anything in the run directory (its job was stopped with it within a second).
-    stopped_at: float | None = None
-
-    @property
-    def interrupted(self) -> bool:
-        """The run did not end by itself: moedoctor was interrupted (Ctrl-C, SIGTERM) and stopped the
-        job, or it was killed (the job was stopped with it), before any hang was declared."""
-        return self.hang is None and (self.status == "interrupted" or bool(self.lost_supervisors))
-
-    def interruption(self) -> str:
-        """``moedoctor (pid 12 on vm) died without recording how the run ended (kill -9?) ...``."""
-        import time
-
-        at = f" at about {time.strftime('%H:%M:%S %Z', time.localtime(self.stopped_at))}" if self.stopped_at else ""
-        if self.lost_supervisors:
-            at += " (the run directory's last write)" if at else ""
-            return (
-                f"the run was interrupted: its supervisor ({', '.join(self.lost_supervisors[:4])}) died{at} "
-                "without recording how the run ended (kill -9?), and the job was stopped with it"
-            )
-        return f"the run was interrupted: moedoctor was stopped (Ctrl-C or SIGTERM){at} and stopped the job"
-
-
-@dataclass
-class RunData:
-    """The input of ``analyze``.
-
-    ``last_seq[rank][group]`` is the last collective sequence number each rank issued on each group
-    and ``last_p2p[rank][(group, peer)]`` the last p2p sequence number per peer: exact even when
-    ``windowed`` (then ``traces`` hold only the events around the divergence and at each file's
-    end). ``open_ended`` ranks have traces that stop before the rank did (event cap): beyond their
-    last event nothing is known, so they are never counted as missing there."""
-
-    path: Path
-    kind: str
-    traces: list[RankTrace]
-    world_size: int | None = None
-    stacks: dict[int, StackDump] = field(default_factory=dict)
-    gpus: list[GpuSnapshot] = field(default_factory=list)
-    manifest: ManifestInfo | None = None
-    incomplete: list[str] = field(default_factory=list)
-    last_seq: dict[int, dict[str, int]] = field(default_factory=dict)
-    last_p2p: dict[int, dict[tuple[str, int], int]] = field(default_factory=dict)
-    open_ended: set[int] = field(default_factory=set)
-    windowed: bool = False
-    #: Ranks whose recorder stopped on a failed write of its own (disk full), with its status line:
-    #: open-ended too, and a verdict of healthy has no evidence behind it.
-    recording_stopped: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def ranks(self) -> list[int]:
-        return sorted(t.rank for t in self.traces)
-
-    @property
-    def trace_of(self) -> dict[int, RankTrace]:
-        return {t.rank: t for t in self.traces}
 
 
 def load_runs(
@@ -259,8 +157,6 @@ def _finish(
 ) -> RunData:
     total = sum(_size(p) for p in paths)
     if total > stream_above:
-        from moedoctor.analysis.scan import load_windowed
-
         load_windowed(run, paths, workers=workers)
     else:
         for p in paths:

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moedoctor.analysis.model import Divergence, DivergenceKind, WaitEdge
-from moedoctor.analysis.view import RunView
-from moedoctor.analysis.waitfor import chain_roots
+from moedoctor.analysis.evidence.view import RunView
+from moedoctor.analysis.mechanisms.waitfor import chain_roots
 from moedoctor.events import CollectiveEvent
 from moedoctor.wording import rank_names
 

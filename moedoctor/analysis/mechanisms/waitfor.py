@@ -10,7 +10,7 @@ wait for nobody are the roots: the hang starts there.
 from __future__ import annotations
 
 from moedoctor.analysis.model import WaitEdge
-from moedoctor.analysis.view import RunView
+from moedoctor.analysis.evidence.view import RunView
 from moedoctor.events import CollectiveEvent
 
 

@@ -24,7 +24,7 @@ from collections import Counter
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
-from moedoctor.analysis.view import RunView
+from moedoctor.analysis.evidence.view import RunView
 from moedoctor.events import CollectiveEvent
 
 RESTART, CLOSING = "restart", "closing"
