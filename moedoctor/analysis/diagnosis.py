@@ -23,7 +23,7 @@ from moedoctor.analysis.patterns import missing as missing_evidence
 from moedoctor.analysis.from_stacks import report_from_stacks
 from moedoctor.analysis.loading.run_data import RunData, SourceKind
 from moedoctor.analysis.matching import all_divergences, stalled
-from moedoctor.analysis.mechanisms.vocabulary import MechanismFinding
+from moedoctor.analysis.mechanisms.vocabulary import Mechanism, MechanismFinding
 from moedoctor.analysis.mechanisms.detection import mechanism_of
 from moedoctor.analysis.mechanisms.wording import suggestion as mechanism_suggestion
 from moedoctor.analysis.model import (
@@ -109,6 +109,18 @@ def analyze(run: RunData) -> Report:
         if sorted(finding.culprits) != culprit_ranks:
             culprit_ranks = sorted(finding.culprits)
             reasoning = f"{names(culprit_ranks)}: named by the {pattern.id} evidence"
+    if (
+        not named
+        and mechanism is not None
+        and mechanism.mechanism in (Mechanism.SKIPPED_COLLECTIVE, Mechanism.EXTRA_COLLECTIVE)
+        and mechanism.ranks
+        and sorted(mechanism.ranks) != culprit_ranks
+    ):
+        # No pattern named: the mechanism's reading of the earlier steps says which side left out or
+        # added the collective (the vocabulary's culprits), where the generic rules only see who waits.
+        culprit_ranks = sorted(mechanism.ranks)
+        did = "left out" if mechanism.mechanism == Mechanism.SKIPPED_COLLECTIVE else "issued"
+        reasoning = f"{names(culprit_ranks)} {did} the collective the others did not ({mechanism.mechanism.value})"
     if not culprit_ranks and primary is None and died:
         culprit_ranks = _first_deaths(view, died)
         reasoning = f"{names(culprit_ranks)} died; no collective divergence was recorded before"

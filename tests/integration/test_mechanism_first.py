@@ -97,3 +97,20 @@ def test_a_per_parameter_loop_left_early_where_task_heads_got_no_gradient_is_ina
     assert report["mechanism"]["mechanism"] == "loop-trip-count", context
     assert report["pattern"] == "inactive-experts" and report["culprit_ranks"] == [1], context
     assert any("heads.1" in line for line in report["evidence"]), context
+
+
+def test_a_sharded_step_gather_skipped_after_the_gradient_loop_is_not_a_checkpoint_walk(tmp_path):
+    """Gradients all-reduced one parameter at a time, then the sharded step's all-gather; rank 1
+    skips its step and all-reduces the first parameter again while rank 0 gathers. The gather at the
+    divergence follows a loop whose passes all walked the same items: not ranks walking different key
+    sets in a save (corpus 29's RWKV loss-spike guard was named `uneven-dtensor-allgather`, culprit
+    rank 0). The mechanism's skipping rank is the culprit when no pattern is named."""
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, "sharded_step_skipped_gather.py", "--hang-timeout", "10", timeout=150)
+    assert result.returncode == EXIT_HANG, result.tail()
+    report = json.loads((run_dir / "report.json").read_text())
+    context = f"{report['summary']}\n{json.dumps(report['mechanism'], indent=1)}\n{result.tail()}"
+    mech = report["mechanism"]
+    assert mech["mechanism"] == "skipped-collective" and mech["ranks"] == [1], context
+    assert report["pattern"] != "uneven-dtensor-allgather", context
+    assert report["culprit_ranks"] == [1], context

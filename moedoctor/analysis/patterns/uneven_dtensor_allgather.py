@@ -35,6 +35,7 @@ from collections import Counter
 from moedoctor.analysis.evidence.requirements import CHECKPOINT_IO, GATHER_LOOP, any_of
 from moedoctor.analysis.evidence.source import collection_decision
 from moedoctor.analysis.evidence.steps import cycle_loop_exit, loop_exit
+from moedoctor.analysis.mechanisms.loops import pass_restarted
 from moedoctor.analysis.mechanisms.vocabulary import Mechanism as M
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns.base import (
@@ -101,6 +102,10 @@ def classify(ctx: Context) -> Finding | None:
     present = ctx.present()
     saving = sorted(r for r, v in present.items() if v.phase == "checkpoint_save")
     exit_ = loop_exit(view, div.group.name, div.seq, list(div.per_rank))
+    if exit_ is not None and pass_restarted(view, div.group.name, div.seq, exit_) is not None:
+        # Every earlier pass walked the same items and the "looping" ranks began the next pass: the
+        # ranks walk the same number of items, they parted after the loop (mechanisms.loops).
+        exit_ = None
     if exit_ is None and (looped := cycle_loop_exit(view, ctx.cycle)) is not None:
         exit_ = looped[1]
     if not saving and exit_ is None:
