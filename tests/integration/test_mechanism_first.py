@@ -114,3 +114,18 @@ def test_a_sharded_step_gather_skipped_after_the_gradient_loop_is_not_a_checkpoi
     assert mech["mechanism"] == "skipped-collective" and mech["ranks"] == [1], context
     assert report["pattern"] != "uneven-dtensor-allgather", context
     assert report["culprit_ranks"] == [1], context
+
+
+def test_an_order_written_in_both_arms_of_an_if_is_a_reordering(tmp_path):
+    """Two groups over the same ranks; the order of their all-reduces is written twice, in both arms of
+    an `if` on the rank's own queue. Rank 1 takes the other arm at step 2 and waits in a collective
+    from a line rank 0 never ran, but that line's call is the one rank 0 issues from the other arm,
+    same op and sizes: a reordering (corpus 29's MuZero reanalyse learner was `unknown-desync`, read as
+    a collective that appeared on some ranks)."""
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, "two_groups_order_written_twice.py", "--hang-timeout", "8", timeout=150)
+    assert result.returncode == EXIT_HANG, result.tail()
+    report = json.loads((run_dir / "report.json").read_text())
+    context = f"{report['summary']}\n{json.dumps(report['mechanism'], indent=1)}\n{result.tail()}"
+    assert report["mechanism"]["mechanism"] == "wait-cycle", context
+    assert report["pattern"] == "collective-order-inversion", context

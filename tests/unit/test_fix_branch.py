@@ -120,6 +120,32 @@ def test_an_inf_nan_check_is_read_through_one_assignment_or_one_call(tmp_path):
     assert not checks_finiteness(Branch(str(path), 13, "loss > 10", False))
 
 
+def test_an_inf_nan_flag_converted_in_the_test_is_read_through_its_assignment(tmp_path):
+    """``nonfinite = torch.tensor(float(not torch.isfinite(norm)))`` then ``if nonfinite.item() > 0:``
+    (corpus 29's DreamerV2 ZeRO-1, read as no check before): ``.item()``, ``float()``, ``bool()``
+    keep their operand's value, so the test is made of the flag; a flag assigned from anything else
+    still is no check."""
+    from moedoctor.analysis.evidence.source import Branch, checks_finiteness
+
+    path = tmp_path / "zero1.py"
+    path.write_text(textwrap.dedent("""\
+        import torch
+
+        def step(g, loss):
+            nonfinite = torch.tensor(float(not torch.isfinite(g.norm())))
+            if nonfinite.item() > 0:
+                return False
+            if bool(nonfinite):
+                return False
+            big = torch.tensor(float(loss > 10))
+            if big.item() > 0:
+                return False
+        """))
+    assert checks_finiteness(Branch(str(path), 5, "nonfinite.item() > 0", False))
+    assert checks_finiteness(Branch(str(path), 7, "bool(nonfinite)", False))
+    assert not checks_finiteness(Branch(str(path), 10, "big.item() > 0", False))
+
+
 def test_an_inf_nan_check_is_read_through_an_assignment_that_calls_a_method_of_the_file(tmp_path):
     """``overflow = self.scaler.has_overflow(buf)`` then ``if overflow:`` (a loss scaler of the same
     file, as DeepSpeed-style optimizers written into a script have); a call that checks nothing does

@@ -185,7 +185,18 @@ def _operand_names(node: ast.AST) -> set[str]:
         return set().union(*(_operand_names(v) for v in node.values))
     if isinstance(node, ast.Compare):
         return set().union(_operand_names(node.left), *(_operand_names(c) for c in node.comparators))
+    if isinstance(node, ast.Call) and not node.keywords:
+        # A conversion keeps its operand's value: `flag.item()`, `t.any()`, `float(x)`, `bool(x)`.
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr in _VALUE_METHODS and not node.args:
+            return _operand_names(f.value)
+        if isinstance(f, ast.Name) and f.id in _CONVERSIONS and len(node.args) == 1:
+            return _operand_names(node.args[0])
     return set()
+
+
+_VALUE_METHODS = frozenset({"item", "any", "all", "bool", "float", "int"})
+_CONVERSIONS = frozenset({"bool", "float", "int"})
 
 
 def _reads_rank(enc: Enclosing) -> bool:

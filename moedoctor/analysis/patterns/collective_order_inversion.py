@@ -45,7 +45,7 @@ DCP-side-group cycle named `uneven-dtensor-allgather` (a checkpoint phase alone 
 
 from __future__ import annotations
 
-from moedoctor.analysis.evidence.source import Branch, decision_branch, frames, on_the_way, rank_guard
+from moedoctor.analysis.evidence.source import Branch, decision_branch, frames, line_text, on_the_way, rank_guard
 from moedoctor.analysis.evidence.steps import cycle_loop_exit
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns.base import DESYNC, SOURCE, Context, Declaration, Finding, Pattern, names
@@ -243,10 +243,31 @@ def _unissued(ctx: Context):
         if e is None or e.call_site is None:
             continue
         for m in edge.waits_for:
-            if not view.issued_from(m, edge.group, e.call_site.where) and not _counterpart(
-                view, edge.group, edge.rank, e, m
+            if (
+                not view.issued_from(m, edge.group, e.call_site.where)
+                and not _counterpart(view, edge.group, edge.rank, e, m)
+                and not _twin(view, edge.group, e, m)
             ):
                 yield edge, e, m
+
+
+def _twin(view, group: str, e, m: int) -> bool:
+    """``m`` issued on the group before ``e``'s op with ``e``'s sizes from another line of the same file
+    that reads the same (``dist.all_reduce(t, group=g)`` written in both arms of an ``if`` whose arms
+    order the groups differently): the same collective reached by another path, not a new one."""
+    site = e.call_site
+    text = line_text(site.file, site.line)
+    if not text:
+        return False
+    return any(
+        x.call_site is not None
+        and x.call_site.file == site.file
+        and x.call_site.line != site.line
+        and x.op == e.op
+        and x.in_shapes == e.in_shapes
+        and line_text(x.call_site.file, x.call_site.line) == text
+        for x in view.events(m, group, before=e.seq)
+    )
 
 
 def _counterpart(view, group: str, waiter: int, e, m: int) -> bool:
