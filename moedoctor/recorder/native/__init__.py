@@ -401,6 +401,12 @@ class NativeKernels:
         hits, misses = self._m.site_cache_counts()
         return int(hits), int(misses)
 
+    def set_defer(self, on: bool) -> None:
+        """Benchmarks: format the records on the writer thread (on, the default) or at once on the
+        recording thread (``MOEDOCTOR_DEFER_FORMAT=0``); what is pending is written first."""
+        self._m.set_defer(on)
+        self.defer_format = on
+
     def set_clock(self, on: bool = True) -> None:
         """Benchmarks only: the kernel times itself by part (eight clock reads and seven shared
         counters per collective, a cost of their own: off in production)."""
