@@ -251,7 +251,10 @@ struct Entry {
   RawSide in, out;
 };
 
-static constexpr size_t PENDING_CAPACITY = 4096;  // slots; beyond, the recording thread writes them
+// Slots (about 630 bytes each, two lists): at most one 2 ms flush period of records, unless the writer
+// is late; beyond, the recording thread writes them.
+static constexpr size_t PENDING_CAPACITY = 1024;
+static constexpr size_t KEPT_BYTES = 4096;  // a slot's strings keep at most this capacity between uses
 static constexpr auto FLUSH_EVERY = std::chrono::milliseconds(2);
 static constexpr size_t OUT_CAPACITY = 1 << 20;
 // Two lists of slots: the kernels fill one (buffer_mu, briefly), a flush swaps it for the other and
@@ -457,6 +460,13 @@ static void flush_buffer() {
   if (out.fd >= 0) {
     format_entries(out, *draining, n);
     out.flush();
+  }
+  for (size_t i = 0; i < n; ++i) {  // a rare large record's memory is not kept by its slot
+    Entry& e = (*draining)[i];
+    if (e.bytes.capacity() > KEPT_BYTES) std::string().swap(e.bytes);
+    if (e.splits.capacity() > KEPT_BYTES) std::string().swap(e.splits);
+    if (e.in.shapes.capacity() > KEPT_BYTES) std::string().swap(e.in.shapes);
+    if (e.out.shapes.capacity() > KEPT_BYTES) std::string().swap(e.out.shapes);
   }
 }
 
