@@ -42,7 +42,8 @@ def kernel_split(native) -> str | None:
         f"native kernel: {calls} collectives recorded, {ns / per:.2f} us each inside the kernel (arguments "
         f"{pre / per:.2f}, taking the GIL {gil / per:.2f}, stack walk {walk / per:.2f}, record {post / per:.2f}, "
         f"leaving {(ns - pre - gil - walk - post - write) / per:.2f}, write {write / per:.2f}), "
-        f"fast walk {'on' if native.fast_walk else 'off'}, call-site cache {_site_cache(native)} "
+        f"fast walk {'on' if native.fast_walk else 'off'}, call-site cache {_site_cache(native)}, "
+        f"formatting {'deferred to the writer' if getattr(native, 'defer_format', False) else 'on the recording thread'} "
         "(clock on: its reads add to these figures)"
     )
 

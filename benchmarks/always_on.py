@@ -18,6 +18,8 @@ thread keeps waking every 2 ms (it writes only when records are buffered).
 
   python benchmarks/always_on.py                       # 2 Gloo ranks on CPU, 145 collectives/step
   python benchmarks/always_on.py --backend nccl        # 2 GPUs (same loop, bf16 params)
+  python benchmarks/always_on.py --versus immediate    # recorder on throughout: the native kernel's formatting
+                                                       # deferred to its writer thread (on) or done at once (off)
   moedoctor run -- torchrun --nproc_per_node 2 benchmarks/always_on.py   # the recorder as installed by `moedoctor run`
 
 Without torchrun's environment the script starts itself under ``torch.distributed.run``. The last
@@ -64,6 +66,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--kernel-clock",
         action="store_true",
         help="the native kernel times itself by part, printed (its clock's reads add to the cost)",
+    )
+    parser.add_argument(
+        "--versus",
+        default="paused",
+        choices=["paused", "immediate"],
+        help="what the on blocks are compared with: the recorder paused (the always-on A/B), or the recorder on "
+        "with the native kernel formatting each record on the training thread (MOEDOCTOR_DEFER_FORMAT=0's path; "
+        "the on blocks defer it to the writer thread, the default)",
     )
     parser.add_argument("--dump", metavar="FILE", help="rank 0: every block's figures as JSON, for analysis")
     parser.add_argument(
@@ -146,6 +156,8 @@ def main() -> int:
     # Installed before the model is built, as `moedoctor run`'s bootstrap does at torch's import.
     recorder = installed_recorder() or install(Path(tempfile.mkdtemp(prefix="moedoctor-always-on-")))
     kernels = "native" if recorder._native is not None else "python"
+    if args.versus == "immediate" and recorder._native is None:
+        raise SystemExit("--versus immediate needs the native kernel")
     if args.kernel_clock and recorder._native is not None:
         recorder._native.set_clock(True)
     torch.manual_seed(0)
@@ -192,7 +204,10 @@ def main() -> int:
     timed_steps = {True: 0, False: 0}
     for pair in range(args.pairs):
         for on in (True, False) if pair % 2 == 0 else (False, True):
-            recorder.resume() if on else recorder.pause()
+            if args.versus == "immediate":  # the recorder on in both; formatting deferred in the on blocks
+                recorder._native.set_defer(on)
+            else:
+                recorder.resume() if on else recorder.pause()
             for _ in range(args.settle):
                 step()
             sync()
@@ -278,7 +293,15 @@ def main() -> int:
                     }
                 )
             )
-        print(always_on_line(per_step, (cpu_mid, cpu_lo, cpu_hi), (step_mid, step_lo, step_hi)), flush=True)
+        if args.versus == "immediate":  # on = deferred, off = immediate: the deferral's own gain
+            print(
+                f"deferred formatting vs immediate: {per_step:.0f} collectives/step, training-thread CPU "
+                f"{cpu_mid:+.2f}% (CI {cpu_lo:+.2f}..{cpu_hi:+.2f}), step time {step_mid:+.2f}% "
+                f"(CI {step_lo:+.2f}..{step_hi:+.2f})",
+                flush=True,
+            )
+        else:
+            print(always_on_line(per_step, (cpu_mid, cpu_lo, cpu_hi), (step_mid, step_lo, step_hi)), flush=True)
     dist.destroy_process_group()
     return 0
 

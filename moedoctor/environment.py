@@ -15,6 +15,7 @@ variable                     set by                meaning
 ``MOEDOCTOR_NATIVE_VERBOSE`` the user              ``1``: the native kernel's build prints its compiler output
 ``MOEDOCTOR_FAST_WALK``      the user              ``0``: the native kernel never walks CPython's frames directly
 ``MOEDOCTOR_SITE_CACHE``     the user              ``0``: the native kernel walks the whole stack at every collective
+``MOEDOCTOR_DEFER_FORMAT``   the user              ``0``: the native kernel formats each record on the training thread
 ``MOEDOCTOR_FR_COMPLETION``  the user              ``0``: no completion records from the Flight Recorder poller
 ``MOEDOCTOR_CHECK_PARAMS``   ``--check-params``    the optimizer step whose parameters are fingerprinted
 ``MOEDOCTOR_FIXES``          ``verify``, ``--fix`` comma-separated fix names the workers install
@@ -66,6 +67,7 @@ NATIVE = Var("NATIVE", "'1': record with the native (C++) kernel; anything else:
 NATIVE_VERBOSE = Var("NATIVE_VERBOSE", "'1': the native kernel's build prints the compiler's output")
 FAST_WALK = Var("FAST_WALK", "'0': the native kernel never walks CPython's frames directly")
 SITE_CACHE = Var("SITE_CACHE", "'0': the native kernel walks the whole stack at every collective (no call-site cache)")
+DEFER_FORMAT = Var("DEFER_FORMAT", "'0': the native kernel formats each record on the recording thread")
 FR_COMPLETION = Var("FR_COMPLETION", "'0': no completion records from the Flight Recorder poller")
 CHECK_PARAMS = Var("CHECK_PARAMS", "the optimizer step whose parameters are fingerprinted (--check-params)")
 FIXES = Var("FIXES", "comma-separated names of the fixes the workers install")
@@ -82,6 +84,7 @@ VARIABLES = (
     NATIVE_VERBOSE,
     FAST_WALK,
     SITE_CACHE,
+    DEFER_FORMAT,
     FR_COMPLETION,
     CHECK_PARAMS,
     FIXES,
@@ -128,6 +131,11 @@ def fast_walk(environ: Environ | None = None) -> bool:
 def site_cache(environ: Environ | None = None) -> bool:
     """On unless ``MOEDOCTOR_SITE_CACHE=0``."""
     return not SITE_CACHE.equals("0", environ, "1")
+
+
+def defer_format(environ: Environ | None = None) -> bool:
+    """On unless ``MOEDOCTOR_DEFER_FORMAT=0``."""
+    return not DEFER_FORMAT.equals("0", environ, "1")
 
 
 def fr_completion(environ: Environ | None = None) -> bool:

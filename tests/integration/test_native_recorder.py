@@ -129,3 +129,29 @@ def test_call_site_cache_records_exactly_what_the_full_walk_records(native_built
         phases = Counter(rec["ph"] for rec in on if rec["k"] == "c")
         assert {"forward", "backward", "checkpoint_save", "other"} <= set(phases), phases
         assert any("mod" in rec for rec in on if rec["k"] == "c"), f"rank {rank}: no FSDP unit recorded"
+
+
+TIME = re.compile(rb',"t":[0-9]+\.[0-9]{6},')
+
+
+@pytest.mark.skipif(sys.version_info[:2] not in ((3, 11), (3, 12)), reason="the call-site cache needs the fast walk")
+def test_deferred_formatting_writes_the_same_bytes_as_formatting_at_once(native_built, tmp_path):
+    """The mixed job with the records formatted by the writer thread from raw slots (the default) and
+    on the recording thread at once (``MOEDOCTOR_DEFER_FORMAT=0``, the same formatter): every line of
+    every rank's trace the same bytes, times aside, in the same order."""
+    runs = {}
+    for defer in ("1", "0"):
+        run_dir = tmp_path / f"run-defer{defer}"
+        checkpoints = str(tmp_path / f"ckpt{defer}")
+        cmd = torchrun_command(SITE_CACHE_JOB, NPROC, "--steps", "3", "--checkpoint-dir", checkpoints)
+        result = run_command(cmd, timeout=240, env=recorded_env(run_dir, MOEDOCTOR_NATIVE="1", MOEDOCTOR_DEFER_FORMAT=defer))
+        assert_ok(result)
+        assert result.output.count(f"defer_format={defer == '1'}") == NPROC, result.tail()
+        runs[defer] = run_dir
+    for rank in range(NPROC):
+        lines = {}
+        for defer, run_dir in runs.items():
+            text = (run_dir / "traces" / f"rank-{rank:05d}.jsonl").read_bytes()
+            lines[defer] = [TIME.sub(b",", line) for line in text.splitlines()[1:] if line.startswith((b'{"k":"c"', b'{"k":"s"', b'{"k":"g"'))]
+        assert sum(line.startswith(b'{"k":"c"') for line in lines["1"]) > 50, f"rank {rank}"
+        assert lines["1"] == lines["0"], f"rank {rank}: deferred and immediate formatting differ"

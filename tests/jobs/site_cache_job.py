@@ -1,6 +1,6 @@
 """``mixed_healthy.py`` under the installed recorder, then the native kernel's call-site cache counts:
-``site_cache=<on> hits=<n> misses=<n>`` (tests/integration/test_native_recorder.py compares the
-records of runs with the cache on and off).
+``site_cache=<on> hits=<n> misses=<n> defer_format=<on>`` (tests/integration/test_native_recorder.py
+compares the records of runs with the cache on and off, and with the formatting deferred or not).
 
   torchrun --nproc_per_node 2 tests/jobs/site_cache_job.py [mixed_healthy.py's arguments]
 """
@@ -20,5 +20,8 @@ if __name__ == "__main__":
     runpy.run_path(str(MIXED), run_name="__main__")
     native = getattr(installed_recorder(), "_native", None)
     hits, misses = native.site_cache_counts() if native is not None else (0, 0)
-    sys.stdout.write(f"site_cache={getattr(native, 'site_cache', None)} hits={hits} misses={misses}\n")
+    sys.stdout.write(
+        f"site_cache={getattr(native, 'site_cache', None)} hits={hits} misses={misses} "
+        f"defer_format={getattr(native, 'defer_format', None)}\n"
+    )
     sys.stdout.flush()

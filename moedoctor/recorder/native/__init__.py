@@ -1,8 +1,10 @@
 """The native recording kernel: opt-in (``MOEDOCTOR_NATIVE=1``), the Python kernels stay the fallback.
 
 ``kernel.cpp`` is the C++ twin of ``kernels.PythonKernels._kernel`` / ``_record``: a boxed kernel per
-collective op at ``BackendSelect`` that writes the same ``c`` line with one ``write(2)`` before the
-op is issued, and keeps c10d ``Work`` objects for the progress thread's ``poll()``. It is built on
+collective op at ``BackendSelect`` that records the same ``c`` line before the op is issued (its raw
+fields into a slot of a pending list; the writer thread formats and writes it within 2 ms, and so do a
+flush, close and the fatal-signal handler), and keeps c10d ``Work`` objects for the progress thread's
+``poll()``. It is built on
 first use with ``torch.utils.cpp_extension.load`` into torch's extension cache (``TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``; ranks building at once wait on torch's file lock) and needs a
 C++ compiler and ``ninja``; ``python -m moedoctor.recorder.native`` builds it ahead (at install time).
@@ -311,6 +313,10 @@ class NativeKernels:
         self.fast_walk = _fast_walk(module)
         #: Repeated stacks are answered from the call-site cache (fast walk only).
         self.site_cache = _site_cache(module, self.fast_walk)
+        #: Records are formatted by the writer thread from raw slots (``MOEDOCTOR_DEFER_FORMAT=0``: on
+        #: the recording thread, at once, by the same formatter).
+        self.defer_format = environment.defer_format()
+        module.set_defer(self.defer_format)
         self.sync_phase()
 
     # -- registration --------------------------------------------------------------------------
@@ -394,6 +400,12 @@ class NativeKernels:
         """(walks answered from the call-site cache, walks made in full while it was on)."""
         hits, misses = self._m.site_cache_counts()
         return int(hits), int(misses)
+
+    def set_defer(self, on: bool) -> None:
+        """Benchmarks: format the records on the writer thread (on, the default) or at once on the
+        recording thread (``MOEDOCTOR_DEFER_FORMAT=0``); what is pending is written first."""
+        self._m.set_defer(on)
+        self.defer_format = on
 
     def set_clock(self, on: bool = True) -> None:
         """Benchmarks only: the kernel times itself by part (eight clock reads and seven shared

@@ -110,14 +110,14 @@ struct State {
   // Read and written with the GIL held.
   std::unordered_map<PyObject*, int> code_flags;  // code object (kept alive) -> flags
   // FSDP param group -> (a weak reference to it, its unit as JSON): never keeps a model alive.
-  std::unordered_map<PyObject*, std::pair<PyObject*, std::string>> fsdp_fqns;
-  std::unordered_map<std::string, std::string> json_strings;  // str -> json.dumps(str)
+  std::unordered_map<PyObject*, std::pair<PyObject*, const std::string*>> fsdp_fqns;
+  std::unordered_map<std::string, std::string> json_strings;  // str -> json.dumps(str); never erased
   std::unordered_map<std::pair<PyObject*, int>, int, CodeOffsetHash> lines;  // (code, offset) -> line
   std::vector<std::string> dtype_names;  // ScalarType -> "float32"
   std::vector<std::string> reduce_names;  // RedOpType -> "sum"
   int64_t step = 0;
   int64_t optimizer_depth = 0;
-  std::string checkpoint_phase;  // "" when not inside a checkpoint save/load
+  const std::string* checkpoint_phase = nullptr;  // interned; null when not inside a checkpoint save/load
 
   // Guarded by state_mu.
   std::mutex state_mu;
@@ -138,7 +138,7 @@ struct State {
 static State& S = *new State;
 
 static thread_local bool inside = false;  // a recorded op's own collectives pass straight through
-static thread_local std::string thread_json;  // this thread's name, JSON-encoded
+static thread_local const std::string* thread_json = nullptr;  // this thread's name, JSON-encoded; never freed
 // -- small helpers ------------------------------------------------------------------------------
 
 // The GIL, taken the way any C++ thread may take it (creating a thread state where there is none).
@@ -205,65 +205,310 @@ static void write_all(int target, const char* data, size_t size) {
 }
 
 // -- buffered records ------------------------------------------------------------------------------
-// The kernels append records to one buffer instead of a write(2) each (about 8 us inside FSDP2's
-// steps on an H200 host). It reaches the file: every FLUSH_EVERY from a writer thread of ours (no
-// GIL), before every record the Python side writes (so the file keeps the order records were made
-// in), when it is full, at close, from os._exit's wrapper, and from a handler of the signals a crash
-// ends a process with (SIGABRT: Gloo aborts a rank within milliseconds of a size mismatch; SIGSEGV,
-// SIGBUS), which then hands the signal to whatever handled it before. SIGTERM (how launchers and
+// The kernels do not format their records: each collective's raw fields (ids, sequence numbers, the
+// tensors' sizes and dtypes, interned pointers for the strings) are copied into a fixed-size slot
+// (Entry) of a pending list, and the `c` line is formatted from it later, off the training thread,
+// byte for byte as the kernel formatted it before (the same order of keys, the same digits). Records
+// that come as bytes (groups, call sites, the cap record, the Python side's evidence) take a slot of
+// their own, so the file keeps the order records were made in. The pending slots are formatted and
+// written: every FLUSH_EVERY by a writer thread of ours (no GIL), before every record the Python side
+// writes itself, when the list is full (then on the recording thread), at close, from os._exit's
+// wrapper, and from a handler of the signals a crash ends a process with (SIGABRT: Gloo aborts a rank
+// within milliseconds of a size mismatch; SIGSEGV, SIGBUS), which formats into a static buffer (no
+// allocation) and then hands the signal to whatever handled it before. SIGTERM (how launchers and
 // moedoctor stop a job) is left alone: SIGTERM and SIGKILL may lose the last FLUSH_EVERY of records.
-static constexpr size_t BUFFER_CAPACITY = 1 << 20;
+// MOEDOCTOR_DEFER_FORMAT=0 (set_defer): the recording thread formats each record at once, with the
+// same formatter, into a bytes slot (the A/B of benchmarks/always_on.py --kernel-clock).
+static constexpr size_t INLINE_TENSORS = 4, INLINE_DIMS = 16;
+
+// One side's tensors (inputs or outputs), raw. `text` set: described as text on the recording thread
+// (more than INLINE_TENSORS tensors or INLINE_DIMS sizes, or a symbolic size): shapes and dtypes below.
+struct RawSide {
+  uint32_t count = 0;  // tensors seen
+  uint8_t kept = 0;    // tensors described inline
+  bool text = false;
+  uint8_t ndim[INLINE_TENSORS];
+  c10::ScalarType dtype[INLINE_TENSORS];
+  int64_t dims[INLINE_DIMS];
+  const std::string* device = nullptr;  // the first tensor's, interned (never freed)
+  std::string shapes, dtypes;           // only when `text`
+};
+
+struct Entry {
+  bool is_bytes = false;
+  std::string bytes;  // is_bytes: the whole record, as it goes to the file
+  // A collective (is_bytes false): everything its `c` line carries.
+  const Spec* spec = nullptr;
+  int64_t event = 0, group = 0, seq = 0, pseq = 0, site = -1, now_ns = 0, step = 0, peer = 0, root = 0;
+  bool p2p = false, is_async = false, has_root = false, root_null = false, counts = false;
+  int reduce = -1;                      // a ReduceOp's RedOpType; -1: none, or reduce_text
+  const std::string* reduce_text = nullptr;  // a reduce op given as a string (lower-cased, interned)
+  bool has_splits = false;
+  std::string splits;                   // has_splits: "[[...],[...]]", formatted on the recording thread
+  const std::string* thread = nullptr;  // JSON, interned
+  const char* phase = nullptr;          // a literal, or an interned checkpoint phase
+  const std::string* module = nullptr;  // JSON, interned; null: no unit
+  RawSide in, out;
+};
+
+// Slots (about 630 bytes each, two lists): at most one 2 ms flush period of records, unless the writer
+// is late; beyond, the recording thread writes them.
+static constexpr size_t PENDING_CAPACITY = 1024;
+static constexpr size_t KEPT_BYTES = 4096;  // a slot's strings keep at most this capacity between uses
 static constexpr auto FLUSH_EVERY = std::chrono::milliseconds(2);
-static char* const buffer = new char[BUFFER_CAPACITY];
-static std::atomic<size_t> buffered{0};
-static std::mutex buffer_mu;
+static constexpr size_t OUT_CAPACITY = 1 << 20;
+// Two lists of slots: the kernels fill one (buffer_mu, briefly), a flush swaps it for the other and
+// formats that one with only write_mu held (so the kernels go on meanwhile). Slots are reused: their
+// strings keep their capacity, so a slot costs no allocation once the lists are warm.
+static std::vector<Entry>* filling = new std::vector<Entry>(PENDING_CAPACITY);
+static std::vector<Entry>* draining = new std::vector<Entry>(PENDING_CAPACITY);
+static std::atomic<size_t> used{0};  // filled slots of *filling
+static std::mutex buffer_mu;         // filling, used
+static std::mutex write_mu;          // draining, the output buffers, the order of writes
+static char* const out_buffer = new char[OUT_CAPACITY];
+static char* const signal_buffer = new char[OUT_CAPACITY];  // the signal handler's own
+static bool defer_format = true;
 static std::once_flag writer_started;
 static struct sigaction previous_action[NSIG];
 static const int fatal_signals[] = {SIGABRT, SIGSEGV, SIGBUS};
 
-static void flush_locked() {  // buffer_mu held
-  const size_t n = buffered.load();
-  const int target = S.fd.load();
-  if (n > 0 && target >= 0) write_all(target, buffer, n);
-  buffered.store(0);
+// Formatting into a fixed buffer, written out when full: no allocation (the signal handler uses it).
+struct Out {
+  char* data;
+  size_t size = 0;
+  int fd;
+  void flush() {
+    if (size > 0 && fd >= 0) write_all(fd, data, size);
+    size = 0;
+  }
+  void put(const char* p, size_t n) {
+    if (size + n > OUT_CAPACITY) flush();
+    if (n > OUT_CAPACITY) {
+      if (fd >= 0) write_all(fd, p, n);
+      return;
+    }
+    std::memcpy(data + size, p, n);
+    size += n;
+  }
+  void put(const char* s) { put(s, std::strlen(s)); }
+  void put(const std::string& s) { put(s.data(), s.size()); }
+  void put(char c) { put(&c, 1); }
+  void put_int(int64_t value) {
+    char buf[24];
+    auto result = std::to_chars(buf, buf + sizeof(buf), value);
+    put(buf, static_cast<size_t>(result.ptr - buf));
+  }
+};
+
+static void format_shapes(Out& out, const RawSide& side) {
+  if (side.text) {
+    out.put(side.shapes);
+    return;
+  }
+  out.put('[');
+  size_t d = 0;
+  for (size_t i = 0; i < side.kept; ++i) {
+    if (i) out.put(',');
+    out.put('[');
+    for (size_t j = 0; j < side.ndim[i]; ++j, ++d) {
+      if (j) out.put(',');
+      out.put_int(side.dims[d]);
+    }
+    out.put(']');
+  }
+  out.put(']');
 }
 
+// The distinct dtypes of the described tensors, in order.
+static void format_dtypes(Out& out, const RawSide& side) {
+  if (side.text) {
+    out.put(side.dtypes);
+    return;
+  }
+  out.put('[');
+  size_t distinct = 0;
+  for (size_t i = 0; i < side.kept; ++i) {
+    const c10::ScalarType st = side.dtype[i];
+    bool known = false;
+    for (size_t j = 0; j < i && !known; ++j) known = side.dtype[j] == st;
+    if (known) continue;
+    if (distinct++) out.put(',');
+    out.put('"');
+    auto index = static_cast<size_t>(st);
+    if (index < S.dtype_names.size() && !S.dtype_names[index].empty()) {
+      out.put(S.dtype_names[index]);
+    } else {
+      out.put(c10::toString(st));
+    }
+    out.put('"');
+  }
+  out.put(']');
+}
+
+// The `c` line of a collective, exactly as the kernel wrote it when it formatted on the spot.
+static void format_collective(Out& out, const Entry& e) {
+  const Spec& spec = *e.spec;
+  out.put(MDK_COLLECTIVE_KIND MDK_COLLECTIVE_EVENT_ID);
+  out.put_int(e.event);
+  out.put(MDK_COLLECTIVE_GROUP);
+  out.put_int(e.group);
+  out.put(MDK_COLLECTIVE_SEQ);
+  out.put_int(e.seq);
+  if (e.p2p) {
+    out.put(MDK_COLLECTIVE_P2P_SEQ);
+    out.put_int(e.pseq);
+  }
+  out.put(MDK_COLLECTIVE_CALL_SITE);
+  if (e.site < 0) {
+    out.put("null");
+  } else {
+    out.put_int(e.site);
+  }
+  out.put(MDK_COLLECTIVE_TIME);  // time.time() as "%.6f"
+  const int64_t micros = (e.now_ns + 500) / 1000;
+  out.put_int(micros / 1000000);
+  char fraction[8] = {'.', '0', '0', '0', '0', '0', '0', 0};
+  for (int64_t rest = micros % 1000000, i = 6; i > 0; --i, rest /= 10) fraction[i] = static_cast<char>('0' + rest % 10);
+  out.put(fraction, 7);
+  out.put(MDK_COLLECTIVE_OP "\"");
+  out.put(spec.op);
+  out.put("\"" MDK_COLLECTIVE_RAW_OP "\"");
+  out.put(spec.qualified);
+  out.put("\"" MDK_COLLECTIVE_IN_SHAPES);
+  format_shapes(out, e.in);
+  out.put(MDK_COLLECTIVE_OUT_SHAPES);
+  format_shapes(out, e.out);
+  out.put(MDK_COLLECTIVE_DTYPES);
+  format_dtypes(out, e.in);
+  out.put(e.is_async ? MDK_COLLECTIVE_ASYNC_OP "true" MDK_COLLECTIVE_THREAD : MDK_COLLECTIVE_ASYNC_OP "false" MDK_COLLECTIVE_THREAD);
+  out.put(*e.thread);
+  out.put(MDK_COLLECTIVE_PHASE "\"");
+  out.put(e.phase);
+  out.put("\"" MDK_COLLECTIVE_STEP);
+  out.put_int(e.step);
+  if (e.reduce_text != nullptr || e.reduce >= 0) {
+    out.put(MDK_COLLECTIVE_REDUCE_OP "\"");
+    if (e.reduce_text != nullptr) {
+      out.put(*e.reduce_text);
+    } else {
+      const auto op = static_cast<size_t>(e.reduce);
+      if (op < S.reduce_names.size()) {
+        out.put(S.reduce_names[op]);
+      } else {
+        out.put_int(e.reduce);
+      }
+    }
+    out.put('"');
+  }
+  if (e.counts) {
+    out.put(MDK_COLLECTIVE_COUNTS "[");
+    out.put_int(e.in.count);
+    out.put(',');
+    out.put_int(e.out.count);
+    out.put(']');
+  }
+  if (e.has_splits) {
+    out.put(MDK_COLLECTIVE_SPLITS);
+    out.put(e.splits);
+  }
+  if (e.has_root) {
+    out.put(MDK_COLLECTIVE_ROOT);
+    if (e.root_null) {
+      out.put("null");
+    } else {
+      out.put_int(e.root);
+    }
+  }
+  if (e.module != nullptr) {
+    out.put(MDK_COLLECTIVE_MODULE);
+    out.put(*e.module);
+  }
+  if (e.p2p) {
+    out.put(MDK_COLLECTIVE_PEER);
+    out.put_int(e.peer);
+  }
+  if (e.in.device != nullptr) {
+    out.put(MDK_COLLECTIVE_DEVICE "\"");
+    out.put(*e.in.device);
+    out.put('"');
+  }
+  out.put("}\n");
+}
+
+static void format_entries(Out& out, const std::vector<Entry>& entries, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (entries[i].is_bytes) {
+      out.put(entries[i].bytes);
+    } else {
+      format_collective(out, entries[i]);
+    }
+  }
+}
+
+// Format and write what is pending; the kernels keep filling the other list meanwhile.
 static void flush_buffer() {
-  std::lock_guard<std::mutex> guard(buffer_mu);
-  flush_locked();
+  std::lock_guard<std::mutex> order(write_mu);
+  size_t n;
+  {
+    std::lock_guard<std::mutex> guard(buffer_mu);
+    n = used.load();
+    if (n == 0) return;
+    std::swap(filling, draining);
+    used.store(0);
+  }
+  Out out{out_buffer, 0, S.fd.load()};
+  if (out.fd >= 0) {
+    format_entries(out, *draining, n);
+    out.flush();
+  }
+  for (size_t i = 0; i < n; ++i) {  // a rare large record's memory is not kept by its slot
+    Entry& e = (*draining)[i];
+    if (e.bytes.capacity() > KEPT_BYTES) std::string().swap(e.bytes);
+    if (e.splits.capacity() > KEPT_BYTES) std::string().swap(e.splits);
+    if (e.in.shapes.capacity() > KEPT_BYTES) std::string().swap(e.in.shapes);
+    if (e.out.shapes.capacity() > KEPT_BYTES) std::string().swap(e.out.shapes);
+  }
+}
+
+// A slot for the caller to fill, with buffer_mu held (the caller unlocks). A full list is written
+// first, on this thread.
+static Entry& take_slot(std::unique_lock<std::mutex>& guard) {
+  guard = std::unique_lock<std::mutex>(buffer_mu);
+  while (used.load() >= PENDING_CAPACITY) {
+    guard.unlock();
+    flush_buffer();
+    guard.lock();
+  }
+  Entry& e = (*filling)[used.load()];
+  return e;
 }
 
 static void append_record(const char* data, size_t size) {
-  std::lock_guard<std::mutex> guard(buffer_mu);
-  if (buffered.load() + size > BUFFER_CAPACITY) flush_locked();
-  if (size > BUFFER_CAPACITY) {
-    const int target = S.fd.load();
-    if (target >= 0) write_all(target, data, size);
-    return;
-  }
-  const size_t n = buffered.load();
-  std::memcpy(buffer + n, data, size);
-  buffered.store(n + size);
+  std::unique_lock<std::mutex> guard;
+  Entry& e = take_slot(guard);
+  e.is_bytes = true;
+  e.bytes.assign(data, size);
+  used.fetch_add(1);
 }
 
 static void on_ending_signal(int sig, siginfo_t* info, void* context) {
-  // Write what is buffered unless another thread is in the middle of it (then it lands anyway,
-  // or, if this thread was interrupted while holding the lock, the last records are lost).
+  // Format and write what is pending unless another thread is in the middle of it (then it lands
+  // anyway, or, if this thread was interrupted while holding a lock, the last records are lost).
   for (int attempt = 0; attempt < 200; ++attempt) {
-    if (buffer_mu.try_lock()) {
-      const size_t n = buffered.load();
-      const int target = S.fd.load();
-      if (n > 0 && target >= 0) {
-        size_t done = 0;
-        while (done < n) {
-          ssize_t w = ::write(target, buffer + done, n - done);
-          if (w <= 0) break;
-          done += static_cast<size_t>(w);
+    if (write_mu.try_lock()) {
+      if (buffer_mu.try_lock()) {
+        const size_t n = used.load();
+        Out out{signal_buffer, 0, S.fd.load()};
+        if (n > 0 && out.fd >= 0) {
+          format_entries(out, *filling, n);
+          out.flush();
         }
+        used.store(0);
+        buffer_mu.unlock();
+        write_mu.unlock();
+        break;
       }
-      buffered.store(0);
-      buffer_mu.unlock();
-      break;
+      write_mu.unlock();
     }
     usleep(100);
   }
@@ -288,7 +533,7 @@ static void start_writer() {
     std::thread([] {
       for (;;) {
         std::this_thread::sleep_for(FLUSH_EVERY);
-        if (buffered.load(std::memory_order_relaxed) > 0) flush_buffer();
+        if (used.load(std::memory_order_relaxed) > 0) flush_buffer();
       }
     }).detach();
     for (int sig : fatal_signals) {
@@ -383,27 +628,38 @@ static const std::string& json_str(PyObject* str) {
 
 // -- reading the op's arguments (no GIL) ---------------------------------------------------------
 
-struct TensorSide {
-  size_t count = 0;
-  std::string shapes = "[]";
-  std::string dtypes = "[]";
-  const std::string* device = nullptr;  // the first tensor's, as torch prints it ("cpu", "cuda:0")
-};
-
-// Device::str() formats (and allocates) every time; a thread's devices are few.
+// Device::str() formats (and allocates) every time; a process's devices are few. Interned for good
+// (a pending record points at its device's text until the writer formats it).
 static const std::string& device_text(c10::Device device) {
-  static thread_local std::deque<std::pair<c10::Device, std::string>> known;
-  for (const auto& entry : known) {
-    if (entry.first == device) return entry.second;
+  static thread_local std::vector<std::pair<c10::Device, const std::string*>> seen;  // this thread's
+  for (const auto& entry : seen) {
+    if (entry.first == device) return *entry.second;
   }
-  known.emplace_back(device, device.str());
-  return known.back().second;
+  static std::mutex known_mu;
+  static auto& known = *new std::deque<std::pair<c10::Device, std::string>>;
+  std::lock_guard<std::mutex> guard(known_mu);
+  const std::string* text = nullptr;
+  for (const auto& entry : known) {
+    if (entry.first == device) text = &entry.second;
+  }
+  if (text == nullptr) {
+    known.emplace_back(device, device.str());
+    text = &known.back().second;
+  }
+  seen.emplace_back(device, text);
+  return *text;
 }
 
-static void describe_tensors(const c10::IValue& value, TensorSide& side) {
+// One side's tensors into its slot: their sizes and dtypes as numbers, inline; as text (formatted
+// here, as before) where they do not fit the slot or a size is symbolic.
+static void describe_tensors(const c10::IValue& value, RawSide& side) {
   const size_t limit = MAX_SHAPES;
   const at::Tensor* tensors[256];
   size_t kept = 0;
+  side.count = 0;
+  side.kept = 0;
+  side.text = false;
+  side.device = nullptr;
   auto add = [&](const c10::IValue& item) {
     if (item.isTensor()) {
       ++side.count;
@@ -423,6 +679,32 @@ static void describe_tensors(const c10::IValue& value, TensorSide& side) {
   }
   if (kept == 0) return;
   side.device = &device_text(tensors[0]->device());
+  if (kept <= INLINE_TENSORS) {
+    size_t d = 0;
+    bool fits = true;
+    for (size_t i = 0; i < kept && fits; ++i) {
+      auto sizes = tensors[i]->sym_sizes();
+      if (d + sizes.size() > INLINE_DIMS) {
+        fits = false;
+        break;
+      }
+      for (size_t j = 0; j < sizes.size(); ++j) {
+        auto concrete = sizes[j].maybe_as_int();
+        if (!concrete) {
+          fits = false;
+          break;
+        }
+        side.dims[d++] = *concrete;
+      }
+      side.ndim[i] = static_cast<uint8_t>(sizes.size());
+      side.dtype[i] = tensors[i]->scalar_type();
+    }
+    if (fits) {
+      side.kept = static_cast<uint8_t>(kept);
+      return;
+    }
+  }
+  side.text = true;
   std::string& shapes = side.shapes;
   shapes.clear();
   shapes += '[';
@@ -529,7 +811,7 @@ struct Attribution {
   SiteKey site;
   int flags = 0;
   bool has_module = false;
-  std::string module_json;
+  const std::string* module_json = nullptr;  // interned in json_strings
   // Set from the call-site cache (fast walk only): the cached site, instead of a copy in ``site``,
   // and the cache's memory of its id.
   const SiteKey* cached_site = nullptr;
@@ -567,7 +849,7 @@ static void param_group_unit(PyObject* self, Attribution& attribution) {
   }
   try {
     if (PyUnicode_Check(fqn)) {
-      attribution.module_json = json_str(fqn);
+      attribution.module_json = &json_str(fqn);
       attribution.has_module = true;
       if (S.fsdp_fqns.size() < 65536) {
         PyObject* ref = PyWeakref_NewRef(self, nullptr);
@@ -922,7 +1204,7 @@ static bool fast_walk_agrees() {
 }
 
 static const char* phase_of(int flags) {
-  if (!S.checkpoint_phase.empty()) return S.checkpoint_phase.c_str();
+  if (S.checkpoint_phase != nullptr) return S.checkpoint_phase->c_str();
   if (flags & F_CKPT_LOAD) return "checkpoint_load";
   if (flags & F_CKPT_SAVE) return "checkpoint_save";
   if (S.optimizer_depth) return "optimizer";
@@ -932,8 +1214,8 @@ static const char* phase_of(int flags) {
 }
 
 static const std::string& thread_name() {
-  if (thread_json.empty()) thread_json = take_str(call_helper("thread_name", nullptr));
-  return thread_json;
+  if (thread_json == nullptr) thread_json = new std::string(take_str(call_helper("thread_name", nullptr)));
+  return *thread_json;
 }
 
 // -- interning (GIL and state_mu held) -----------------------------------------------------------
@@ -1060,6 +1342,67 @@ static bool traced_tensor(const c10::IValue& value) {
 }
 
 // Writes the record; returns its event id (-1 when capped or not recorded) and sets group_id.
+// Interned lower-case reduce-op names given as strings (functional collectives): never freed.
+static const std::string* reduce_text(const std::string& raw) {
+  static std::mutex mu;
+  static auto& known = *new std::deque<std::string>;
+  std::string lower;
+  for (char c : raw) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  std::lock_guard<std::mutex> guard(mu);
+  for (const std::string& k : known) {
+    if (k == lower) return &k;
+  }
+  known.push_back(std::move(lower));
+  return &known.back();
+}
+
+// The recording thread's own slot: filled before the locks, copied into the pending list under
+// buffer_mu (strings by assignment, so the list's slots keep their capacity).
+static void copy_side(RawSide& to, const RawSide& from) {
+  to.count = from.count;
+  to.kept = from.kept;
+  to.text = from.text;
+  to.device = from.device;
+  if (from.text) {
+    to.shapes = from.shapes;
+    to.dtypes = from.dtypes;
+  } else {
+    std::memcpy(to.ndim, from.ndim, from.kept);
+    std::memcpy(to.dtype, from.dtype, from.kept * sizeof(c10::ScalarType));
+    size_t dims = 0;
+    for (size_t i = 0; i < from.kept; ++i) dims += from.ndim[i];
+    std::memcpy(to.dims, from.dims, dims * sizeof(int64_t));
+  }
+}
+
+static void copy_entry(Entry& to, const Entry& from) {
+  to.is_bytes = false;
+  to.spec = from.spec;
+  to.event = from.event;
+  to.group = from.group;
+  to.seq = from.seq;
+  to.pseq = from.pseq;
+  to.site = from.site;
+  to.now_ns = from.now_ns;
+  to.step = from.step;
+  to.peer = from.peer;
+  to.root = from.root;
+  to.p2p = from.p2p;
+  to.is_async = from.is_async;
+  to.has_root = from.has_root;
+  to.root_null = from.root_null;
+  to.counts = from.counts;
+  to.reduce = from.reduce;
+  to.reduce_text = from.reduce_text;
+  to.has_splits = from.has_splits;
+  if (from.has_splits) to.splits = from.splits;
+  to.thread = from.thread;
+  to.phase = from.phase;
+  to.module = from.module;
+  copy_side(to.in, from.in);
+  copy_side(to.out, from.out);
+}
+
 static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id) {
   const auto entered = clock_now();
   if (stack->size() < spec.nargs) throw std::runtime_error("short stack");
@@ -1067,49 +1410,39 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
   auto arg = [&](int index) -> const c10::IValue& { return (*stack)[base + static_cast<size_t>(index)]; };
   if (spec.inputs >= 0 && traced_tensor(arg(spec.inputs))) return -1;
 
-  // What the IValues say, without the GIL.
   const std::string& group_name = group_name_of(arg(spec.group));
-  TensorSide inputs, outputs;
-  if (spec.inputs >= 0) describe_tensors(arg(spec.inputs), inputs);
-  if (spec.outputs >= 0) describe_tensors(arg(spec.outputs), outputs);
-  // This thread's buffers, kept between collectives (record() never runs twice at once on a thread:
-  // ``inside``): no allocation per record once they have grown.
-  static thread_local std::string extra, line;
-  extra.clear();
-  line.clear();
+  static thread_local Entry e;
+  e.spec = &spec;
+  describe_tensors(spec.inputs >= 0 ? arg(spec.inputs) : c10::IValue(), e.in);
+  describe_tensors(spec.outputs >= 0 ? arg(spec.outputs) : c10::IValue(), e.out);
+  e.reduce = -1;
+  e.reduce_text = nullptr;
   if (spec.reduce_op >= 0) {
     const c10::IValue& value = arg(spec.reduce_op);
-    extra += MDK_COLLECTIVE_REDUCE_OP "\"";
     if (value.isString()) {
-      for (char c : value.toStringRef()) extra += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      e.reduce_text = reduce_text(value.toStringRef());
     } else {
-      auto op = static_cast<size_t>(borrow_custom_class<c10d::ReduceOp>(value)->op_);
-      extra += op < S.reduce_names.size() ? S.reduce_names[op] : std::to_string(op);
+      e.reduce = static_cast<int>(borrow_custom_class<c10d::ReduceOp>(value)->op_);
     }
-    extra += '"';
   }
-  if (inputs.count > MAX_SHAPES || outputs.count > MAX_SHAPES) {
-    extra += MDK_COLLECTIVE_COUNTS "[";
-    append_int(extra, static_cast<int64_t>(inputs.count));
-    extra += ',';
-    append_int(extra, static_cast<int64_t>(outputs.count));
-    extra += ']';
-  }
-  if (spec.out_splits >= 0) {  // as the Python recorder: "sp":[[input splits],[output splits]]
-    extra += MDK_COLLECTIVE_SPLITS "[";
+  e.counts = e.in.count > MAX_SHAPES || e.out.count > MAX_SHAPES;
+  e.has_splits = spec.out_splits >= 0;
+  if (e.has_splits) {  // as the Python recorder: "sp":[[input splits],[output splits]]
+    e.splits.clear();
+    e.splits += '[';
     if (spec.in_splits >= 0) {
-      append_int_list(extra, arg(spec.in_splits));
+      append_int_list(e.splits, arg(spec.in_splits));
     } else {
-      extra += "[]";
+      e.splits += "[]";
     }
-    extra += ',';
-    append_int_list(extra, arg(spec.out_splits));
-    extra += ']';
+    e.splits += ',';
+    append_int_list(e.splits, arg(spec.out_splits));
+    e.splits += ']';
   }
   const int64_t root_rank = spec.root >= 0 && arg(spec.root).isInt() ? arg(spec.root).toInt() : INT64_MIN;
-  const bool is_async = !spec.c10d || spec.async_op < 0 || arg(spec.async_op).toBool();
+  e.is_async = !spec.c10d || spec.async_op < 0 || arg(spec.async_op).toBool();
   const int64_t group_rank = spec.peer >= 0 ? arg(spec.peer).toInt() : 0;
-  const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+  e.now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
       std::chrono::system_clock::now().time_since_epoch()).count();
 
   clock_add(pre_ns, entered);
@@ -1122,65 +1455,43 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
   attribute(attribution);
   clock_add(walk_ns, mark);
   const auto walked = clock_now();
-  const std::string& thread = thread_name();
-  const char* phase = phase_of(attribution.flags);
-  const int64_t step = S.step;
+  e.thread = &thread_name();
+  e.phase = phase_of(attribution.flags);
+  e.step = S.step;
+  e.module = attribution.has_module ? attribution.module_json : nullptr;
 
   StateLock lock;
   const int target = S.fd.load();
   if (target < 0) return -1;
   GroupState& group = intern_group(group_name, target);
   group_id = group.id;
-  if (spec.root >= 0) {  // the root's global rank, as the Python recorder's _global_rank
-    extra += MDK_COLLECTIVE_ROOT;
-    if (root_rank == INT64_MIN) {
-      extra += "null";
-    } else {
-      append_int(extra, (root_rank >= 0 && root_rank < static_cast<int64_t>(group.ranks.size()))
-                            ? group.ranks[static_cast<size_t>(root_rank)] : root_rank);
-    }
+  e.group = group.id;
+  e.has_root = spec.root >= 0;
+  if (e.has_root) {  // the root's global rank, as the Python recorder's _global_rank
+    e.root_null = root_rank == INT64_MIN;
+    e.root = (root_rank >= 0 && root_rank < static_cast<int64_t>(group.ranks.size()))
+        ? group.ranks[static_cast<size_t>(root_rank)] : root_rank;
   }
-  int site = -1;
+  e.site = -1;
   if (!attribution.user_frames().empty()) {
     if (attribution.site_slot != nullptr && *attribution.site_slot >= 0) {
-      site = *attribution.site_slot;
+      e.site = *attribution.site_slot;
     } else {
-      site = intern_site(attribution.user_frames(), target);
-      if (attribution.site_slot != nullptr) *attribution.site_slot = site;
+      e.site = intern_site(attribution.user_frames(), target);
+      if (attribution.site_slot != nullptr) *attribution.site_slot = static_cast<int>(e.site);
     }
   }
   const int64_t event = S.next_event++;
-  line.reserve(256 + inputs.shapes.size() + outputs.shapes.size() + extra.size() + attribution.module_json.size());
-  line += MDK_COLLECTIVE_KIND MDK_COLLECTIVE_EVENT_ID;
-  append_int(line, event);
-  line += MDK_COLLECTIVE_GROUP;
-  append_int(line, group.id);
-  line += MDK_COLLECTIVE_SEQ;
-  if (spec.peer >= 0) {
-    const int64_t peer = (group_rank >= 0 && group_rank < static_cast<int64_t>(group.ranks.size()))
+  e.event = event;
+  e.p2p = spec.peer >= 0;
+  if (e.p2p) {
+    e.peer = (group_rank >= 0 && group_rank < static_cast<int64_t>(group.ranks.size()))
         ? group.ranks[static_cast<size_t>(group_rank)] : group_rank;
-    const int64_t pseq = ++group.pseq[peer];
+    e.pseq = ++group.pseq[e.peer];
     ++group.p2p_count;
-    append_int(line, group.seq);  // the collectives before it; not advanced
-    line += MDK_COLLECTIVE_P2P_SEQ;
-    append_int(line, pseq);
-    if (attribution.has_module) {
-      extra += MDK_COLLECTIVE_MODULE;
-      extra += attribution.module_json;
-    }
-    extra += MDK_COLLECTIVE_PEER;
-    append_int(extra, peer);
+    e.seq = group.seq;  // the collectives before it; not advanced
   } else {
-    append_int(line, ++group.seq);
-    if (attribution.has_module) {
-      extra += MDK_COLLECTIVE_MODULE;
-      extra += attribution.module_json;
-    }
-  }
-  if (inputs.device != nullptr) {
-    extra += MDK_COLLECTIVE_DEVICE "\"";
-    extra += *inputs.device;
-    extra += '"';
+    e.seq = ++group.seq;
   }
   if (S.written >= S.max_events) {
     if (S.dropped++ == 0) {
@@ -1190,41 +1501,25 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
     return -1;
   }
   ++S.written;
-  line += MDK_COLLECTIVE_CALL_SITE;
-  if (site < 0) {
-    line += "null";
-  } else {
-    append_int(line, site);
-  }
-  line += MDK_COLLECTIVE_TIME;  // time.time() as "%.6f"
-  const int64_t micros = (now_ns + 500) / 1000;
-  append_int(line, micros / 1000000);
-  char fraction[8] = {'.', '0', '0', '0', '0', '0', '0', 0};
-  for (int64_t rest = micros % 1000000, i = 6; i > 0; --i, rest /= 10) fraction[i] = static_cast<char>('0' + rest % 10);
-  line.append(fraction, 7);
-  line += MDK_COLLECTIVE_OP "\"";
-  line += spec.op;
-  line += "\"" MDK_COLLECTIVE_RAW_OP "\"";
-  line += spec.qualified;
-  line += "\"" MDK_COLLECTIVE_IN_SHAPES;
-  line += inputs.shapes;
-  line += MDK_COLLECTIVE_OUT_SHAPES;
-  line += outputs.shapes;
-  line += MDK_COLLECTIVE_DTYPES;
-  line += inputs.dtypes;
-  line += is_async ? MDK_COLLECTIVE_ASYNC_OP "true" MDK_COLLECTIVE_THREAD : MDK_COLLECTIVE_ASYNC_OP "false" MDK_COLLECTIVE_THREAD;
-  line += thread;
-  line += MDK_COLLECTIVE_PHASE "\"";
-  line += phase;
-  line += "\"" MDK_COLLECTIVE_STEP;
-  append_int(line, step);
-  line += extra;
-  line += "}\n";
   clock_add(post_ns, walked);
   mark = clock_now();
-  append_record(line.data(), line.size());
+  if (defer_format) {
+    std::unique_lock<std::mutex> guard;
+    copy_entry(take_slot(guard), e);
+    used.fetch_add(1);
+  } else {  // formatted here, into a bytes slot (MOEDOCTOR_DEFER_FORMAT=0)
+    static thread_local char* own = new char[OUT_CAPACITY];
+    Out out{own, 0, -1};
+    format_collective(out, e);
+    append_record(own, out.size);
+  }
   clock_add(write_ns, mark);
   return event;
+}
+
+static void set_defer(bool value) {
+  flush_buffer();
+  defer_format = value;
 }
 
 static void set_clock(bool value) { clock_on = value; }
@@ -1321,8 +1616,13 @@ static void configure(py::object helper, py::dict constants, std::vector<std::st
   MAX_PENDING = constants["MAX_PENDING"].cast<size_t>();
   StateLock lock;
   S.max_events = constants["max_events"].cast<int64_t>();
-  S.dtype_names = std::move(dtypes);
-  S.reduce_names = std::move(reductions);
+  // The writer formats pending records with these tables: written first, and replaced only if they
+  // differ (they never do within a process).
+  if (S.dtype_names != dtypes || S.reduce_names != reductions) {
+    flush_buffer();
+    S.dtype_names = std::move(dtypes);
+    S.reduce_names = std::move(reductions);
+  }
 }
 
 // entries: (namespace, raw_name, op, inputs, outputs, group, reduce_op, async_op, peer, nargs, root,
@@ -1397,7 +1697,20 @@ static int write_error() { return write_errno.load(); }
 static void set_step(int64_t value) { S.step = value; }
 static void set_optimizer_depth(int64_t value) { S.optimizer_depth = value; }
 static void set_checkpoint(py::object value) {
-  S.checkpoint_phase = value.is_none() ? std::string() : value.cast<std::string>();
+  static auto& phases = *new std::deque<std::string>;  // interned: pending records point at them
+  if (value.is_none()) {
+    S.checkpoint_phase = nullptr;
+    return;
+  }
+  const std::string text = value.cast<std::string>();
+  for (const std::string& known : phases) {
+    if (known == text) {
+      S.checkpoint_phase = &known;
+      return;
+    }
+  }
+  phases.push_back(text);
+  S.checkpoint_phase = &phases.back();
 }
 static void set_assume_completed(bool value) {
   std::lock_guard<std::mutex> guard(S.pending_mu);
@@ -1591,6 +1904,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("counts", &counts);
   m.def("kernel_time", &kernel_time);
   m.def("set_clock", &set_clock);
+  m.def("set_defer", &set_defer);
   m.def("fast_walk_agrees", &fast_walk_agrees);
   m.def("set_site_cache", &set_site_cache);
   m.def("site_cache_counts", &site_cache_counts);
