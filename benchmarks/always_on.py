@@ -75,6 +75,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "with the native kernel formatting each record on the training thread (MOEDOCTOR_DEFER_FORMAT=0's path; "
         "the on blocks defer it to the writer thread, the default)",
     )
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        metavar="S",
+        help="the recorder's progress thread wakes every S seconds instead of its default (0.2): how much of the "
+        "on blocks' step time its wake-ups (holding the GIL) account for",
+    )
     parser.add_argument("--dump", metavar="FILE", help="rank 0: every block's figures as JSON, for analysis")
     parser.add_argument(
         "--pool",
@@ -158,6 +165,8 @@ def main() -> int:
     kernels = "native" if recorder._native is not None else "python"
     if args.versus == "immediate" and recorder._native is None:
         raise SystemExit("--versus immediate needs the native kernel")
+    if args.poll_interval is not None:
+        recorder._progress.poll_interval = args.poll_interval
     if args.kernel_clock and recorder._native is not None:
         recorder._native.set_clock(True)
     torch.manual_seed(0)
