@@ -129,3 +129,39 @@ def test_an_order_written_in_both_arms_of_an_if_is_a_reordering(tmp_path):
     context = f"{report['summary']}\n{json.dumps(report['mechanism'], indent=1)}\n{result.tail()}"
     assert report["mechanism"]["mechanism"] == "wait-cycle", context
     assert report["pattern"] == "collective-order-inversion", context
+
+
+def _run(tmp_path, job: str):
+    run_dir = tmp_path / "run"
+    result = moedoctor_run(run_dir, job, "--hang-timeout", "8", timeout=150)
+    assert result.returncode == EXIT_HANG, result.tail()
+    report = json.loads((run_dir / "report.json").read_text())
+    context = f"{report['summary']}\n{json.dumps(report['mechanism'], indent=1)}\n{report['candidates']}\n{result.tail()}"
+    return report, context
+
+
+def test_a_skipped_outer_step_in_a_top_level_loop_is_no_microbatch_mismatch(tmp_path):
+    """A top-level training loop, one backward pass a step; rank 1's loss is NaN and `if not ok:
+    continue` skips the wrapper's all-reduce and the optimizer step. Its step counter does not move,
+    which once read as another micro-batch (corpus 30's MAML: `microbatch-count-mismatch`, culprit
+    rank 0); the decision at the top level is read, and a restart without any step of two backward
+    passes is no evidence of micro-batches."""
+    report, context = _run(tmp_path, "module_loop_skipped_outer_step.py")
+    assert report["mechanism"]["mechanism"] == "skipped-collective", context
+    assert report["pattern"] == "skipped-optimizer-step" and report["culprit_ranks"] == [1], context
+
+
+def test_a_step_closed_early_is_not_a_metric_among_reductions(tmp_path):
+    """FSDP2 with packed micro-batches: rank 1 steps after 2 and all-reduces the next step's token
+    count while rank 0 all-gathers for a third. The small all-reduce meets an FSDP all-gather in
+    another step (corpus 30's DeepSeek-V3 packing was named `inflight-metric-allreduce`)."""
+    report, context = _run(tmp_path, "fsdp2_microbatches_step_closed_early.py")
+    assert report["pattern"] != "inflight-metric-allreduce", context
+
+
+def test_a_count_left_out_before_backward_is_not_a_metric_among_reductions(tmp_path):
+    """DDP; the loss all-reduces the mask count once a step, before backward; rank 1's criterion
+    returns early at step 2 and its bucket all-reduce meets rank 0's count (corpus 30's Mask2Former
+    was named `inflight-metric-allreduce`, culprit rank 0)."""
+    report, context = _run(tmp_path, "mask_count_skipped_before_backward.py")
+    assert report["pattern"] != "inflight-metric-allreduce", context

@@ -232,3 +232,31 @@ def test_which_side_of_an_inf_nan_check_saw_finite_numbers(tmp_path):
     ]
     for line, test, runs_when, want in cases:
         assert finite_side(Branch(str(path), line, test, runs_when)) is want, test
+
+
+def test_a_decision_in_a_loop_at_the_script_top_level_is_read(tmp_path):
+    """A training loop written at module level (no function around it): `if not ok: continue` before
+    the call is the decision, confirmed by the other rank's stack at the loop's first line (corpus
+    30's MAML script); an `if` inside a function defined in the module is not part of that scope."""
+    from moedoctor.analysis.evidence.source import decision_branch
+
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent("""\
+        import torch
+
+        def helper(x):
+            if x is None:
+                return 0
+            return 1
+
+        for step in range(5):
+            broadcast(step)
+            ok = bool(torch.isfinite(loss))
+            if not ok:
+                continue
+            opt.step()
+        """))
+    mine = (f"{path}:13 <module>",)
+    theirs = ((f"{path}:9 <module>",),)
+    branch = decision_branch(mine, theirs, confirmed=True)
+    assert branch is not None and branch.line == 11 and branch.test == "not ok", branch

@@ -486,12 +486,15 @@ def decision_branch(
     unconfirmed: Branch | None = None
     for frame in frames(stack):
         defs = [n for n in _function_at(frame.file, frame.line) if not isinstance(n, ast.ClassDef)]
-        if not defs:
+        scope: ast.AST | None = defs[-1] if defs else None
+        if scope is None and frame.function == "<module>":
+            scope = _tree(frame.file)  # a training loop written at the script's top level
+        if scope is None:
             continue
         lines = [f.line for fs in theirs for f in fs if f.file == frame.file and f.function == frame.function]
         candidates = []
-        for node in ast.walk(defs[-1]):
-            if not isinstance(node, ast.If) or _configuration(node.test) or _schedule(node, defs[-1]):
+        for node in ast.walk(scope) if defs else _own_nodes(scope):
+            if not isinstance(node, ast.If) or _configuration(node.test) or _schedule(node, scope):
                 continue
             side = _side(node, frame.line)
             if side == "after" and not (_leaves(node.body) and not node.orelse):
@@ -503,12 +506,24 @@ def decision_branch(
                 continue
             candidates.append((node, side, Branch(frame.file, node.lineno, test.text, side == "body")))
         for node, side, branch in sorted(candidates, key=lambda c: -c[0].lineno):
-            end = _loop_end(defs[-1], node) if side == "after" else None
+            end = _loop_end(scope, node) if side == "after" else None
             if lines and all(_side(node, line) != side or (end is not None and line > end) for line in lines):
                 return branch
             if not lines and unconfirmed is None:
                 unconfirmed = branch
     return None if confirmed else unconfirmed
+
+
+def _own_nodes(scope: ast.AST):
+    """The nodes of a function, or of a module's top level, without those of the functions and
+    classes defined inside it (their code runs elsewhere)."""
+    todo = list(ast.iter_child_nodes(scope))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        yield node
+        todo.extend(ast.iter_child_nodes(node))
 
 
 def collection_decision(stack: tuple[str, ...]) -> Branch | None:

@@ -66,6 +66,30 @@ _USER_PHASES = {"other", "forward"}
 _METRIC_OPS = ("all_reduce", "all_gather")
 
 
+def _skipped_before_backward(view, group: str, rank: int, metric, theirs) -> bool:
+    """``rank`` is in the backward pass of the metric's step and has not issued the metric's call site
+    in that step, while every earlier step of it issued that call site exactly once, before the step's
+    first backward collective: the rank passed the place of the metric without issuing it (left it
+    out), where an in-flight metric would come after or among the step's reductions."""
+    if theirs is None or theirs.phase != "backward" or theirs.step != metric.step:
+        return False
+    by_step: dict[int, list] = {}
+    for e in view.events(rank, group, before=theirs.seq + 1):
+        by_step.setdefault(e.step, []).append(e)
+    if any(e.call_site is not None and e.call_site.where == metric.call_site for e in by_step.get(metric.step, [])):
+        return False
+    earlier = [s for s in by_step if s < metric.step]
+    if not earlier:
+        return False
+    for s in earlier:
+        events = by_step[s]
+        at = [i for i, e in enumerate(events) if e.call_site is not None and e.call_site.where == metric.call_site]
+        back = [i for i, e in enumerate(events) if e.phase == "backward"]
+        if len(at) != 1 or not back or back[0] < at[0]:
+            return False
+    return True
+
+
 def classify(ctx: Context) -> Finding | None:
     if ctx.div is None or ctx.div.kind.value != "mismatch":
         return None  # the metric all-reduce is matched against another collective, not against nothing
@@ -87,6 +111,12 @@ def classify(ctx: Context) -> Finding | None:
     restarted = [r for r in other if view.discarded_in(r, v.step)]
     if restarted:
         return None  # the others threw their step away and began the next one: a skipped step, not a metric
+    if [r for r in other if r in present] and min(present[r].step for r in small) > max(
+        present[r].step for r in other if r in present
+    ):
+        return None  # the small collective opens a later step: its ranks closed the step the others are in
+    if any(_skipped_before_backward(view, group, r, v, ctx.event(r)) for r in other):
+        return None  # the metric comes once a step, before backward: a rank in backward without it left it out
     history = all(view.issued_from(r, group, v.call_site) for r in other)
     loop = shared_loop(stack)
     if loop is not None and calls_in(loop.file, loop.line, "step"):

@@ -204,16 +204,27 @@ _ADVICE = (
 
 def gradient_accumulation(ctx, mech) -> bool:
     """Some rank ran more than one backward pass within one step (micro-batches), or began the
-    step's repeated part again after a backward pass of the step (``steps.position``: restart)."""
+    step's repeated part again after a backward pass of the step (``steps.position``: restart) in a
+    job whose earlier steps do not all show exactly one backward pass per step."""
     if ctx.div is None:
         return False
-    if "restart" in ctx.positions().values():
-        return True
     for r in ctx.div.per_rank:
         steps = [e.step for e in ctx.view.evidence(r, "backward_begin")]
         if any(steps.count(s) > 1 for s in set(steps)):
             return True
-    return False
+    # A restart of the step's repeated part with no rank ever two backward passes into one step: the
+    # step counter did not move, which a skipped optimizer step shows as well (no accumulation seen).
+    return "restart" in ctx.positions().values() and not _one_backward_per_step(ctx)
+
+
+def _one_backward_per_step(ctx) -> bool:
+    """Every rank's earlier steps each had exactly one backward pass (at least two such steps seen)."""
+    step = min((v.step for v in ctx.present().values()), default=0)
+    for r in ctx.div.per_rank:
+        steps = [e.step for e in ctx.view.evidence(r, "backward_begin") if e.step < step]
+        if len(set(steps)) < 2 or len(steps) != len(set(steps)):
+            return False
+    return True
 
 
 GRADIENT_ACCUMULATION = Requirement("more than one backward pass in a step (micro-batches)", gradient_accumulation)
