@@ -111,9 +111,8 @@ def classify(ctx: Context) -> Finding | None:
     restarted = [r for r in other if view.discarded_in(r, v.step)]
     if restarted:
         return None  # the others threw their step away and began the next one: a skipped step, not a metric
-    if [r for r in other if r in present] and min(present[r].step for r in small) > max(
-        present[r].step for r in other if r in present
-    ):
+    theirs = [present[r] for r in other if r in present]
+    if theirs and min(present[r].step for r in small) > max(t.step for t in theirs):
         return None  # the small collective opens a later step: its ranks closed the step the others are in
     if any(_skipped_before_backward(view, group, r, v, ctx.event(r)) for r in other):
         return None  # the metric comes once a step, before backward: a rank in backward without it left it out
@@ -123,7 +122,6 @@ def classify(ctx: Context) -> Finding | None:
         loop = None  # the training-step loop, not a micro-batch loop: says nothing about micro-batches
     if not history and loop is None:
         return None  # a call site the other ranks never used, and nothing shows it runs on every rank
-    theirs = [present[r] for r in other if r in present]
     if theirs and all(
         t.op in _METRIC_OPS and t.numel <= SMALL and t.module is None and t.phase not in ("forward", "backward")
         for t in theirs

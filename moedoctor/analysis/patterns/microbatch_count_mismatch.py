@@ -208,23 +208,15 @@ def gradient_accumulation(ctx, mech) -> bool:
     job whose earlier steps do not all show exactly one backward pass per step."""
     if ctx.div is None:
         return False
-    for r in ctx.div.per_rank:
-        steps = [e.step for e in ctx.view.evidence(r, "backward_begin")]
-        if any(steps.count(s) > 1 for s in set(steps)):
-            return True
-    # A restart of the step's repeated part with no rank ever two backward passes into one step: the
-    # step counter did not move, which a skipped optimizer step shows as well (no accumulation seen).
-    return "restart" in ctx.positions().values() and not _one_backward_per_step(ctx)
-
-
-def _one_backward_per_step(ctx) -> bool:
-    """Every rank's earlier steps each had exactly one backward pass (at least two such steps seen)."""
+    passes = {r: [e.step for e in ctx.view.evidence(r, "backward_begin")] for r in ctx.div.per_rank}
+    if any(steps.count(s) > 1 for steps in passes.values() for s in set(steps)):
+        return True
+    # No step of any rank had two backward passes. A restart of the step's repeated part where every
+    # rank shows at least two earlier steps of one backward pass each: the step counter did not move,
+    # which a skipped optimizer step shows as well (no accumulation seen).
     step = min((v.step for v in ctx.present().values()), default=0)
-    for r in ctx.div.per_rank:
-        steps = [e.step for e in ctx.view.evidence(r, "backward_begin") if e.step < step]
-        if len(set(steps)) < 2 or len(steps) != len(set(steps)):
-            return False
-    return True
+    one_per_step = all(len({s for s in steps if s < step}) >= 2 for steps in passes.values())
+    return "restart" in ctx.positions().values() and not one_per_step
 
 
 GRADIENT_ACCUMULATION = Requirement("more than one backward pass in a step (micro-batches)", gradient_accumulation)
