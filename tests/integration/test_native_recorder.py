@@ -155,3 +155,10 @@ def test_deferred_formatting_writes_the_same_bytes_as_formatting_at_once(native_
             lines[defer] = [TIME.sub(b",", line) for line in text.splitlines()[1:] if line.startswith((b'{"k":"c"', b'{"k":"s"', b'{"k":"g"'))]
         assert sum(line.startswith(b'{"k":"c"') for line in lines["1"]) > 50, f"rank {rank}"
         assert lines["1"] == lines["0"], f"rank {rank}: deferred and immediate formatting differ"
+
+
+def test_progress_thread_inside_the_kernel_at_exit_does_not_abort_the_job(native_built):
+    """A healthy job must not die at exit because the recorder's thread was in a GIL-free native call."""
+    for _ in range(3):
+        result = run_command([sys.executable, str(REPO / "tests" / "jobs" / "native_exit_race.py")], timeout=60)
+        assert result.returncode == 0 and "terminate called" not in result.output, result.tail()

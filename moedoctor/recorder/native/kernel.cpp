@@ -40,6 +40,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -165,6 +166,24 @@ struct Gil {
   Gil() : state(PyGILState_Ensure()) {}
   ~Gil() { PyGILState_Release(state); }
 };
+
+// Run `work` without the GIL and take it back in the normal flow, never in a destructor. On Python
+// < 3.14 a daemon thread (the progress thread) that takes the GIL back while the interpreter is
+// finalizing is ended by pthread_exit, whose unwinding must not start inside a destructor: they are
+// noexcept, so py::gil_scoped_release's would std::terminate, and a healthy job that had finished
+// would abort at exit ("terminate called without an active exception", SIGABRT).
+template <class Work>
+static void without_gil(Work&& work) {
+  std::exception_ptr failed;
+  PyThreadState* saved = PyEval_SaveThread();
+  try {
+    work();
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  PyEval_RestoreThread(saved);  // may end this thread (see above): outside any destructor or handler
+  if (failed) std::rethrow_exception(failed);
+}
 
 // Take state_mu with the GIL held, releasing the GIL while waiting (its holder may need the GIL).
 struct StateLock {
@@ -1678,10 +1697,7 @@ static void set_fd(int value) {
 }
 
 // Before the Python side writes a record of its own, and at close: the buffer reaches the file first.
-static void flush() {
-  py::gil_scoped_release no_gil;
-  flush_buffer();
-}
+static void flush() { without_gil(flush_buffer); }
 // A record the Python side made that may wait like the kernels' own (evidence): into the same
 // buffer, so the file keeps the order records were made in, and on to the file with them (the writer
 // thread, the signal handlers, close). No write(2) on the caller's thread; one that must reach the
@@ -1729,9 +1745,8 @@ static bool completed(const PendingWork& item) {
 
 // The ids of the tracked collectives seen complete since the last poll (Progress._poll_pending_locked's
 // rules: the Work says so, or a later collective of its group has completed).
-static std::vector<int64_t> poll_completed() {
+static std::vector<int64_t> poll_completed_without_gil() {
   std::vector<int64_t> done;
-  py::gil_scoped_release no_gil;  // Work destructors run without the GIL, as torch's own holders do
   std::vector<c10::intrusive_ptr<c10d::Work>> released;  // destroyed outside the lock
   {
     std::lock_guard<std::mutex> guard(S.pending_mu);
@@ -1780,6 +1795,12 @@ static std::vector<int64_t> poll_completed() {
   }
   released.clear();
   std::sort(done.begin(), done.end());
+  return done;  // converted to a list once pybind11 holds the GIL again
+}
+static std::vector<int64_t> poll_completed() {
+  std::vector<int64_t> done;
+  // Work destructors run without the GIL, as torch's own holders do
+  without_gil([&] { done = poll_completed_without_gil(); });
   return done;  // converted to a list once pybind11 holds the GIL again
 }
 
