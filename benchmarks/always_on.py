@@ -20,6 +20,8 @@ thread keeps waking every 2 ms (it writes only when records are buffered).
   python benchmarks/always_on.py --backend nccl        # 2 GPUs (same loop, bf16 params)
   python benchmarks/always_on.py --versus immediate    # recorder on throughout: the native kernel's formatting
                                                        # deferred to its writer thread (on) or done at once (off)
+  python benchmarks/always_on.py --versus progress     # recorder on throughout: its progress thread working (on)
+                                                       # or idle (off)
   moedoctor run -- torchrun --nproc_per_node 2 benchmarks/always_on.py   # the recorder as installed by `moedoctor run`
 
 Without torchrun's environment the script starts itself under ``torch.distributed.run``. The last
@@ -70,10 +72,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--versus",
         default="paused",
-        choices=["paused", "immediate"],
+        choices=["paused", "immediate", "progress"],
         help="what the on blocks are compared with: the recorder paused (the always-on A/B), or the recorder on "
         "with the native kernel formatting each record on the training thread (MOEDOCTOR_DEFER_FORMAT=0's path; "
-        "the on blocks defer it to the writer thread, the default)",
+        "the on blocks defer it to the writer thread, the default), or the recorder on with its progress thread "
+        "idle (its Work polls, deferred evidence and Flight Recorder polls: their share of the step time)",
     )
     parser.add_argument(
         "--poll-interval",
@@ -215,6 +218,8 @@ def main() -> int:
         for on in (True, False) if pair % 2 == 0 else (False, True):
             if args.versus == "immediate":  # the recorder on in both; formatting deferred in the on blocks
                 recorder._native.set_defer(on)
+            elif args.versus == "progress":  # the recorder on in both; its progress thread idle in the off blocks
+                recorder._progress.idle = not on
             else:
                 recorder.resume() if on else recorder.pause()
             for _ in range(args.settle):
@@ -280,7 +285,10 @@ def main() -> int:
             if poller
             else "; Flight Recorder polls off"
         )
-        print(f"progress thread: {progress.wakes} wake-ups, {progress.busy_s * 1e3:.1f} ms busy in all{polls}")
+        print(
+            f"progress thread: {progress.wakes} wake-ups, {progress.busy_s * 1e3:.1f} ms busy in all "
+            f"({progress.busy_cpu_s * 1e3:.1f} ms of its own CPU){polls}"
+        )
         split = kernel_split(recorder._native) if recorder._native is not None else None
         if split:
             print(split)
@@ -302,9 +310,10 @@ def main() -> int:
                     }
                 )
             )
-        if args.versus == "immediate":  # on = deferred, off = immediate: the deferral's own gain
+        if args.versus != "paused":  # on = deferred / progress thread working, off = immediate / idle
+            what = "deferred formatting vs immediate" if args.versus == "immediate" else "progress thread vs idle"
             print(
-                f"deferred formatting vs immediate: {per_step:.0f} collectives/step, training-thread CPU "
+                f"{what}: {per_step:.0f} collectives/step, training-thread CPU "
                 f"{cpu_mid:+.2f}% (CI {cpu_lo:+.2f}..{cpu_hi:+.2f}), step time {step_mid:+.2f}% "
                 f"(CI {step_lo:+.2f}..{step_hi:+.2f})",
                 flush=True,

@@ -48,6 +48,7 @@ class Progress:
         #: Wake-ups of the thread and the seconds they took (holding the GIL, mostly): benchmarks.
         self.wakes = 0
         self.busy_s = 0.0
+        self.busy_cpu_s = 0.0  # the thread's own CPU time in those wake-ups (GIL waits left out)
 
     @property
     def stopping(self) -> bool:
@@ -87,7 +88,7 @@ class Progress:
         while not self._stop.wait(self.poll_interval) and recorder.is_open:
             if self.idle:
                 continue
-            woke = time.perf_counter()
+            woke, woke_cpu = time.perf_counter(), time.thread_time()
             try:
                 self.check_native_writes()
                 self.poll_pending()
@@ -103,6 +104,7 @@ class Progress:
                     recorder.write_evidence("recorder_error", {"op": "progress thread", "error": repr(e)[:500]})
             self.wakes += 1
             self.busy_s += time.perf_counter() - woke
+            self.busy_cpu_s += time.thread_time() - woke_cpu
 
     def _run_deferred(self, wait: bool = False) -> None:
         for _ in range(len(self._deferred)):
