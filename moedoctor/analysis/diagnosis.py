@@ -112,15 +112,19 @@ def analyze(run: RunData) -> Report:
     if (
         not named
         and mechanism is not None
-        and mechanism.mechanism in (Mechanism.SKIPPED_COLLECTIVE, Mechanism.EXTRA_COLLECTIVE)
+        and mechanism.mechanism in (Mechanism.SKIPPED_COLLECTIVE, Mechanism.EXTRA_COLLECTIVE, Mechanism.LOOP_TRIP_COUNT)
         and mechanism.ranks
         and sorted(mechanism.ranks) != culprit_ranks
     ):
         # No pattern named: the mechanism's reading of the earlier steps says which side left out or
-        # added the collective (the vocabulary's culprits), where the generic rules only see who waits.
+        # added the collective, or left the loop after fewer iterations (the vocabulary's culprits),
+        # where the generic rules only see who waits or who is fewer.
         culprit_ranks = sorted(mechanism.ranks)
-        did = "left out" if mechanism.mechanism == Mechanism.SKIPPED_COLLECTIVE else "issued"
-        reasoning = f"{names(culprit_ranks)} {did} the collective the others did not ({mechanism.mechanism.value})"
+        if mechanism.mechanism == Mechanism.LOOP_TRIP_COUNT:
+            reasoning = f"{names(culprit_ranks)} left the loop after fewer iterations ({mechanism.mechanism.value})"
+        else:
+            did = "left out" if mechanism.mechanism == Mechanism.SKIPPED_COLLECTIVE else "issued"
+            reasoning = f"{names(culprit_ranks)} {did} the collective the others did not ({mechanism.mechanism.value})"
     if not culprit_ranks and primary is None and died:
         culprit_ranks = _first_deaths(view, died)
         reasoning = f"{names(culprit_ranks)} died; no collective divergence was recorded before"

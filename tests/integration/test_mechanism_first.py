@@ -165,3 +165,44 @@ def test_a_count_left_out_before_backward_is_not_a_metric_among_reductions(tmp_p
     was named `inflight-metric-allreduce`, culprit rank 0)."""
     report, context = _run(tmp_path, "mask_count_skipped_before_backward.py")
     assert report["pattern"] != "inflight-metric-allreduce", context
+
+
+def test_a_loss_after_a_loop_of_optimizer_steps_is_no_metric_among_reductions(tmp_path):
+    """DDP, each mini-batch a whole optimizer step, the loss all-reduced once after the loop; rank 1
+    runs 3 mini-batches against 2 and its third bucket all-reduce meets rank 0's loss (corpus 31's
+    cluster-GCN was named `inflight-metric-allreduce`). The loss is where every earlier outer
+    iteration put it, before the next step's backward: a loop of one call site that ran more times on
+    rank 1 (rank 0 left it after 2), with rank 0 the rank that ran fewer."""
+    report, context = _run(tmp_path, "ddp_inner_steps_then_metric.py")
+    assert report["pattern"] != "inflight-metric-allreduce", context
+    mech = report["mechanism"]
+    assert mech["mechanism"] == "loop-trip-count" and mech["ranks"] == [0], context
+    assert mech["loop_counts"] == {"0": 2, "1": 3}, context
+    assert report["culprit_ranks"] == [0], context
+
+
+def test_a_forward_collective_issued_again_by_a_recompute_is_an_extra_collective(tmp_path):
+    """Rank 1 checkpoints its blocks at step 2; the recompute in backward all-reduces a block's
+    statistics again. Its size and call site are those of the next step's second collective, but
+    the history issues that one in forward (corpus 31's Demucs read as two collectives left out)."""
+    report, context = _run(tmp_path, "recompute_reissues_forward_stats.py")
+    mech = report["mechanism"]
+    assert mech["mechanism"] == "extra-collective" and mech["ranks"] == [1], context
+    assert report["pattern"] == "collective-in-checkpointed-region" and report["culprit_ranks"] == [1], context
+
+
+def test_a_metric_past_bucket_reductions_held_back_in_a_fixed_microbatch_loop_is_named(tmp_path):
+    """A hand-written bucket reducer syncs in the last of `range(N_MICRO)` micro-batches; an expert
+    without a gradient holds rank 1's buckets back past its per-micro-batch loss all-reduce. Both
+    ranks ran 2 passes and the loop's count is a literal: no disagreement on the last micro-batch
+    (corpus 31's OpenVLA was left `unknown-desync`)."""
+    report, context = _run(tmp_path, "bucket_hooks_held_back_metric.py")
+    assert report["pattern"] == "inflight-metric-allreduce" and report["culprit_ranks"] == [1], context
+
+
+def test_a_shape_changed_on_one_rank_after_setup_collectives_names_that_rank(tmp_path):
+    """Parameter broadcasts fill step 0, so the steps do not line up position by position; rank 1's
+    statistics all-reduce changed size while rank 0's is the size both always issued from that call
+    site (corpus 31's TabPFN had no culprit)."""
+    report, context = _run(tmp_path, "setup_broadcasts_then_shape_change.py")
+    assert report["pattern"] == "shape-mismatch" and report["culprit_ranks"] == [1], context

@@ -372,6 +372,47 @@ def loops_around(path: str, line: int) -> list[Enclosing]:
     return [e for e in enclosing(path, line) if e.kind in ("for", "while")]
 
 
+def fixed_trip_count(loop: Enclosing) -> int | None:
+    """The iterations of a ``for X in range(N)`` loop whose ``N`` is an integer literal, or a name that
+    every assignment before the loop (in its function, else at the module's top level) sets to the
+    same integer literal: the same on every rank. None for any other loop (data, arguments, lengths)."""
+    if loop.kind != "for":
+        return None
+    try:
+        node = ast.parse(loop.text + ": pass").body[0]
+    except SyntaxError:
+        return None
+    it = getattr(node, "iter", None)
+    if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range"):
+        return None
+    if len(it.args) != 1 or it.keywords:
+        return None
+    arg = it.args[0]
+    if isinstance(arg, ast.Name):
+        values = _assigned(loop.file, arg.id, loop.line) or _module_assigned(loop.file, arg.id)
+        if not values or len(set(values)) != 1:
+            return None
+        try:
+            arg = ast.parse(values[0], mode="eval").body
+        except SyntaxError:
+            return None
+    if isinstance(arg, ast.Constant) and type(arg.value) is int:
+        return arg.value
+    return None
+
+
+def _module_assigned(path: str, name: str) -> list[str]:
+    """The right-hand sides of the module's top-level ``name = ...`` statements."""
+    tree = _tree(path)
+    if tree is None:
+        return []
+    return [
+        _segment(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+    ]
+
+
 def calls_in(path: str, node_line: int, attribute: str) -> list[int]:
     """Lines inside the statement starting at ``node_line`` that call ``.attribute(...)`` or
     ``attribute(...)``."""

@@ -324,7 +324,7 @@ def period_exit(view: RunView, group: str, seq: int, ranks) -> LoopExit | None:
                 continue
             _, full = prev.pop()
             if (
-                full < 2
+                max(full, min(counts[r] for r in left)) < 2
                 or min(counts[r] for r in left) < 1
                 or max(counts[r] for r in left) >= min(counts[r] for r in inside)
             ):
@@ -332,7 +332,5 @@ def period_exit(view: RunView, group: str, seq: int, ranks) -> LoopExit | None:
             run = [e for e in streams[inside[0]] if e.seq <= seq][-min(counts[r] for r in inside) :]
             if len({e.step for e in run}) != len(run):
                 continue  # iterations within one step: loop_exit's runs, not a loop of optimizer steps
-            if max(counts[r] for r in inside) > full:
-                continue  # the looping ranks went past the previous period: not a loop left early
             return LoopExit(looped[1], looped[1].rsplit("/", 1)[-1], inside, left, counts)
     return None

@@ -115,13 +115,18 @@ def _skips(
     skips = {r: ahead.index(tokens[r]) + 1 for r in deviating if tokens.get(r) in ahead}
     if len(skips) < len(deviating):
         return None
+    events = _recent(view, ranks[0], group, start)
+    if any(at + n < len(events) and events[at + n].phase != here[r].phase for r, n in skips.items()):
+        # The collective it issued is the one the history puts n places further only by its op, call
+        # site and shapes: the history issued that one in another phase (forward, backward, outside
+        # both), so this is not that occurrence (e.g. a forward's collective issued again in backward).
+        return None
     if any(
         _issued_later(view, r, group, start, set(history[at : at + n]))
         or held_back(view, r, here[r], start, history, at, n)
         for r, n in skips.items()
     ):
         return None
-    events = _recent(view, ranks[0], group, start)
     return {r: events[at : at + n] for r, n in skips.items()}
 
 

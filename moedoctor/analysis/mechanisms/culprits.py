@@ -57,7 +57,7 @@ def find_culprits(
     found = _minority(div)
     if found is not None:
         return found
-    for rule in (_own_steps, _own_period, _off_root):
+    for rule in (_own_steps, _own_period, _own_site, _off_root):
         found = rule(view, div)
         if found is not None:
             return found
@@ -229,6 +229,45 @@ def _off_root(view: RunView, div: Divergence) -> Culprits | None:
         f"every rank issued {first.op} #{div.seq} of group {div.group.label()} from {site.rsplit('/', 1)[-1]} with "
         f"root {first.root}; {_names(off)} posted other sizes than the root sends",
         "root",
+    )
+
+
+def _own_site(view: RunView, div: Divergence) -> Culprits | None:
+    """Every member issued the same op from one call site, in other sizes or dtypes: the ranks whose
+    collective differs from every earlier one of theirs from that site (each rank's earlier ones all
+    alike) changed, the ranks whose collective is the same as before kept to it. Read where the
+    steps cannot be compared position by position (a first step that also holds the setup's
+    collectives, steps of different lengths)."""
+    group = div.group.name
+    events = {r: view.event(r, group, div.seq) for r in div.per_rank}
+    if any(e is None or e.call_site is None for e in events.values()):
+        return None
+    keys = {(e.op, e.call_site.where) for e in events.values() if e is not None and e.call_site is not None}
+    if len(keys) != 1:
+        return None
+    op, site = keys.pop()
+    broke: list[int] = []
+    kept: list[int] = []
+    for r, e in events.items():
+        assert e is not None
+        before = {
+            x.signature()
+            for x in view.events(r, group, before=div.seq)
+            if x.op == op and x.call_site is not None and x.call_site.where == site
+        }
+        if len(before) != 1:
+            return None  # no earlier one, or earlier ones of several sizes: no habit to keep or break
+        (kept if e.signature() in before else broke).append(r)
+    if not broke or not kept:
+        return None
+    first = events[broke[0]]
+    assert first is not None
+    its = "its" if len(broke) == 1 else "their"
+    return Culprits(
+        tuple(sorted(broke)),
+        f"{_names(broke)} issued {_op_text(first)} where every earlier {op} of {its} from that call site "
+        f"had the sizes that {_names(kept)} still issued",
+        "own-site",
     )
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections import Counter
 
 from moedoctor.analysis.evidence.requirements import Requirement
-from moedoctor.analysis.evidence.source import calls_in, rank_guard, shared_loop
+from moedoctor.analysis.evidence.source import calls_in, fixed_trip_count, rank_guard, shared_loop
 from moedoctor.analysis.evidence.steps import deferred_sync
 from moedoctor.analysis.model import Suggestion
 from moedoctor.analysis.patterns.base import (
@@ -68,9 +68,11 @@ _METRIC_OPS = ("all_reduce", "all_gather")
 
 def _skipped_before_backward(view, group: str, rank: int, metric, theirs) -> bool:
     """``rank`` is in the backward pass of the metric's step and has not issued the metric's call site
-    in that step, while every earlier step of it issued that call site exactly once, before the step's
-    first backward collective: the rank passed the place of the metric without issuing it (left it
-    out), where an in-flight metric would come after or among the step's reductions."""
+    in that step, while every earlier step of it that issued that call site issued it exactly once,
+    before the step's first backward collective (a metric issued every few steps, or once after a
+    loop of optimizer steps, leaves the steps between without it): the rank passed the place of the
+    metric without issuing it (left it out, or is still in a loop the others left), where an
+    in-flight metric would come after or among the step's reductions."""
     if theirs is None or theirs.phase != "backward" or theirs.step != metric.step:
         return False
     by_step: dict[int, list] = {}
@@ -78,16 +80,17 @@ def _skipped_before_backward(view, group: str, rank: int, metric, theirs) -> boo
         by_step.setdefault(e.step, []).append(e)
     if any(e.call_site is not None and e.call_site.where == metric.call_site for e in by_step.get(metric.step, [])):
         return False
-    earlier = [s for s in by_step if s < metric.step]
-    if not earlier:
-        return False
-    for s in earlier:
+    issued = 0
+    for s in (s for s in by_step if s < metric.step):
         events = by_step[s]
         at = [i for i, e in enumerate(events) if e.call_site is not None and e.call_site.where == metric.call_site]
+        if not at:
+            continue
         back = [i for i, e in enumerate(events) if e.phase == "backward"]
         if len(at) != 1 or not back or back[0] < at[0]:
             return False
-    return True
+        issued += 1
+    return issued > 0
 
 
 def classify(ctx: Context) -> Finding | None:
@@ -139,9 +142,13 @@ def classify(ctx: Context) -> Finding | None:
     )
     if not any(t.module is not None or t.phase in ("forward", "backward") for t in theirs):
         return None  # nothing FSDP-issued or from forward/backward to be matched against: nothing in flight
+    # A micro-batch loop of a fixed number of passes (``range`` of a literal) runs as many on every
+    # rank: the ranks cannot disagree on which pass is the last, so a pass without the others'
+    # reductions had them held back (buckets waiting for a gradient), the in-flight reading.
+    fixed = loop is not None and fixed_trip_count(loop) is not None
     for r in other:
         e = ctx.event(r)
-        n = None if e is None else deferred_sync(view, e, small)
+        n = None if e is None or fixed else deferred_sync(view, e, small)
         if n is not None:
             return Finding(
                 0.1,
@@ -155,7 +162,7 @@ def classify(ctx: Context) -> Finding | None:
         first = e is not None and not any(
             b.step < e.step for q in (r, *small) for b in view.evidence(q, "backward_begin")
         )
-        n = deferred_sync(view, e, small, habit=False) if first and e is not None else None
+        n = deferred_sync(view, e, small, habit=False) if first and e is not None and not fixed else None
         if n is not None:
             # The first step: no earlier step can show the habit (or its absence), but the metric
             # ranks ran this backward pass to its end without the collective the others issue in
