@@ -206,3 +206,13 @@ def test_a_shape_changed_on_one_rank_after_setup_collectives_names_that_rank(tmp
     site (corpus 31's TabPFN had no culprit)."""
     report, context = _run(tmp_path, "setup_broadcasts_then_shape_change.py")
     assert report["pattern"] == "shape-mismatch" and report["culprit_ranks"] == [1], context
+
+
+def test_a_third_packed_microbatch_after_the_others_stepped_is_a_microbatch_count_mismatch(tmp_path):
+    """Every step opens with a token-count all-reduce; rank 0 packs 3 micro-batches at step 2, and its
+    third forward all-gather meets rank 1's next token count. Rank 0 did not issue the step's opening
+    collective since its last backward pass, so it is in another pass of its step, not in the next
+    iteration of a skipped step (corpus 30's DeepSeek-V3 packing: `unknown-desync`, culprit rank 0)."""
+    report, context = _run(tmp_path, "packed_microbatches_third_pass.py")
+    assert report["mechanism"]["mechanism"] == "loop-trip-count", context
+    assert report["pattern"] == "microbatch-count-mismatch" and report["culprit_ranks"] == [1], context

@@ -84,7 +84,23 @@ def usual_pass(view: RunView, event: CollectiveEvent) -> bool:
     if any(max(begun) < z.time < event.time for z in view.evidence(event.rank, "zero_grad")):
         return False
     earlier = Counter(b.step for b in view.evidence(event.rank, "backward_begin") if b.step < event.step)
-    return any(n > len(begun) for n in earlier.values())
+    return any(n > len(begun) for n in earlier.values()) or _inside_step(view, event, max(begun))
+
+
+def _inside_step(view: RunView, event: CollectiveEvent, last_pass: float) -> bool:
+    """Every earlier step of the rank (the first one aside: it also holds the setup's collectives)
+    opened with the same collective on the event's group, and since its last backward pass began the
+    rank issued neither that one nor ``event`` is it: a rank that skipped its optimizer step would
+    begin its next iteration with it, so this rank is still in its step, in another pass."""
+    by_step: dict[int, CollectiveEvent] = {}
+    for e in view.events(event.rank, event.group.name, before=event.seq):
+        by_step.setdefault(e.step, e)
+    steps = sorted(s for s in by_step if s < event.step)[1:]
+    opening = {token(by_step[s])[:2] for s in steps}
+    if len(opening) != 1 or token(event)[:2] in opening:
+        return False
+    since = [e for e in view.events(event.rank, event.group.name, before=event.seq) if e.time > last_pass]
+    return not any(token(e)[:2] in opening for e in since)
 
 
 def _backward_windows(view: RunView, rank: int, step: int) -> list[tuple[float, float | None]]:
