@@ -89,9 +89,9 @@ def usual_pass(view: RunView, event: CollectiveEvent) -> bool:
 
 def _inside_step(view: RunView, event: CollectiveEvent, last_pass: float) -> bool:
     """Every earlier step of the rank (the first one aside: it also holds the setup's collectives)
-    opened with the same collective on the event's group, and since its last backward pass began the
-    rank issued neither that one nor ``event`` is it: a rank that skipped its optimizer step would
-    begin its next iteration with it, so this rank is still in its step, in another pass."""
+    opened with the same collective on the event's group, ``event`` is not that collective, and the
+    rank has not issued it since its last backward pass began: a rank that skipped its optimizer step
+    would begin its next iteration with it, so this rank is still in its step, in another pass."""
     by_step: dict[int, CollectiveEvent] = {}
     for e in view.events(event.rank, event.group.name, before=event.seq):
         by_step.setdefault(e.step, e)
@@ -309,9 +309,11 @@ def period_exit(view: RunView, group: str, seq: int, ranks) -> LoopExit | None:
     """A loop of one collective per iteration (``looped``, one optimizer step each, so no run within
     a step) between two issues of a closing collective that every rank issued at the same position
     before: after the previous close every rank ran the loop ``n`` times; now at ``seq`` some ranks
-    issue the closing collective after fewer iterations while the others are still in the loop
-    (they issue it again, fewer than ``n`` times so far). E.g. an update-epochs loop that one rank
-    leaves early on its local KL, each minibatch an optimizer step."""
+    issue the closing collective after fewer iterations than the others, which are still in the loop
+    (they issue it again). At least two iterations in a row show it is a loop: in the previous period
+    (``n``) or, where setup collectives cut that one short, on the ranks that left. E.g. an
+    update-epochs loop that one rank leaves early on its local KL, or a partition cut into more
+    mini-batches on one rank, each minibatch an optimizer step."""
     at = {r: view.event(r, group, seq) for r in ranks}
     if any(e is None for e in at.values()):
         return None

@@ -266,7 +266,7 @@ def _own_site(view: RunView, div: Divergence) -> Culprits | None:
     return Culprits(
         tuple(sorted(broke)),
         f"{_names(broke)} issued {_op_text(first)} where every earlier {op} of {its} from that call site "
-        f"had the sizes that {_names(kept)} still issued",
+        f"had the sizes and dtypes that {_names(kept)} still issued",
         "own-site",
     )
 
