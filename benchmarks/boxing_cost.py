@@ -192,15 +192,19 @@ def main() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     group = dist.group.WORLD.group_name
     small, big = torch.ones(8), torch.ones(16)
+    # torch 2.13 calls them all_gather_single / reduce_scatter_single; torch 2.11 (the GPU host) has
+    # only the older names, which issue the same c10d ops.
+    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
     def python(which: int, iters: int) -> float:
         start = time.perf_counter_ns()
         if which == 0:
             for _ in range(iters):
-                dist.all_gather_single(big, small)
+                all_gather_single(big, small)
         elif which == 1:
             for _ in range(iters):
-                dist.reduce_scatter_single(small, big)
+                reduce_scatter_single(small, big)
         else:
             for _ in range(iters):
                 dist.all_reduce(small)
@@ -208,8 +212,8 @@ def main() -> None:
 
     def python_cold(which: int, iters: int) -> float:
         call = (
-            (lambda: dist.all_gather_single(big, small)),
-            (lambda: dist.reduce_scatter_single(small, big)),
+            (lambda: all_gather_single(big, small)),
+            (lambda: reduce_scatter_single(small, big)),
             (lambda: dist.all_reduce(small)),
         )[which]
         clock, evict, times = time.perf_counter_ns, ext.evict, []
