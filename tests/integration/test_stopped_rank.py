@@ -36,7 +36,8 @@ def test_a_rank_that_stops_itself_is_reported_stopped_not_a_desync(tmp_path):
     assert report["verdict"] == "stuck" and report["pattern"] == "rank-stopped", context
     assert report["culprit_ranks"] == [1], context
     assert report["ranks"]["1"]["process_state"] == "T", report["ranks"]
-    assert {report["ranks"][str(r)]["process_state"] for r in (0, 2, 3)} <= {"S", "R"}, report["ranks"]
+    # The waiting ranks sleep or run: one letter when every reading agreed, else the readings ("SSSR").
+    assert all(set(report["ranks"][str(r)]["process_state"]) <= {"S", "R"} for r in (0, 2, 3)), report["ranks"]
     assert "rank 1's process is stopped (state T" in report["summary"], context
     assert any(e.startswith("rank 1's process is stopped (state T") for e in report["evidence"]), context
     # no code fix, no desync, no permission story
