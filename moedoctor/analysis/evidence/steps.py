@@ -92,15 +92,15 @@ def _inside_step(view: RunView, event: CollectiveEvent, last_pass: float) -> boo
     opened with the same collective on the event's group, ``event`` is not that collective, and the
     rank has not issued it since its last backward pass began: a rank that skipped its optimizer step
     would begin its next iteration with it, so this rank is still in its step, in another pass."""
+    before = view.events(event.rank, event.group.name, before=event.seq)
     by_step: dict[int, CollectiveEvent] = {}
-    for e in view.events(event.rank, event.group.name, before=event.seq):
+    for e in before:
         by_step.setdefault(e.step, e)
     steps = sorted(s for s in by_step if s < event.step)[1:]
     opening = {token(by_step[s])[:2] for s in steps}
     if len(opening) != 1 or token(event)[:2] in opening:
         return False
-    since = [e for e in view.events(event.rank, event.group.name, before=event.seq) if e.time > last_pass]
-    return not any(token(e)[:2] in opening for e in since)
+    return not any(token(e)[:2] in opening for e in before if e.time > last_pass)
 
 
 def _backward_windows(view: RunView, rank: int, step: int) -> list[tuple[float, float | None]]:

@@ -188,11 +188,7 @@ static void without_gil(Work&& work) {
 // Take state_mu with the GIL held, releasing the GIL while waiting (its holder may need the GIL).
 struct StateLock {
   StateLock() {
-    if (!S.state_mu.try_lock()) {
-      PyThreadState* saved = PyEval_SaveThread();
-      S.state_mu.lock();
-      PyEval_RestoreThread(saved);
-    }
+    if (!S.state_mu.try_lock()) without_gil([] { S.state_mu.lock(); });
   }
   ~StateLock() { S.state_mu.unlock(); }
 };
