@@ -53,4 +53,9 @@ def _site_cache(native) -> str:
     if not getattr(native, "site_cache", False):
         return "off"
     hits, misses = native.site_cache_counts()
-    return f"on ({hits} of {hits + misses} walks answered from it)"
+    gil_free = (
+        f", {native.gil_free_count()} recorded without taking the GIL"
+        if getattr(native, "gil_free", False)
+        else ", the GIL taken for every one"
+    )
+    return f"on ({hits} of {hits + misses} walks answered from it{gil_free})"

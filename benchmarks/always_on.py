@@ -22,6 +22,8 @@ thread keeps waking every 2 ms (it writes only when records are buffered).
                                                        # deferred to its writer thread (on) or done at once (off)
   python benchmarks/always_on.py --versus progress     # recorder on throughout: its progress thread working (on)
                                                        # or idle (off)
+  python benchmarks/always_on.py --versus gil          # recorder on throughout: call-site cache hits recorded
+                                                       # without the GIL (on) or with it (off)
   moedoctor run -- torchrun --nproc_per_node 2 benchmarks/always_on.py   # the recorder as installed by `moedoctor run`
 
 Without torchrun's environment the script starts itself under ``torch.distributed.run``. The last
@@ -72,11 +74,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--versus",
         default="paused",
-        choices=["paused", "immediate", "progress"],
+        choices=["paused", "immediate", "progress", "gil"],
         help="what the on blocks are compared with: the recorder paused (the always-on A/B), or the recorder on "
         "with the native kernel formatting each record on the training thread (MOEDOCTOR_DEFER_FORMAT=0's path; "
         "the on blocks defer it to the writer thread, the default), or the recorder on with its progress thread "
-        "idle (its Work polls, deferred evidence and Flight Recorder polls: their share of the step time)",
+        "idle (its Work polls, deferred evidence and Flight Recorder polls: their share of the step time), or the "
+        "recorder on with the native kernel taking the GIL for every collective (MOEDOCTOR_GIL_FREE=0's path; the on "
+        "blocks record call-site cache hits without it, the default)",
     )
     parser.add_argument(
         "--poll-interval",
@@ -166,8 +170,8 @@ def main() -> int:
     # Installed before the model is built, as `moedoctor run`'s bootstrap does at torch's import.
     recorder = installed_recorder() or install(Path(tempfile.mkdtemp(prefix="moedoctor-always-on-")))
     kernels = "native" if recorder._native is not None else "python"
-    if args.versus == "immediate" and recorder._native is None:
-        raise SystemExit("--versus immediate needs the native kernel")
+    if args.versus in ("immediate", "gil") and recorder._native is None:
+        raise SystemExit(f"--versus {args.versus} needs the native kernel")
     if args.poll_interval is not None:
         recorder._progress.poll_interval = args.poll_interval
     if args.kernel_clock and recorder._native is not None:
@@ -220,6 +224,8 @@ def main() -> int:
                 recorder._native.set_defer(on)
             elif args.versus == "progress":  # the recorder on in both; its progress thread idle in the off blocks
                 recorder._progress.idle = not on
+            elif args.versus == "gil":  # the recorder on in both; the GIL taken for every collective in the off blocks
+                recorder._native.set_gil_free(on)
             else:
                 recorder.resume() if on else recorder.pause()
             for _ in range(args.settle):
@@ -311,7 +317,11 @@ def main() -> int:
                 )
             )
         if args.versus != "paused":  # on = deferred / progress thread working, off = immediate / idle
-            what = "deferred formatting vs immediate" if args.versus == "immediate" else "progress thread vs idle"
+            what = {
+                "immediate": "deferred formatting vs immediate",
+                "progress": "progress thread vs idle",
+                "gil": "GIL-free cache hits vs the GIL taken",
+            }[args.versus]
             print(
                 f"{what}: {per_step:.0f} collectives/step, training-thread CPU "
                 f"{cpu_mid:+.2f}% (CI {cpu_lo:+.2f}..{cpu_hi:+.2f}), step time {step_mid:+.2f}% "

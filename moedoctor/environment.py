@@ -16,6 +16,7 @@ variable                     set by                meaning
 ``MOEDOCTOR_FAST_WALK``      the user              ``0``: the native kernel never walks CPython's frames directly
 ``MOEDOCTOR_SITE_CACHE``     the user              ``0``: the native kernel walks the whole stack at every collective
 ``MOEDOCTOR_DEFER_FORMAT``   the user              ``0``: the native kernel formats each record on the training thread
+``MOEDOCTOR_GIL_FREE``       the user              ``0``: the native kernel takes the GIL at every collective
 ``MOEDOCTOR_FR_COMPLETION``  the user              ``0``: no completion records from the Flight Recorder poller
 ``MOEDOCTOR_CHECK_PARAMS``   ``--check-params``    the optimizer step whose parameters are fingerprinted
 ``MOEDOCTOR_FIXES``          ``verify``, ``--fix`` comma-separated fix names the workers install
@@ -68,6 +69,7 @@ NATIVE_VERBOSE = Var("NATIVE_VERBOSE", "'1': the native kernel's build prints th
 FAST_WALK = Var("FAST_WALK", "'0': the native kernel never walks CPython's frames directly")
 SITE_CACHE = Var("SITE_CACHE", "'0': the native kernel walks the whole stack at every collective (no call-site cache)")
 DEFER_FORMAT = Var("DEFER_FORMAT", "'0': the native kernel formats each record on the recording thread")
+GIL_FREE = Var("GIL_FREE", "'0': the native kernel takes the GIL at every collective, call-site cache hits included")
 FR_COMPLETION = Var("FR_COMPLETION", "'0': no completion records from the Flight Recorder poller")
 CHECK_PARAMS = Var("CHECK_PARAMS", "the optimizer step whose parameters are fingerprinted (--check-params)")
 FIXES = Var("FIXES", "comma-separated names of the fixes the workers install")
@@ -85,6 +87,7 @@ VARIABLES = (
     FAST_WALK,
     SITE_CACHE,
     DEFER_FORMAT,
+    GIL_FREE,
     FR_COMPLETION,
     CHECK_PARAMS,
     FIXES,
@@ -136,6 +139,11 @@ def site_cache(environ: Environ | None = None) -> bool:
 def defer_format(environ: Environ | None = None) -> bool:
     """On unless ``MOEDOCTOR_DEFER_FORMAT=0``."""
     return not DEFER_FORMAT.equals("0", environ, "1")
+
+
+def gil_free(environ: Environ | None = None) -> bool:
+    """On unless ``MOEDOCTOR_GIL_FREE=0``."""
+    return not GIL_FREE.equals("0", environ, "1")
 
 
 def fr_completion(environ: Environ | None = None) -> bool:

@@ -99,20 +99,26 @@ def raw_records(run_dir: Path, rank: int) -> list[dict]:
     return out
 
 
+def mixed_runs(tmp_path: Path, setting: str) -> dict[str, tuple[Path, object]]:
+    """The mixed job (3 steps, native kernel) with ``setting`` (an environment variable) "1" and "0":
+    {value: (run directory, result)}."""
+    runs = {}
+    for value in ("1", "0"):
+        run_dir = tmp_path / f"run-{setting.lower()}{value}"
+        checkpoints = str(tmp_path / f"ckpt-{setting.lower()}{value}")
+        cmd = torchrun_command(SITE_CACHE_JOB, NPROC, "--steps", "3", "--checkpoint-dir", checkpoints)
+        result = run_command(cmd, timeout=240, env=recorded_env(run_dir, MOEDOCTOR_NATIVE="1", **{setting: value}))
+        assert_ok(result)
+        runs[value] = (run_dir, result)
+    return runs
+
+
 @pytest.mark.skipif(sys.version_info[:2] not in ((3, 11), (3, 12)), reason="the call-site cache needs the fast walk")
 def test_call_site_cache_records_exactly_what_the_full_walk_records(native_built, tmp_path):
     """The mixed job (FSDP2 units forward and backward, optimizer, DDP, a checkpoint save, a thread,
     p2p, 3 steps) with the native kernel's call-site cache on and off: every collective, call-site and
     group record the same, field by field (times aside), and the cache answered most walks."""
-    runs = {}
-    for cache in ("1", "0"):
-        run_dir = tmp_path / f"run-cache{cache}"
-        checkpoints = str(tmp_path / f"ckpt{cache}")
-        cmd = torchrun_command(SITE_CACHE_JOB, NPROC, "--steps", "3", "--checkpoint-dir", checkpoints)
-        env = recorded_env(run_dir, MOEDOCTOR_NATIVE="1", MOEDOCTOR_SITE_CACHE=cache)
-        result = run_command(cmd, timeout=240, env=env)
-        assert_ok(result)
-        runs[cache] = (run_dir, result)
+    runs = mixed_runs(tmp_path, "MOEDOCTOR_SITE_CACHE")
     (on_dir, on_run), (off_dir, off_run) = runs["1"], runs["0"]
     assert "site_cache=False hits=0 misses=0" in off_run.output, off_run.tail()
     counts = [tuple(map(int, m)) for m in re.findall(r"site_cache=True hits=(\d+) misses=(\d+)", on_run.output)]
@@ -131,6 +137,31 @@ def test_call_site_cache_records_exactly_what_the_full_walk_records(native_built
         assert any("mod" in rec for rec in on if rec["k"] == "c"), f"rank {rank}: no FSDP unit recorded"
 
 
+@pytest.mark.skipif(sys.version_info[:2] not in ((3, 11), (3, 12)), reason="the call-site cache needs the fast walk")
+def test_cache_hits_recorded_without_the_gil_are_the_records_made_with_it(native_built, tmp_path):
+    """The mixed job (FSDP2 units forward and backward, a checkpoint save, a thread, p2p, 3 steps) with
+    call-site cache hits recorded without taking the GIL (the default) and with it
+    (``MOEDOCTOR_GIL_FREE=0``): every collective, call-site and group record the same, field by field
+    (times aside), FSDP units included, and most collectives of the first run were recorded without
+    the GIL, none of the second's."""
+    runs = mixed_runs(tmp_path, "MOEDOCTOR_GIL_FREE")
+    (free_dir, free_run), (held_dir, held_run) = runs["1"], runs["0"]
+    assert held_run.output.count("gil_free=False without_gil=0") == NPROC, held_run.tail()
+    pattern = r"hits=(\d+) misses=\d+ .*gil_free=True without_gil=(\d+)"
+    counts = [tuple(map(int, m)) for m in re.findall(pattern, free_run.output)]
+    assert len(counts) == NPROC, free_run.tail()
+    for rank in range(NPROC):
+        free, held = raw_records(free_dir, rank), raw_records(held_dir, rank)
+        collectives = sum(rec["k"] == "c" for rec in free)
+        assert collectives > 50, f"rank {rank}: {len(free)} records"
+        assert len(free) == len(held), f"rank {rank}: {len(free)} records without the GIL, {len(held)} with it"
+        for a, b in zip(free, held):
+            assert a == b, f"rank {rank}: without the GIL {a} / with it {b}"
+        assert any("mod" in rec for rec in free if rec["k"] == "c"), f"rank {rank}: no FSDP unit recorded"
+    for hits, without_gil in counts:
+        assert hits >= without_gil > hits // 2, f"{without_gil} of {hits} cache hits recorded without the GIL"
+
+
 TIME = re.compile(rb',"t":[0-9]+\.[0-9]{6},')
 
 
@@ -140,12 +171,7 @@ def test_deferred_formatting_writes_the_same_bytes_as_formatting_at_once(native_
     on the recording thread at once (``MOEDOCTOR_DEFER_FORMAT=0``, the same formatter): every line of
     every rank's trace the same bytes, times aside, in the same order."""
     runs = {}
-    for defer in ("1", "0"):
-        run_dir = tmp_path / f"run-defer{defer}"
-        checkpoints = str(tmp_path / f"ckpt{defer}")
-        cmd = torchrun_command(SITE_CACHE_JOB, NPROC, "--steps", "3", "--checkpoint-dir", checkpoints)
-        result = run_command(cmd, timeout=240, env=recorded_env(run_dir, MOEDOCTOR_NATIVE="1", MOEDOCTOR_DEFER_FORMAT=defer))
-        assert_ok(result)
+    for defer, (run_dir, result) in mixed_runs(tmp_path, "MOEDOCTOR_DEFER_FORMAT").items():
         assert result.output.count(f"defer_format={defer == '1'}") == NPROC, result.tail()
         runs[defer] = run_dir
     for rank in range(NPROC):

@@ -313,6 +313,8 @@ class NativeKernels:
         self.fast_walk = _fast_walk(module)
         #: Repeated stacks are answered from the call-site cache (fast walk only).
         self.site_cache = _site_cache(module, self.fast_walk)
+        #: A cache hit is recorded without taking the GIL (``MOEDOCTOR_GIL_FREE=0``: with it).
+        self.gil_free = bool(module.set_gil_free(environment.gil_free())) and self.site_cache
         #: Records are formatted by the writer thread from raw slots (``MOEDOCTOR_DEFER_FORMAT=0``: on
         #: the recording thread, at once, by the same formatter).
         self.defer_format = environment.defer_format()
@@ -398,8 +400,17 @@ class NativeKernels:
 
     def site_cache_counts(self) -> tuple[int, int]:
         """(walks answered from the call-site cache, walks made in full while it was on)."""
-        hits, misses = self._m.site_cache_counts()
+        hits, misses, _ = self._m.site_cache_counts()
         return int(hits), int(misses)
+
+    def gil_free_count(self) -> int:
+        """Collectives recorded without taking the GIL (call-site cache hits)."""
+        return int(self._m.site_cache_counts()[2])
+
+    def set_gil_free(self, on: bool) -> None:
+        """Benchmarks: record a call-site cache hit without taking the GIL (on, the default) or with it
+        (``MOEDOCTOR_GIL_FREE=0``)."""
+        self.gil_free = bool(self._m.set_gil_free(on))
 
     def set_defer(self, on: bool) -> None:
         """Benchmarks: format the records on the writer thread (on, the default) or at once on the

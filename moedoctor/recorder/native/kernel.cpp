@@ -4,12 +4,14 @@
 //
 // One boxed kernel per collective op, registered at BackendSelect through a torch::Library of kind
 // IMPL per namespace. It writes the same `c` line as the Python recorder with one write(2) BEFORE
-// redispatching, and keeps c10d Works for the progress thread's poll(). The GIL is taken only for the
-// stack walk and the formatting; cold paths (a new code object, site, group, thread, the cap record,
-// errors) call back into Python through the helper object given to configure().
+// redispatching, and keeps c10d Works for the progress thread's poll(). A stack the thread's call-site
+// cache knows is recorded without the GIL (attribute_without_gil); the GIL is taken for a stack walked
+// in full and for the cold paths (a new code object, site, group, FSDP unit, thread, the cap record,
+// errors), which call back into Python through the helper object given to configure().
 //
-// Lock order: the GIL, then state_mu (taken with the GIL released while waiting); pending_mu is
-// never held together with the GIL.
+// Lock order: the GIL, then state_mu (taken with the GIL released while waiting; without the GIL, a
+// kernel takes state_mu alone and never asks for the GIL while holding it); pending_mu is never held
+// together with the GIL.
 //
 // APIs used (present in torch >= 2.6): CppFunction::makeFromBoxedFunctor, torch::Library(IMPL,
 // ns, key), OperatorHandle::redispatchBoxed, DispatchKeySet(FULL_AFTER, key),
@@ -44,6 +46,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -116,9 +119,10 @@ struct State {
   std::unordered_map<std::pair<PyObject*, int>, int, CodeOffsetHash> lines;  // (code, offset) -> line
   std::vector<std::string> dtype_names;  // ScalarType -> "float32"
   std::vector<std::string> reduce_names;  // RedOpType -> "sum"
-  int64_t step = 0;
-  int64_t optimizer_depth = 0;
-  const std::string* checkpoint_phase = nullptr;  // interned; null when not inside a checkpoint save/load
+  // Set from Python, read by the kernels with or without the GIL.
+  std::atomic<int64_t> step{0};
+  std::atomic<int64_t> optimizer_depth{0};
+  std::atomic<const std::string*> checkpoint_phase{nullptr};  // interned; null when not inside a checkpoint save/load
 
   // Guarded by state_mu.
   std::mutex state_mu;
@@ -1056,13 +1060,67 @@ struct CachedWalk {
   SiteKey site;
   int flags = 0;
   std::vector<uint16_t> fsdp_frames;  // indices in ``frames`` of the FSDP param-group frames, in walk order
+  std::vector<uint8_t> fsdp_self;     // per FSDP frame: its code's first local is ``self`` (fast_fsdp_module's test)
   int site_id = -1;                   // the site's id once interned (ids are never reassigned)
 };
 
-static constexpr size_t SITE_CACHE_CAPACITY = 4096;  // distinct stacks cached; beyond, the full walk
-static bool site_cache = false;                    // set by set_site_cache (MOEDOCTOR_SITE_CACHE)
-static std::unordered_map<uint64_t, CachedWalk> walk_cache;  // GIL held
-static std::atomic<int64_t> cache_hits{0}, cache_misses{0};
+static constexpr size_t SITE_CACHE_CAPACITY = 4096;  // distinct stacks cached per thread; beyond, the full walk
+static constexpr size_t UNIT_CAPACITY = 4096;        // FSDP param groups remembered per thread
+static constexpr size_t RECENT_SLOTS = 64;           // the call-site cache's direct-mapped table
+static constexpr size_t TOP_SLOTS = 64;              // the call-site cache's table by innermost frame
+static bool site_cache = false;                      // set by set_site_cache (MOEDOCTOR_SITE_CACHE)
+static bool gil_free_hits = true;                    // set by set_gil_free (MOEDOCTOR_GIL_FREE)
+static std::atomic<int> walk_generation{0};          // bumped to empty every thread's cache
+static std::atomic<int64_t> cache_hits{0}, cache_misses{0}, gil_free_count{0};
+
+// One thread's call-site cache. Only its own thread reads or changes it, so it needs no lock, and a hit
+// can be answered without the GIL (below).
+struct ThreadWalks {
+  std::unordered_map<uint64_t, CachedWalk> cache;
+  // The cache's entries by their hash, direct-mapped: most hits are found here without the map's own
+  // lookup (a division and a chain of nodes, each a cache miss after a step's work). Emptied with it.
+  struct Recent {
+    uint64_t h = 0;
+    CachedWalk* walk = nullptr;  // an entry of ``cache`` (its nodes never move)
+  };
+  Recent recent[RECENT_SLOTS];
+  // The walks last answered from an innermost frame (its address, code object and instruction), two
+  // per slot, the latest first: a repeated stack is found with one comparison pass and no hash.
+  struct Way {
+    const MirrorFrame* frame = nullptr;
+    const void* code = nullptr;
+    const void* instr = nullptr;
+    CachedWalk* walk = nullptr;  // an entry of ``cache``
+  };
+  struct Ways {
+    Way way[2];
+  };
+  Ways by_top[TOP_SLOTS];
+  int generation = 0;
+  // FSDP param group (borrowed pointer) -> a weak reference to it (owned) and its unit's JSON (null:
+  // it has none). Valid while the reference still points at the same object, which a frame holds.
+  struct Unit {
+    PyObject* ref;
+    const std::string* json;
+  };
+  std::unordered_map<PyObject*, Unit> units;
+  bool own_tstate = false;  // PyGILState_GetThisThreadState() is the state this thread runs Python in
+};
+// Per thread, never freed: a thread that exits while the interpreter finalizes must not run
+// destructors that drop references.
+static thread_local ThreadWalks* thread_walks = nullptr;
+
+static ThreadWalks& walks() {
+  if (thread_walks == nullptr) thread_walks = new ThreadWalks;
+  const int generation = walk_generation.load(std::memory_order_relaxed);
+  if (thread_walks->generation != generation) {
+    thread_walks->cache.clear();
+    std::fill(std::begin(thread_walks->recent), std::end(thread_walks->recent), ThreadWalks::Recent{});
+    std::fill(std::begin(thread_walks->by_top), std::end(thread_walks->by_top), ThreadWalks::Ways{});
+    thread_walks->generation = generation;
+  }
+  return *thread_walks;
+}
 
 static bool walk_fast(MirrorFrame* top, Attribution& attribution, std::vector<FrameKey>* raw,
                       std::vector<uint16_t>* fsdp_frames) {
@@ -1092,11 +1150,104 @@ static bool walk_fast(MirrorFrame* top, Attribution& attribution, std::vector<Fr
   return f == nullptr && walked < MAX_WALK;
 }
 
-static void attribute_fast(Attribution& attribution) {
-  MirrorFrame* const current = current_frame(PyThreadState_Get());
-  if (!site_cache) {
-    walk_fast(complete(current), attribution, nullptr, nullptr);
+// ``self``'s FSDP unit from this thread's memory of it; false where it is not known (the GIL is
+// needed: param_group_unit).
+static bool remembered_unit(ThreadWalks& tw, PyObject* self, Attribution& attribution) {
+  auto it = tw.units.find(self);
+  if (it == tw.units.end() || PyWeakref_GET_OBJECT(it->second.ref) != self) return false;
+  if (it->second.json != nullptr) {
+    attribution.module_json = it->second.json;
+    attribution.has_module = true;
+  }
+  return true;
+}
+
+// param_group_unit, remembered for this thread (GIL held).
+static void unit_with_gil(ThreadWalks& tw, PyObject* self, Attribution& attribution) {
+  if (remembered_unit(tw, self, attribution)) return;
+  param_group_unit(self, attribution);
+  auto it = tw.units.find(self);
+  if (it == tw.units.end() && tw.units.size() >= UNIT_CAPACITY) return;
+  PyObject* ref = PyWeakref_NewRef(self, nullptr);
+  if (ref == nullptr) {
+    PyErr_Clear();
     return;
+  }
+  const ThreadWalks::Unit unit{ref, attribution.has_module ? attribution.module_json : nullptr};
+  if (it != tw.units.end()) {
+    Py_DECREF(it->second.ref);
+    it->second = unit;
+  } else {
+    tw.units.emplace(self, unit);
+  }
+}
+
+// The frames a cached walk passed, and (where it ran to the bottom) no frame after them: then this
+// stack's walk is the cached one. Incomplete frames before the innermost complete one count too:
+// complete() skips them, key_of keeps them.
+static bool same_stack(const CachedWalk& walk, MirrorFrame* const current) {
+  MirrorFrame* f = current;
+  size_t same = 0;
+  const size_t n = walk.frames.size();
+  for (; same < n && f != nullptr && key_of(f) == walk.frames[same]; ++same) f = f->previous;
+  return same == n && (!walk.to_bottom || f == nullptr);
+}
+
+// A cached walk's answer for this stack: its site and flags, and the unit of the first FSDP param
+// group whose unit can be read, as the walk does. False (without the GIL only) where a unit is not
+// known yet.
+static bool answer(ThreadWalks& tw, CachedWalk& hit, MirrorFrame* const current, Attribution& attribution, bool gil) {
+  MirrorFrame* g = current;
+  size_t index = 0;
+  for (size_t k = 0; k < hit.fsdp_frames.size() && !attribution.has_module; ++k) {
+    for (; index < hit.fsdp_frames[k]; ++index) g = g->previous;
+    if (!hit.fsdp_self[k]) continue;
+    PyObject* self = g->localsplus[0];
+    if (self != nullptr && PyCell_Check(self)) self = PyCell_GET(self);
+    if (self == nullptr) continue;
+    if (gil) {
+      unit_with_gil(tw, self, attribution);
+    } else if (!remembered_unit(tw, self, attribution)) {
+      return false;
+    }
+  }
+  cache_hits.fetch_add(1, std::memory_order_relaxed);
+  attribution.cached_site = &hit.site;
+  attribution.flags = hit.flags;
+  attribution.site_slot = &hit.site_id;
+  return true;
+}
+
+// The walk from the call-site cache. With the GIL (``gil``), always answers: a stack not cached is
+// walked in full and cached. Without it, answers only from the cache (false otherwise: then the
+// caller takes the GIL and asks again). Without the GIL it reads only this thread's own frames, which
+// cannot change while the thread is inside this kernel (they are other threads' to read, never to
+// change: a frame object made for one elsewhere writes only the frame's own frame_obj), its own
+// cache, and the FSDP param group's ``self`` that a frame holds; everything that calls into Python or
+// touches shared tables (a code object's flags, a line number, a unit not yet known) needs the GIL.
+//
+// Lookup, cheapest first: the walks last answered from this innermost frame (its address, code and
+// instruction: one comparison pass over the stack, no hash); then the hash of the innermost
+// MAX_WALK frames in a direct-mapped table, then in the map. Whatever finds a candidate, only
+// same_stack() decides that it is this stack's walk.
+static bool attribute_cached(MirrorFrame* const current, Attribution& attribution, bool gil) {
+  ThreadWalks& tw = walks();
+  const FrameKey top = key_of(current);
+  const uint64_t t = (reinterpret_cast<uintptr_t>(current) >> 3) ^ (reinterpret_cast<uintptr_t>(top.code) >> 4) ^
+                     (reinterpret_cast<uintptr_t>(top.instr) >> 1);
+  ThreadWalks::Ways& ways = tw.by_top[(t ^ (t >> 17)) % TOP_SLOTS];
+  auto remember = [&](CachedWalk* walk) {
+    if (ways.way[0].walk == walk && ways.way[0].frame == current) return;
+    ways.way[1] = ways.way[0];
+    ways.way[0] = ThreadWalks::Way{current, top.code, top.instr, walk};
+  };
+  for (ThreadWalks::Way& way : ways.way) {
+    if (way.walk != nullptr && way.frame == current && way.code == top.code && way.instr == top.instr &&
+        same_stack(*way.walk, current)) {
+      CachedWalk* walk = way.walk;
+      remember(walk);
+      return answer(tw, *walk, current, attribution, gil);
+    }
   }
   // The hash covers the innermost MAX_WALK frames (a walk passes at least that many, or the whole
   // stack); the comparison, all the frames the cached walk passed.
@@ -1108,43 +1259,67 @@ static void attribute_fast(Attribution& attribution) {
     h = (h ^ reinterpret_cast<uintptr_t>(key.instr)) * 1099511628211ull;
     h = (h ^ key.owner) * 1099511628211ull;
   }
-  auto it = walk_cache.find(h);
-  if (it != walk_cache.end()) {
-    CachedWalk& hit = it->second;
-    MirrorFrame* f = current;
-    size_t same = 0;
-    const size_t n = hit.frames.size();
-    for (; same < n && f != nullptr && key_of(f) == hit.frames[same]; ++same) f = f->previous;
-    // The frames the walk passed, and (where it ran to the bottom) no frame after them. Incomplete
-    // frames before the innermost complete one count too: complete() skips them, key_of keeps them.
-    if (same == n && (!hit.to_bottom || f == nullptr)) {
-      cache_hits.fetch_add(1, std::memory_order_relaxed);
-      attribution.cached_site = &hit.site;
-      attribution.flags = hit.flags;
-      attribution.site_slot = &hit.site_id;
-      if (!hit.fsdp_frames.empty()) {  // the first param group whose unit can be read, as the walk does
-        MirrorFrame* g = current;
-        size_t index = 0;
-        for (uint16_t wanted : hit.fsdp_frames) {
-          for (; index < wanted; ++index) g = g->previous;
-          fast_fsdp_module(g, attribution);
-          if (attribution.has_module) break;
-        }
-      }
-      return;
+  ThreadWalks::Recent& recent = tw.recent[(h ^ (h >> 32)) % RECENT_SLOTS];
+  CachedWalk* candidate = recent.h == h ? recent.walk : nullptr;
+  if (candidate == nullptr) {
+    auto it = tw.cache.find(h);
+    if (it != tw.cache.end()) {
+      candidate = &it->second;
+      recent = ThreadWalks::Recent{h, candidate};
     }
   }
+  if (candidate != nullptr && same_stack(*candidate, current)) {
+    remember(candidate);
+    return answer(tw, *candidate, current, attribution, gil);
+  }
+  if (!gil) return false;
   cache_misses.fetch_add(1, std::memory_order_relaxed);
   CachedWalk fresh;
   // The incomplete frames above the innermost complete one, then the walk.
   MirrorFrame* f = current;
   for (; f != nullptr && incomplete(f); f = f->previous) fresh.frames.push_back(key_of(f));
   fresh.to_bottom = walk_fast(f, attribution, &fresh.frames, &fresh.fsdp_frames);
-  if (it != walk_cache.end() || walk_cache.size() >= SITE_CACHE_CAPACITY) return;
-  if (fresh.frames.size() < hashed || fresh.frames.size() > 65535) return;  // never: a walk passes what was hashed
+  // A hash already taken (a collision: another stack's walk) or a full cache: not cached.
+  if (candidate != nullptr || tw.cache.size() >= SITE_CACHE_CAPACITY) return true;
+  if (fresh.frames.size() < hashed || fresh.frames.size() > 65535) return true;  // never: a walk passes what was hashed
+  for (uint16_t index : fresh.fsdp_frames) {
+    const auto* code = static_cast<const PyCodeObject*>(fresh.frames[index].code);
+    fresh.fsdp_self.push_back(code->co_argcount >= 1 && PyTuple_GET_SIZE(code->co_localsplusnames) >= 1 &&
+                              PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(code->co_localsplusnames, 0),
+                                                               "self") == 0);
+  }
   fresh.site = attribution.site;
   fresh.flags = attribution.flags;
-  attribution.site_slot = &walk_cache.emplace(h, std::move(fresh)).first->second.site_id;
+  CachedWalk& stored = tw.cache.emplace(h, std::move(fresh)).first->second;
+  recent = ThreadWalks::Recent{h, &stored};
+  remember(&stored);
+  attribution.site_slot = &stored.site_id;
+  return true;
+}
+
+static void attribute_fast(Attribution& attribution) {
+  PyThreadState* const tstate = PyThreadState_Get();
+  MirrorFrame* const current = current_frame(tstate);
+  if (!site_cache) {
+    walk_fast(complete(current), attribution, nullptr, nullptr);
+    return;
+  }
+  ThreadWalks& tw = walks();
+  tw.own_tstate = PyGILState_GetThisThreadState() == tstate;
+  attribute_cached(current, attribution, true);
+}
+
+// The walk answered from this thread's call-site cache without taking the GIL; false where it cannot
+// be (then the caller takes the GIL and walks with it).
+static bool attribute_without_gil(Attribution& attribution) {
+  if (!fast_walk || !site_cache || !gil_free_hits || thread_walks == nullptr || !thread_walks->own_tstate) {
+    return false;
+  }
+  PyThreadState* const tstate = PyGILState_GetThisThreadState();
+  if (tstate == nullptr || tstate->cframe == nullptr) return false;
+  if (!attribute_cached(current_frame(tstate), attribution, false)) return false;
+  gil_free_count.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 #endif
 
@@ -1219,10 +1394,10 @@ static bool fast_walk_agrees() {
 }
 
 static const char* phase_of(int flags) {
-  if (S.checkpoint_phase != nullptr) return S.checkpoint_phase->c_str();
+  if (const std::string* phase = S.checkpoint_phase.load(std::memory_order_relaxed)) return phase->c_str();
   if (flags & F_CKPT_LOAD) return "checkpoint_load";
   if (flags & F_CKPT_SAVE) return "checkpoint_save";
-  if (S.optimizer_depth) return "optimizer";
+  if (S.optimizer_depth.load(std::memory_order_relaxed)) return "optimizer";
   if (torch::autograd::get_current_graph_task_id() != -1) return "backward";
   if (flags & F_MODULE_CALL) return "forward";
   return "other";
@@ -1356,6 +1531,78 @@ static bool traced_tensor(const c10::IValue& value) {
   return t.is_meta() || keys.has(c10::DispatchKey::Python) || keys.has(c10::DispatchKey::Functionalize);
 }
 
+// What number() needs of the op's arguments besides the record's own slot.
+struct Numbering {
+  const std::string& group_name;
+  int64_t root_rank;   // INT64_MIN: none
+  int64_t group_rank;  // a p2p op's peer in the group
+};
+static constexpr int64_t NEEDS_PYTHON = -2;
+
+// The record's numbers (event id, group, sequence numbers, site, root and peer as global ranks),
+// under state_mu. ``python``: the GIL is held, so a group, site or cap record not made yet can be made
+// (Python describes them); without it, NEEDS_PYTHON before anything is changed. -1: not recorded (no
+// file, or past the cap).
+static int64_t number(const Spec& spec, Entry& e, const Attribution& attribution, const Numbering& args,
+                      int& group_id, bool python) {
+  std::unique_lock<std::mutex> plain;
+  std::optional<StateLock> lock;
+  if (python) {
+    lock.emplace();
+  } else {
+    plain = std::unique_lock<std::mutex>(S.state_mu);
+  }
+  const int target = S.fd.load();
+  if (target < 0) return -1;
+  const auto known = S.groups.find(args.group_name);
+  if (!python) {
+    const bool site_known = attribution.user_frames().empty() ||
+                            (attribution.site_slot != nullptr && *attribution.site_slot >= 0);
+    if (!site_known || known == S.groups.end() || (S.written >= S.max_events && S.dropped == 0)) {
+      return NEEDS_PYTHON;
+    }
+  }
+  GroupState& group = known != S.groups.end() ? known->second : intern_group(args.group_name, target);
+  group_id = group.id;
+  e.group = group.id;
+  e.has_root = spec.root >= 0;
+  if (e.has_root) {  // the root's global rank, as the Python recorder's _global_rank
+    e.root_null = args.root_rank == INT64_MIN;
+    e.root = (args.root_rank >= 0 && args.root_rank < static_cast<int64_t>(group.ranks.size()))
+        ? group.ranks[static_cast<size_t>(args.root_rank)] : args.root_rank;
+  }
+  e.site = -1;
+  if (!attribution.user_frames().empty()) {
+    if (attribution.site_slot != nullptr && *attribution.site_slot >= 0) {
+      e.site = *attribution.site_slot;
+    } else {
+      e.site = intern_site(attribution.user_frames(), target);
+      if (attribution.site_slot != nullptr) *attribution.site_slot = static_cast<int>(e.site);
+    }
+  }
+  const int64_t event = S.next_event++;
+  e.event = event;
+  e.p2p = spec.peer >= 0;
+  if (e.p2p) {
+    e.peer = (args.group_rank >= 0 && args.group_rank < static_cast<int64_t>(group.ranks.size()))
+        ? group.ranks[static_cast<size_t>(args.group_rank)] : args.group_rank;
+    e.pseq = ++group.pseq[e.peer];
+    ++group.p2p_count;
+    e.seq = group.seq;  // the collectives before it; not advanced
+  } else {
+    e.seq = ++group.seq;
+  }
+  if (S.written >= S.max_events) {
+    if (S.dropped++ == 0) {
+      std::string cap = take_bytes(call_helper("cap_record", nullptr));
+      append_record(cap.data(), cap.size());
+    }
+    return -1;
+  }
+  ++S.written;
+  return event;
+}
+
 // Writes the record; returns its event id (-1 when capped or not recorded) and sets group_id.
 // Interned lower-case reduce-op names given as strings (functional collectives): never freed.
 static const std::string* reduce_text(const std::string& raw) {
@@ -1461,61 +1708,41 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
       std::chrono::system_clock::now().time_since_epoch()).count();
 
   clock_add(pre_ns, entered);
-  auto mark = clock_now();
-  Gil gil;
-  clock_add(gil_ns, mark);
-  if (!python_usable()) return -1;
-  Attribution attribution;
-  mark = clock_now();
-  attribute(attribution);
-  clock_add(walk_ns, mark);
-  const auto walked = clock_now();
-  e.thread = &thread_name();
-  e.phase = phase_of(attribution.flags);
-  e.step = S.step;
-  e.module = attribution.has_module ? attribution.module_json : nullptr;
 
-  StateLock lock;
-  const int target = S.fd.load();
-  if (target < 0) return -1;
-  GroupState& group = intern_group(group_name, target);
-  group_id = group.id;
-  e.group = group.id;
-  e.has_root = spec.root >= 0;
-  if (e.has_root) {  // the root's global rank, as the Python recorder's _global_rank
-    e.root_null = root_rank == INT64_MIN;
-    e.root = (root_rank >= 0 && root_rank < static_cast<int64_t>(group.ranks.size()))
-        ? group.ranks[static_cast<size_t>(root_rank)] : root_rank;
+  // The walk: from this thread's call-site cache without the GIL where it can be, else with it.
+  Attribution attribution;
+  auto mark = clock_now();
+  bool attributed = false;
+#ifdef MOEDOCTOR_FAST_WALK
+  attributed = thread_json != nullptr && attribute_without_gil(attribution);
+#endif
+  clock_add(walk_ns, mark);
+  std::optional<Gil> gil;
+  if (!attributed) {
+    mark = clock_now();
+    gil.emplace();
+    clock_add(gil_ns, mark);
+    if (!python_usable()) return -1;
+    attribution = Attribution();
+    mark = clock_now();
+    attribute(attribution);
+    clock_add(walk_ns, mark);
   }
-  e.site = -1;
-  if (!attribution.user_frames().empty()) {
-    if (attribution.site_slot != nullptr && *attribution.site_slot >= 0) {
-      e.site = *attribution.site_slot;
-    } else {
-      e.site = intern_site(attribution.user_frames(), target);
-      if (attribution.site_slot != nullptr) *attribution.site_slot = static_cast<int>(e.site);
-    }
+  const auto walked = clock_now();
+  e.thread = &thread_name();  // set (with the GIL) before any walk without it
+  e.phase = phase_of(attribution.flags);
+  e.step = S.step.load(std::memory_order_relaxed);
+  e.module = attribution.has_module ? attribution.module_json : nullptr;
+  const Numbering numbering{group_name, root_rank, group_rank};
+  int64_t event = number(spec, e, attribution, numbering, group_id, gil.has_value());
+  if (event == NEEDS_PYTHON) {  // a group, site or cap record not made yet: made with the GIL
+    mark = clock_now();
+    gil.emplace();
+    clock_add(gil_ns, mark);
+    if (!python_usable()) return -1;
+    event = number(spec, e, attribution, numbering, group_id, true);
   }
-  const int64_t event = S.next_event++;
-  e.event = event;
-  e.p2p = spec.peer >= 0;
-  if (e.p2p) {
-    e.peer = (group_rank >= 0 && group_rank < static_cast<int64_t>(group.ranks.size()))
-        ? group.ranks[static_cast<size_t>(group_rank)] : group_rank;
-    e.pseq = ++group.pseq[e.peer];
-    ++group.p2p_count;
-    e.seq = group.seq;  // the collectives before it; not advanced
-  } else {
-    e.seq = ++group.seq;
-  }
-  if (S.written >= S.max_events) {
-    if (S.dropped++ == 0) {
-      std::string cap = take_bytes(call_helper("cap_record", nullptr));
-      append_record(cap.data(), cap.size());
-    }
-    return -1;
-  }
-  ++S.written;
+  if (event < 0) return -1;
   clock_add(post_ns, walked);
   mark = clock_now();
   if (defer_format) {
@@ -1624,7 +1851,7 @@ static void configure(py::object helper, py::dict constants, std::vector<std::st
   MAX_SHAPES = std::min<size_t>(constants["MAX_SHAPES"].cast<size_t>(), 256);
   const size_t max_stack = constants["MAX_STACK"].cast<size_t>(), max_walk = constants["MAX_WALK"].cast<size_t>();
 #ifdef MOEDOCTOR_FAST_WALK
-  if (max_stack != MAX_STACK || max_walk != MAX_WALK) walk_cache.clear();  // walks of other limits
+  if (max_stack != MAX_STACK || max_walk != MAX_WALK) walk_generation.fetch_add(1);  // walks of other limits
 #endif
   MAX_STACK = max_stack;
   MAX_WALK = max_walk;
@@ -1706,8 +1933,8 @@ static void append(py::bytes data) {
   append_record(bytes, static_cast<size_t>(size));
 }
 static int write_error() { return write_errno.load(); }
-static void set_step(int64_t value) { S.step = value; }
-static void set_optimizer_depth(int64_t value) { S.optimizer_depth = value; }
+static void set_step(int64_t value) { S.step.store(value, std::memory_order_relaxed); }
+static void set_optimizer_depth(int64_t value) { S.optimizer_depth.store(value, std::memory_order_relaxed); }
 static void set_checkpoint(py::object value) {
   static auto& phases = *new std::deque<std::string>;  // interned: pending records point at them
   if (value.is_none()) {
@@ -1891,12 +2118,25 @@ static bool set_site_cache(bool value) {
 #endif
 }
 
-// (walks answered from the call-site cache, walks made in full while it was on).
+// (walks answered from the call-site cache, walks made in full while it was on, collectives recorded
+// without taking the GIL).
 static py::tuple site_cache_counts() {
 #ifdef MOEDOCTOR_FAST_WALK
-  return py::make_tuple(cache_hits.load(), cache_misses.load());
+  return py::make_tuple(cache_hits.load(), cache_misses.load(), gil_free_count.load());
 #else
-  return py::make_tuple(0, 0);
+  return py::make_tuple(0, 0, 0);
+#endif
+}
+
+// A call-site cache hit recorded without taking the GIL (on, the default) or with it; whether it is
+// on now (never without the fast walk's cache).
+static bool set_gil_free(bool value) {
+#ifdef MOEDOCTOR_FAST_WALK
+  gil_free_hits = value;
+  return gil_free_hits && site_cache;
+#else
+  (void)value;
+  return false;
 #endif
 }
 
@@ -1925,6 +2165,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fast_walk_agrees", &fast_walk_agrees);
   m.def("set_site_cache", &set_site_cache);
   m.def("site_cache_counts", &site_cache_counts);
+  m.def("set_gil_free", &set_gil_free);
   m.def("import_state", &import_state);
   m.def("export_state", &export_state);
   m.def("scalar_type_of", &scalar_type_of);
