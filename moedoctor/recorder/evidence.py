@@ -126,8 +126,11 @@ def _missing(optimizer) -> list[Any]:
     """Each parameter of ``optimizer`` that requires a gradient and has none (a frozen parameter has
     none by design: progressive unfreezing is not a routing question). Run twice a step over every
     parameter: one attribute read each, the rest only for the missing ones (about 0.06 us a
-    parameter, against 0.2 with its indices built for all)."""
-    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is None and p.requires_grad]
+    parameter, against 0.2 with its indices built for all). A tensor subclass's attribute read
+    (FSDP2's DTensor parameters) goes through ``__torch_function__``, which these reads do not need:
+    with it disabled, 288 DTensor parameters take 39 us instead of 80."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return [p for group in optimizer.param_groups for p in group["params"] if p.grad is None and p.requires_grad]
 
 
 def _named(optimizer, missing: list[Any]) -> frozenset[tuple[str, tuple[int, ...]]]:
