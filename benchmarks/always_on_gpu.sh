@@ -6,7 +6,9 @@
 #       set_sync_debug_mode("error"); the native kernel's own clock, cache hits recorded without the GIL
 #       and with it (MOEDOCTOR_GIL_FREE=0); benchmarks/kernel_cold.py on the host's CPU
 #   OUT=$OUT bash benchmarks/always_on_gpu.sh ab 1 3       # A/B runs 1..3 of 100 pairs (run 1 installed by
-#       `moedoctor run` as users run it), then every run's pairs in $OUT pooled (--pool)
+#       `moedoctor run` as users run it), then every run's pairs in $OUT pooled (--pool). A run takes
+#       120-160 s on the 2x H200 host; on a fresh machine, `checks` first (it builds the native kernel,
+#       30-40 s, which a run's own limit would otherwise have to absorb)
 #   OUT=$OUT bash benchmarks/always_on_gpu.sh              # both: checks, then runs 1..3
 set -u
 cd "$(dirname "$0")/.."
@@ -31,12 +33,12 @@ checks() {
 ab() {
   for i in $(seq "$1" "$2"); do
     if [ "$i" = 1 ]; then
-      timeout 200 python3 -m moedoctor run --run-dir /tmp/always-on --force -- python3 -m torch.distributed.run \
+      timeout 300 python3 -m moedoctor run --run-dir /tmp/always-on --force -- python3 -m torch.distributed.run \
         --standalone --nproc_per_node 2 benchmarks/always_on.py $A --pairs 100 --dump "$out/ao-gpu-1.json" \
         > "$out/ab1.log" 2>&1
       grep "recorded:\|always-on\|Analysis" "$out/ab1.log"
     else
-      timeout 150 python3 benchmarks/always_on.py $A --pairs 100 --dump "$out/ao-gpu-$i.json" > "$out/ab$i.log" 2>&1
+      timeout 240 python3 benchmarks/always_on.py $A --pairs 100 --dump "$out/ao-gpu-$i.json" > "$out/ab$i.log" 2>&1
       grep "always-on" "$out/ab$i.log"
     fi
   done
