@@ -162,6 +162,22 @@ def test_cache_hits_recorded_without_the_gil_are_the_records_made_with_it(native
         assert hits >= without_gil > hits // 2, f"{without_gil} of {hits} cache hits recorded without the GIL"
 
 
+def test_a_collective_from_a_thread_without_python_frames_is_recorded(native_built, tmp_path):
+    """A collective that a thread issues straight from C (a Python thread state, no Python frame: DDP's
+    reducer on an autograd device thread does this on GPUs) is recorded, without a call site, and the
+    job runs on; the kernel once read the missing innermost frame and killed the rank (SIGSEGV)."""
+    run_dir = tmp_path / "run"
+    cmd = torchrun_command(REPO / "tests" / "jobs" / "frameless_collective.py", NPROC)
+    result = run_command(cmd, timeout=120, env=recorded_env(run_dir, MOEDOCTOR_NATIVE="1"))
+    assert_ok(result)
+    assert result.output.count("frameless ok 2") == NPROC, result.tail()
+    for rank in range(NPROC):
+        collectives = [rec for rec in raw_records(run_dir, rank) if rec["k"] == "c"]
+        assert [rec["op"] for rec in collectives] == ["all_reduce", "all_reduce", "barrier"], collectives
+        frameless = collectives[0]
+        assert frameless["s"] is None and frameless["th"] != "MainThread", frameless
+
+
 TIME = re.compile(rb',"t":[0-9]+\.[0-9]{6},')
 
 

@@ -1231,6 +1231,10 @@ static bool answer(ThreadWalks& tw, CachedWalk& hit, MirrorFrame* const current,
 // MAX_WALK frames in a direct-mapped table, then in the map. Whatever finds a candidate, only
 // same_stack() decides that it is this stack's walk.
 static bool attribute_cached(MirrorFrame* const current, Attribution& attribution, bool gil) {
+  // No Python frame at all (a collective a C++ thread issues with a thread state and no frames:
+  // DDP's reducer on an autograd device thread, a builtin run by _thread.start_new_thread): nothing
+  // to walk, the empty attribution, with or without the GIL.
+  if (current == nullptr) return true;
   ThreadWalks& tw = walks();
   const FrameKey top = key_of(current);
   const uint64_t t = (reinterpret_cast<uintptr_t>(current) >> 3) ^ (reinterpret_cast<uintptr_t>(top.code) >> 4) ^
