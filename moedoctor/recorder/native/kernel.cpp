@@ -1106,12 +1106,24 @@ struct ThreadWalks {
   std::unordered_map<PyObject*, Unit> units;
   bool own_tstate = false;  // PyGILState_GetThisThreadState() is the state this thread runs Python in
 };
-// Per thread, never freed: a thread that exits while the interpreter finalizes must not run
-// destructors that drop references.
+// Per thread, freed when the thread ends (a thread started per checkpoint save must not leave its
+// cache behind). Freeing drops no Python reference (the units' weak references are left alone: a thread
+// may end while the interpreter finalizes), only the C++ containers.
 static thread_local ThreadWalks* thread_walks = nullptr;
+struct ThreadWalksOwner {
+  bool owns = false;
+  ~ThreadWalksOwner() {
+    delete thread_walks;
+    thread_walks = nullptr;
+  }
+};
+static thread_local ThreadWalksOwner thread_walks_owner;
 
 static ThreadWalks& walks() {
-  if (thread_walks == nullptr) thread_walks = new ThreadWalks;
+  if (thread_walks == nullptr) {
+    thread_walks = new ThreadWalks;
+    thread_walks_owner.owns = true;  // its first use registers the destructor for this thread's end
+  }
   const int generation = walk_generation.load(std::memory_order_relaxed);
   if (thread_walks->generation != generation) {
     thread_walks->cache.clear();
