@@ -1547,79 +1547,6 @@ static bool traced_tensor(const c10::IValue& value) {
   return t.is_meta() || keys.has(c10::DispatchKey::Python) || keys.has(c10::DispatchKey::Functionalize);
 }
 
-// What number() needs of the op's arguments besides the record's own slot.
-struct Numbering {
-  const std::string& group_name;
-  int64_t root_rank;   // INT64_MIN: none
-  int64_t group_rank;  // a p2p op's peer in the group
-};
-static constexpr int64_t NEEDS_PYTHON = -2;
-
-// The record's numbers (event id, group, sequence numbers, site, root and peer as global ranks),
-// under state_mu. ``python``: the GIL is held, so a group, site or cap record not made yet can be made
-// (Python describes them); without it, NEEDS_PYTHON before anything is changed. -1: not recorded (no
-// file, or past the cap).
-static int64_t number(const Spec& spec, Entry& e, const Attribution& attribution, const Numbering& args,
-                      int& group_id, bool python) {
-  std::unique_lock<std::mutex> plain;
-  std::optional<StateLock> lock;
-  if (python) {
-    lock.emplace();
-  } else {
-    plain = std::unique_lock<std::mutex>(S.state_mu);
-  }
-  const int target = S.fd.load();
-  if (target < 0) return -1;
-  const auto known = S.groups.find(args.group_name);
-  if (!python) {
-    const bool site_known = attribution.user_frames().empty() ||
-                            (attribution.site_slot != nullptr && *attribution.site_slot >= 0);
-    if (!site_known || known == S.groups.end() || (S.written >= S.max_events && S.dropped == 0)) {
-      return NEEDS_PYTHON;
-    }
-  }
-  GroupState& group = known != S.groups.end() ? known->second : intern_group(args.group_name, target);
-  group_id = group.id;
-  e.group = group.id;
-  e.has_root = spec.root >= 0;
-  if (e.has_root) {  // the root's global rank, as the Python recorder's _global_rank
-    e.root_null = args.root_rank == INT64_MIN;
-    e.root = (args.root_rank >= 0 && args.root_rank < static_cast<int64_t>(group.ranks.size()))
-        ? group.ranks[static_cast<size_t>(args.root_rank)] : args.root_rank;
-  }
-  e.site = -1;
-  if (!attribution.user_frames().empty()) {
-    if (attribution.site_slot != nullptr && *attribution.site_slot >= 0) {
-      e.site = *attribution.site_slot;
-    } else {
-      e.site = intern_site(attribution.user_frames(), target);
-      if (attribution.site_slot != nullptr) *attribution.site_slot = static_cast<int>(e.site);
-    }
-  }
-  const int64_t event = S.next_event++;
-  e.event = event;
-  e.p2p = spec.peer >= 0;
-  if (e.p2p) {
-    e.peer = (args.group_rank >= 0 && args.group_rank < static_cast<int64_t>(group.ranks.size()))
-        ? group.ranks[static_cast<size_t>(args.group_rank)] : args.group_rank;
-    e.pseq = ++group.pseq[e.peer];
-    ++group.p2p_count;
-    e.seq = group.seq;  // the collectives before it; not advanced
-  } else {
-    e.seq = ++group.seq;
-  }
-  if (S.written >= S.max_events) {
-    if (S.dropped++ == 0) {
-      std::string cap = take_bytes(call_helper("cap_record", nullptr));
-      append_record(cap.data(), cap.size());
-    }
-    return -1;
-  }
-  ++S.written;
-  return event;
-}
-
-// Writes the record; returns its event id (-1 when capped or not recorded) and sets group_id.
 // Interned lower-case reduce-op names given as strings (functional collectives): never freed.
 static const std::string* reduce_text(const std::string& raw) {
   static std::mutex mu;
@@ -1681,6 +1608,93 @@ static void copy_entry(Entry& to, const Entry& from) {
   copy_side(to.out, from.out);
 }
 
+// What number() needs of the op's arguments besides the record's own slot.
+struct Numbering {
+  const std::string& group_name;
+  int64_t root_rank;   // INT64_MIN: none
+  int64_t group_rank;  // a p2p op's peer in the group
+};
+static constexpr int64_t NEEDS_PYTHON = -2;
+
+// The record's numbers (event id, group, sequence numbers, site, root and peer as global ranks), and
+// the record into the pending list, under state_mu. ``python``: the GIL is held, so a group, site or
+// cap record not made yet can be made (Python describes them); without it, NEEDS_PYTHON before
+// anything is changed. -1: not recorded (no file, or past the cap).
+static int64_t number(const Spec& spec, Entry& e, const Attribution& attribution, const Numbering& args,
+                      int& group_id, bool python, std::chrono::steady_clock::time_point walked) {
+  std::unique_lock<std::mutex> plain;
+  std::optional<StateLock> lock;
+  if (python) {
+    lock.emplace();
+  } else {
+    plain = std::unique_lock<std::mutex>(S.state_mu);
+  }
+  const int target = S.fd.load();
+  if (target < 0) return -1;
+  const auto known = S.groups.find(args.group_name);
+  if (!python) {
+    const bool site_known = attribution.user_frames().empty() ||
+                            (attribution.site_slot != nullptr && *attribution.site_slot >= 0);
+    if (!site_known || known == S.groups.end() || (S.written >= S.max_events && S.dropped == 0)) {
+      return NEEDS_PYTHON;
+    }
+  }
+  GroupState& group = known != S.groups.end() ? known->second : intern_group(args.group_name, target);
+  group_id = group.id;
+  e.group = group.id;
+  e.has_root = spec.root >= 0;
+  if (e.has_root) {  // the root's global rank, as the Python recorder's _global_rank
+    e.root_null = args.root_rank == INT64_MIN;
+    e.root = (args.root_rank >= 0 && args.root_rank < static_cast<int64_t>(group.ranks.size()))
+        ? group.ranks[static_cast<size_t>(args.root_rank)] : args.root_rank;
+  }
+  e.site = -1;
+  if (!attribution.user_frames().empty()) {
+    if (attribution.site_slot != nullptr && *attribution.site_slot >= 0) {
+      e.site = *attribution.site_slot;
+    } else {
+      e.site = intern_site(attribution.user_frames(), target);
+      if (attribution.site_slot != nullptr) *attribution.site_slot = static_cast<int>(e.site);
+    }
+  }
+  const int64_t event = S.next_event++;
+  e.event = event;
+  e.p2p = spec.peer >= 0;
+  if (e.p2p) {
+    e.peer = (args.group_rank >= 0 && args.group_rank < static_cast<int64_t>(group.ranks.size()))
+        ? group.ranks[static_cast<size_t>(args.group_rank)] : args.group_rank;
+    e.pseq = ++group.pseq[e.peer];
+    ++group.p2p_count;
+    e.seq = group.seq;  // the collectives before it; not advanced
+  } else {
+    e.seq = ++group.seq;
+  }
+  if (S.written >= S.max_events) {
+    if (S.dropped++ == 0) {
+      std::string cap = take_bytes(call_helper("cap_record", nullptr));
+      append_record(cap.data(), cap.size());
+    }
+    return -1;
+  }
+  ++S.written;
+  // Still under state_mu: the file keeps the order events were numbered in, across threads.
+  clock_add(post_ns, walked);
+  const auto mark = clock_now();
+  if (defer_format) {
+    std::unique_lock<std::mutex> guard;
+    copy_entry(take_slot(guard), e);
+    used.fetch_add(1);
+  } else {  // formatted here, into a bytes slot (MOEDOCTOR_DEFER_FORMAT=0)
+    static thread_local char* own = new char[OUT_CAPACITY];
+    Out out{own, 0, -1};
+    format_collective(out, e);
+    append_record(own, out.size);
+  }
+  clock_add(write_ns, mark);
+  return event;
+}
+
+// Writes the record; returns its event id (-1 when capped or not recorded) and sets group_id.
 static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id) {
   const auto entered = clock_now();
   if (stack->size() < spec.nargs) throw std::runtime_error("short stack");
@@ -1750,29 +1764,15 @@ static int64_t record(const Spec& spec, torch::jit::Stack* stack, int& group_id)
   e.step = S.step.load(std::memory_order_relaxed);
   e.module = attribution.has_module ? attribution.module_json : nullptr;
   const Numbering numbering{group_name, root_rank, group_rank};
-  int64_t event = number(spec, e, attribution, numbering, group_id, gil.has_value());
+  int64_t event = number(spec, e, attribution, numbering, group_id, gil.has_value(), walked);
   if (event == NEEDS_PYTHON) {  // a group, site or cap record not made yet: made with the GIL
     mark = clock_now();
     gil.emplace();
     clock_add(gil_ns, mark);
     if (!python_usable()) return -1;
-    event = number(spec, e, attribution, numbering, group_id, true);
+    event = number(spec, e, attribution, numbering, group_id, true, walked);
   }
-  if (event < 0) return -1;
-  clock_add(post_ns, walked);
-  mark = clock_now();
-  if (defer_format) {
-    std::unique_lock<std::mutex> guard;
-    copy_entry(take_slot(guard), e);
-    used.fetch_add(1);
-  } else {  // formatted here, into a bytes slot (MOEDOCTOR_DEFER_FORMAT=0)
-    static thread_local char* own = new char[OUT_CAPACITY];
-    Out out{own, 0, -1};
-    format_collective(out, e);
-    append_record(own, out.size);
-  }
-  clock_add(write_ns, mark);
-  return event;
+  return event < 0 ? -1 : event;
 }
 
 static void set_defer(bool value) {
