@@ -28,6 +28,9 @@ thread keeps waking every 2 ms (it writes only when records are buffered).
 
 Without torchrun's environment the script starts itself under ``torch.distributed.run``. The last
 line is ``always-on: N collectives/step, training-thread CPU +X% (CI lo..hi), step time +Y% (CI lo..hi)``.
+Before it, the recording threads' CPU: the training thread's with that of the threads that run
+backward (on GPUs, autograd's device threads, where FSDP2's backward collectives are recorded; on CPU
+the training thread itself), paired the same way; ``--pool`` pools it too where the dumps have it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -130,6 +134,12 @@ def pool(files: list[str]) -> int:
     every = lambda key: [x for run in runs for x in run[key]]  # noqa: E731
     cpu, step = paired(every("cpu_on"), every("cpu_off")), paired(every("step_on"), every("step_off"))
     print(f"pooled: {len(runs)} runs, {cpu[3]} pairs")
+    with_all = [run for run in runs if "cpu_all_on" in run]  # dumps from before it lack the field
+    if with_all:
+        mid, lo, hi, n = paired(
+            [x for run in with_all for x in run["cpu_all_on"]], [x for run in with_all for x in run["cpu_all_off"]]
+        )
+        print(f"recording threads' CPU (training + backward), {n} pairs: {mid:+.2f}% (CI {lo:+.2f}..{hi:+.2f})")
     print(always_on_line(runs[0]["collectives_per_step"], cpu, step))
     return 0
 
@@ -191,8 +201,28 @@ def main() -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(args.tokens, args.dim, device=device)
 
+    # The threads that run backward (on GPUs, autograd's device threads; on CPU, this one): their CPU
+    # time with the training thread's is the recording threads' CPU per step (FSDP2's backward
+    # collectives are recorded on the autograd thread, not the training thread).
+    main_ident = threading.get_ident()
+    backward_threads: set[int] = set()
+
+    def note_backward_thread(grad):
+        backward_threads.add(threading.get_ident())
+        return grad
+
+    def recording_cpu() -> float:
+        total = time.thread_time()
+        for ident in backward_threads - {main_ident}:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(ident))
+            except OSError:  # the thread ended
+                pass
+        return total
+
     def step() -> None:
         loss = model(x).float().pow(2).mean()
+        loss.register_hook(note_backward_thread)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -232,16 +262,17 @@ def main() -> int:
                 step()
             sync()
             events, issued = recorder._events_recorded(), sequence()
-            wall, cpu = [], []
+            wall, cpu, cpu_all = [], [], []
             for _ in range(args.block):
                 checked = args.sync_debug and args.backend == "nccl"
                 if checked:
                     torch.cuda.set_sync_debug_mode("error")
                 if profiler is not None and on:
                     profiler.enable()
-                start, cpu_start = time.perf_counter(), time.thread_time()
+                start, cpu_start, all_start = time.perf_counter(), time.thread_time(), recording_cpu()
                 step()
                 spent = time.thread_time() - cpu_start  # before the closing synchronize, which may spin
+                spent_all = recording_cpu() - all_start
                 if profiler is not None and on:
                     profiler.disable()
                 if checked:
@@ -249,8 +280,9 @@ def main() -> int:
                 sync()
                 wall.append(time.perf_counter() - start)
                 cpu.append(spent)
-            blocks[on].append((min(wall), min(cpu)))
-            steps[on].append(list(zip(wall, cpu)))
+                cpu_all.append(spent_all)
+            blocks[on].append((min(wall), min(cpu), min(cpu_all)))
+            steps[on].append(list(zip(wall, cpu, cpu_all)))
             recorded[on] += recorder._events_recorded() - events
             collectives[on] += sequence() - issued
             timed_steps[on] += args.block
@@ -258,6 +290,8 @@ def main() -> int:
     # The training threads' CPU of all ranks, summed block by block: each rank's is a measurement.
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, {on: [b[1] for b in blocks[on]] for on in (True, False)})
+    every_all: list = [None] * dist.get_world_size()  # the same for the recording threads together
+    dist.all_gather_object(every_all, {on: [b[2] for b in blocks[on]] for on in (True, False)})
     progress = recorder._progress
     if profiler is not None:
         profiler.dump_stats(args.profile)
@@ -267,6 +301,8 @@ def main() -> int:
         cpu_on, cpu_off = ([sum(column) for column in zip(*(r[on] for r in every))] for on in (True, False))
         step_mid, step_lo, step_hi, pairs = paired(wall_on, wall_off)
         cpu_mid, cpu_lo, cpu_hi, _ = paired(cpu_on, cpu_off)
+        all_on, all_off = ([sum(column) for column in zip(*(r[on] for r in every_all))] for on in (True, False))
+        all_mid, all_lo, all_hi, _ = paired(all_on, all_off)
         print(
             f"loop: backend={args.backend} world={dist.get_world_size()} dim={args.dim} layers={args.layers} "
             f"tokens={args.tokens} {kernels} kernels; {pairs} pairs of blocks of {args.block} timed steps "
@@ -284,6 +320,11 @@ def main() -> int:
         print(
             f"training thread CPU per step and rank: off {statistics.median(cpu_off) / world * 1e3:.3f} ms, "
             f"on {statistics.median(cpu_on) / world * 1e3:.3f} ms (the ranks' sum per block, paired)"
+        )
+        print(
+            f"recording threads' CPU per step and rank (training + {len(backward_threads - {main_ident})} "
+            f"backward thread(s)): off {statistics.median(all_off) / world * 1e3:.3f} ms, on "
+            f"{statistics.median(all_on) / world * 1e3:.3f} ms; paired {all_mid:+.2f}% (CI {all_lo:+.2f}..{all_hi:+.2f})"
         )
         poller = progress._fr_poller
         polls = (
@@ -312,6 +353,8 @@ def main() -> int:
                         "cpu_on": cpu_on,
                         "cpu_off": cpu_off,
                         "cpu_by_rank": every,
+                        "cpu_all_on": all_on,
+                        "cpu_all_off": all_off,
                         "rank0_steps": steps,
                     }
                 )
