@@ -324,7 +324,8 @@ def main() -> int:
         print(
             f"recording threads' CPU per step and rank (training + {len(backward_threads - {main_ident})} "
             f"backward thread(s)): off {statistics.median(all_off) / world * 1e3:.3f} ms, on "
-            f"{statistics.median(all_on) / world * 1e3:.3f} ms; paired {all_mid:+.2f}% (CI {all_lo:+.2f}..{all_hi:+.2f})"
+            f"{statistics.median(all_on) / world * 1e3:.3f} ms; "
+            f"paired {all_mid:+.2f}% (CI {all_lo:+.2f}..{all_hi:+.2f})"
         )
         poller = progress._fr_poller
         polls = (
