@@ -1008,16 +1008,25 @@ static int fast_line_of(const MirrorFrame* f) {
   return line;
 }
 
-// The FSDP param group a frame runs a method of: its first local, ``self`` (a cell's content where
-// an inner function captured it).
-static void fast_fsdp_module(const MirrorFrame* f, Attribution& attribution) {
-  PyCodeObject* code = f->f_code;
-  if (code->co_argcount < 1 || PyTuple_GET_SIZE(code->co_localsplusnames) < 1) return;
-  if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(code->co_localsplusnames, 0), "self") != 0) return;
+// Whether a code object's first local is its argument ``self`` (fixed per code object: the call-site
+// cache keeps the answer).
+static bool self_first(const PyCodeObject* code) {
+  return code->co_argcount >= 1 && PyTuple_GET_SIZE(code->co_localsplusnames) >= 1 &&
+         PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(code->co_localsplusnames, 0), "self") == 0;
+}
+
+// A frame's first local, ``self`` where self_first(its code): a cell's content where an inner function
+// captured it; null when unset. Reads the frame only (no GIL needed for this thread's own frames).
+static PyObject* frame_self(const MirrorFrame* f) {
   PyObject* self = f->localsplus[0];
   if (self != nullptr && PyCell_Check(self)) self = PyCell_GET(self);
-  if (self == nullptr) return;
-  param_group_unit(self, attribution);
+  return self;
+}
+
+// The FSDP param group a frame runs a method of: its ``self``.
+static void fast_fsdp_module(const MirrorFrame* f, Attribution& attribution) {
+  if (!self_first(f->f_code)) return;
+  if (PyObject* self = frame_self(f)) param_group_unit(self, attribution);
 }
 
 // The full walk: flags and line of every frame (a hash lookup each). Appends to ``raw`` (when given)
@@ -1060,7 +1069,7 @@ struct CachedWalk {
   SiteKey site;
   int flags = 0;
   std::vector<uint16_t> fsdp_frames;  // indices in ``frames`` of the FSDP param-group frames, in walk order
-  std::vector<uint8_t> fsdp_self;     // per FSDP frame: its code's first local is ``self`` (fast_fsdp_module's test)
+  std::vector<uint8_t> fsdp_self;     // per FSDP frame: self_first(its code)
   int site_id = -1;                   // the site's id once interned (ids are never reassigned)
 };
 
@@ -1214,8 +1223,7 @@ static bool answer(ThreadWalks& tw, CachedWalk& hit, MirrorFrame* const current,
   for (size_t k = 0; k < hit.fsdp_frames.size() && !attribution.has_module; ++k) {
     for (; index < hit.fsdp_frames[k]; ++index) g = g->previous;
     if (!hit.fsdp_self[k]) continue;
-    PyObject* self = g->localsplus[0];
-    if (self != nullptr && PyCell_Check(self)) self = PyCell_GET(self);
+    PyObject* self = frame_self(g);
     if (self == nullptr) continue;
     if (gil) {
       unit_with_gil(tw, self, attribution);
@@ -1299,10 +1307,7 @@ static bool attribute_cached(MirrorFrame* const current, Attribution& attributio
   if (candidate != nullptr || tw.cache.size() >= SITE_CACHE_CAPACITY) return true;
   if (fresh.frames.size() < hashed || fresh.frames.size() > 65535) return true;  // never: a walk passes what was hashed
   for (uint16_t index : fresh.fsdp_frames) {
-    const auto* code = static_cast<const PyCodeObject*>(fresh.frames[index].code);
-    fresh.fsdp_self.push_back(code->co_argcount >= 1 && PyTuple_GET_SIZE(code->co_localsplusnames) >= 1 &&
-                              PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(code->co_localsplusnames, 0),
-                                                               "self") == 0);
+    fresh.fsdp_self.push_back(self_first(static_cast<const PyCodeObject*>(fresh.frames[index].code)));
   }
   fresh.site = attribution.site;
   fresh.flags = attribution.flags;
