@@ -31,17 +31,35 @@ def paired_text(on: list[float], off: list[float], unit: str = "%", relative: bo
     return f"paired {mid:+.2f}{unit} (95% interval {low:+.2f} to {high:+.2f}{unit}, {pairs} pairs)"
 
 
+def kernel_parts(times: tuple[int, ...]) -> dict[str, float]:
+    """Microseconds per collective by part from ``NativeKernels.kernel_time()`` (or the difference of
+    two readings): kernel, arguments, GIL, walk, record, leaving, write; empty when none was timed."""
+    calls, ns, gil, walk, write, pre, post = times
+    if calls <= 0:
+        return {}
+    per = calls * 1e3
+    return {
+        "kernel": ns / per,
+        "arguments": pre / per,
+        "GIL": gil / per,
+        "walk": walk / per,
+        "record": post / per,
+        "leaving": (ns - pre - gil - walk - post - write) / per,
+        "write": write / per,
+    }
+
+
 def kernel_split(native) -> str | None:
     """``native kernel: ... us per collective (arguments ..., ...)`` from the kernel's own clock,
     or None when the clock was off (``--kernel-clock``)."""
-    calls, ns, gil, walk, write, pre, post = native.kernel_time()
-    if not calls:
+    times = native.kernel_time()
+    part = kernel_parts(times)
+    if not part:
         return None
-    per = calls * 1e3
     return (
-        f"native kernel: {calls} collectives recorded, {ns / per:.2f} us each inside the kernel (arguments "
-        f"{pre / per:.2f}, taking the GIL {gil / per:.2f}, stack walk {walk / per:.2f}, record {post / per:.2f}, "
-        f"leaving {(ns - pre - gil - walk - post - write) / per:.2f}, write {write / per:.2f}), "
+        f"native kernel: {times[0]} collectives recorded, {part['kernel']:.2f} us each inside the kernel (arguments "
+        f"{part['arguments']:.2f}, taking the GIL {part['GIL']:.2f}, stack walk {part['walk']:.2f}, "
+        f"record {part['record']:.2f}, leaving {part['leaving']:.2f}, write {part['write']:.2f}), "
         f"fast walk {'on' if native.fast_walk else 'off'}, call-site cache {_site_cache(native)}, "
         f"formatting {'deferred to the writer' if getattr(native, 'defer_format', False) else 'on the recording thread'} "
         "(clock on: its reads add to these figures)"

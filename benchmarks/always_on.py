@@ -211,8 +211,8 @@ def main() -> int:
         backward_threads.add(threading.get_ident())
         return grad
 
-    def recording_cpu() -> float:
-        total = time.thread_time()
+    def backward_cpu() -> float:  # the backward threads' other than this one
+        total = 0.0
         for ident in backward_threads - {main_ident}:
             try:
                 total += time.clock_gettime(time.pthread_getcpuclockid(ident))
@@ -269,10 +269,10 @@ def main() -> int:
                     torch.cuda.set_sync_debug_mode("error")
                 if profiler is not None and on:
                     profiler.enable()
-                start, cpu_start, all_start = time.perf_counter(), time.thread_time(), recording_cpu()
+                start, cpu_start, backward_start = time.perf_counter(), time.thread_time(), backward_cpu()
                 step()
                 spent = time.thread_time() - cpu_start  # before the closing synchronize, which may spin
-                spent_all = recording_cpu() - all_start
+                spent_all = spent + backward_cpu() - backward_start
                 if profiler is not None and on:
                     profiler.disable()
                 if checked:

@@ -25,6 +25,7 @@ harness's own noise).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import paired  # noqa: E402
+from _timing import kernel_parts, paired  # noqa: E402
 
 PARTS = ("kernel", "arguments", "GIL", "walk", "record", "leaving", "write")
 
@@ -51,22 +52,6 @@ def deep_caller(depth: int, leaf):
     return namespace["f0"]
 
 
-def split(before: tuple[int, ...], after: tuple[int, ...]) -> dict[str, float]:
-    calls, ns, gil, walk, write, pre, post = (b - a for a, b in zip(before, after))
-    if calls <= 0:
-        return {}
-    per = calls * 1e3
-    return {
-        "kernel": ns / per,
-        "arguments": pre / per,
-        "GIL": gil / per,
-        "walk": walk / per,
-        "record": post / per,
-        "leaving": (ns - pre - gil - walk - post - write) / per,
-        "write": write / per,
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--versus", choices=("nogil", "cache", "none"), default="nogil")
@@ -75,9 +60,6 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=1000, help="collectives per round and setting")
     parser.add_argument("--rounds", type=int, default=21)
     args = parser.parse_args()
-
-    import os
-
     os.environ["MOEDOCTOR_NATIVE"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -131,7 +113,8 @@ def main() -> int:
             before = native.kernel_time()
             for k in range(args.iters):
                 top(k)
-            for name, value in split(before, native.kernel_time()).items():
+            delta = tuple(b - a for a, b in zip(before, native.kernel_time()))
+            for name, value in kernel_parts(delta).items():
                 parts[on][name].append(value)
             calls[on].append(statistics.median(timings) / 1e3)
         print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)

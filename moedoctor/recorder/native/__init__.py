@@ -314,7 +314,8 @@ class NativeKernels:
         #: Repeated stacks are answered from the call-site cache (fast walk only).
         self.site_cache = _site_cache(module, self.fast_walk)
         #: A cache hit is recorded without taking the GIL (``MOEDOCTOR_GIL_FREE=0``: with it).
-        self.gil_free = bool(module.set_gil_free(environment.gil_free())) and self.site_cache
+        self.gil_free = False
+        self.set_gil_free(environment.gil_free())
         #: Records are formatted by the writer thread from raw slots (``MOEDOCTOR_DEFER_FORMAT=0``: on
         #: the recording thread, at once, by the same formatter).
         self.defer_format = environment.defer_format()
@@ -408,8 +409,8 @@ class NativeKernels:
         return int(self._m.site_cache_counts()[2])
 
     def set_gil_free(self, on: bool) -> None:
-        """Benchmarks: record a call-site cache hit without taking the GIL (on, the default) or with it
-        (``MOEDOCTOR_GIL_FREE=0``)."""
+        """Record a call-site cache hit without taking the GIL (on: ``environment.gil_free()``'s default)
+        or with it; on only where the cache is (the kernel says)."""
         self.gil_free = bool(self._m.set_gil_free(on))
 
     def set_defer(self, on: bool) -> None:
