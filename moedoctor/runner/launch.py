@@ -350,12 +350,19 @@ class _Run:
             every = min(max(2.0, timeout / 4), 30.0)
             if now - self._stacks_at >= every or (status.idle_seconds >= timeout and now - self._stacks_at >= 1.0):
                 self._stacks_at = now
-                self._stacks = sample_stacks(pids, self.py_spy)
-                for rank, dump in self._stacks.items():
+                sampled = sample_stacks(pids, self.py_spy)
+                for rank, dump in sampled.items():
                     self.activity.note_stack(rank, dump.main_thread)
+                # A rank py-spy could not read this time (a non-blocking read of a busy rank's frames
+                # fails at times) keeps its last stack of this silence: where it works is not lost.
+                self._stacks = {**self._stacks, **sampled}
         if status.idle_seconds < min(status.limit, timeout / 2) or now - self._judged_at < 1.0:
             return self._judgement is not None and self._judgement.proven and status.idle_seconds >= status.limit
         self._judged_at = now
+        # The meters were last read before the stack sample above, which can take seconds (py-spy on
+        # a loaded host): read them again, or the time spent sampling would count as every rank's
+        # silence, and a rank working all along would be judged to make no progress.
+        self.activity.sample(pids)
         evidence = {rank: self._evidence(rank, t, pids) for rank, t in sorted(self.tracker.ranks.items())}
         if self.exchange is not None:  # no shared run directory: the other nodes judge their own ranks
             self.exchange.local_states = {r: e.to_dict(timeout) for r, e in evidence.items() if r in pids}

@@ -121,3 +121,32 @@ def test_a_straggler_that_never_comes_back_is_named_when_the_timeout_crashes_the
     assert report["verdict"] == "crashed", report["summary"]
     assert report["pattern"] == "straggler" and report["culprit_ranks"] == [1], (report["summary"], result.tail())
     assert "still working outside any collective" in report["summary"], report["summary"]
+
+
+def test_a_slow_stack_sample_is_not_counted_as_a_busy_rank_s_silence(tmp_path):
+    """py-spy takes 4 s a dump (a loaded host; here a wrapper that sleeps first) while rank 0 saves and
+    rank 1 waits at the barrier, with a 3 s hang timeout: the progress meters are read again after the
+    sample, so rank 0's saving counts as progress and the job is never stopped. Judged on the meters'
+    reading from before the sample, rank 0 showed 4 s without progress and the busy job was stopped
+    as a straggler hang (seen in a full test-suite run on a loaded machine)."""
+    import os
+    import shutil
+
+    from torchrun_util import job_env
+
+    real = shutil.which("py-spy")
+    assert real, "py-spy is a dependency"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    slow = bin_dir / "py-spy"
+    slow.write_text(f'#!/bin/sh\nsleep 4\nexec "{real}" "$@"\n')
+    slow.chmod(0o755)
+    env = job_env(PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "moedoctor", "run", "--run-dir", str(run_dir), "--hang-timeout", "3", "--",
+           *torchrun_command(FIXTURES / "healthy_busy_rank0_save_barrier" / "train.py", 2, "--busy-seconds", "20")]
+    result = run_command(cmd, timeout=150, env=env)
+    assert result.returncode == 0, result.tail()
+    manifest = _manifest(run_dir)
+    assert manifest["hang"] is None, manifest["hang"]
+    assert any(b["states"] == {"0": "working", "1": "waiting"} for b in manifest["busy"]), manifest["busy"]
