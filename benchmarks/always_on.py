@@ -78,13 +78,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--versus",
         default="paused",
-        choices=["paused", "immediate", "progress", "gil"],
+        choices=["paused", "immediate", "progress", "gil", "flush", "kernels", "hooks"],
         help="what the on blocks are compared with: the recorder paused (the always-on A/B), or the recorder on "
         "with the native kernel formatting each record on the training thread (MOEDOCTOR_DEFER_FORMAT=0's path; "
         "the on blocks defer it to the writer thread, the default), or the recorder on with its progress thread "
         "idle (its Work polls, deferred evidence and Flight Recorder polls: their share of the step time), or the "
         "recorder on with the native kernel taking the GIL for every collective (MOEDOCTOR_GIL_FREE=0's path; the on "
-        "blocks record call-site cache hits without it, the default)",
+        "blocks record call-site cache hits without it, the default), or the recorder on with the native kernel's "
+        "writer thread waking every --flush-ms instead of its default period (the on blocks: the default), or the "
+        "recorder on with its dispatcher kernels off the dispatcher (kernels) or its evidence hooks passing through "
+        "(hooks) in the off blocks: each part's share",
+    )
+    parser.add_argument(
+        "--flush-ms",
+        type=float,
+        default=20.0,
+        help="--versus flush: the writer thread's period in the off blocks, in milliseconds",
     )
     parser.add_argument(
         "--poll-interval",
@@ -140,6 +149,12 @@ def pool(files: list[str]) -> int:
             [x for run in with_all for x in run["cpu_all_on"]], [x for run in with_all for x in run["cpu_all_off"]]
         )
         print(f"recording threads' CPU (training + backward), {n} pairs: {mid:+.2f}% (CI {lo:+.2f}..{hi:+.2f})")
+    with_proc = [run for run in runs if "cpu_proc_on" in run]
+    if with_proc:
+        mid, lo, hi, n = paired(
+            [x for run in with_proc for x in run["cpu_proc_on"]], [x for run in with_proc for x in run["cpu_proc_off"]]
+        )
+        print(f"process CPU (every thread), {n} pairs: {mid:+.2f}% (CI {lo:+.2f}..{hi:+.2f})")
     print(always_on_line(runs[0]["collectives_per_step"], cpu, step))
     return 0
 
@@ -180,12 +195,13 @@ def main() -> int:
     # Installed before the model is built, as `moedoctor run`'s bootstrap does at torch's import.
     recorder = installed_recorder() or install(Path(tempfile.mkdtemp(prefix="moedoctor-always-on-")))
     kernels = "native" if recorder._native is not None else "python"
-    if args.versus in ("immediate", "gil") and recorder._native is None:
+    if args.versus in ("immediate", "gil", "flush") and recorder._native is None:
         raise SystemExit(f"--versus {args.versus} needs the native kernel")
     if args.poll_interval is not None:
         recorder._progress.poll_interval = args.poll_interval
     if args.kernel_clock and recorder._native is not None:
         recorder._native.set_clock(True)
+    default_flush_ms = recorder._native.flush_every() if recorder._native is not None else None
     torch.manual_seed(0)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
 
@@ -256,13 +272,19 @@ def main() -> int:
                 recorder._progress.idle = not on
             elif args.versus == "gil":  # the recorder on in both; the GIL taken for every collective in the off blocks
                 recorder._native.set_gil_free(on)
+            elif args.versus == "kernels":  # the hooks and the progress thread on in both
+                recorder.register_kernels() if on else recorder.unregister_kernels()
+            elif args.versus == "hooks":  # the kernels and the progress thread on in both
+                recorder.paused = not on
+            elif args.versus == "flush":  # the recorder on in both; the writer thread wakes less often in the off blocks
+                recorder._native.set_flush_every(default_flush_ms if on else args.flush_ms)
             else:
                 recorder.resume() if on else recorder.pause()
             for _ in range(args.settle):
                 step()
             sync()
             events, issued = recorder._events_recorded(), sequence()
-            wall, cpu, cpu_all = [], [], []
+            wall, cpu, cpu_all, cpu_proc = [], [], [], []
             for _ in range(args.block):
                 checked = args.sync_debug and args.backend == "nccl"
                 if checked:
@@ -270,9 +292,11 @@ def main() -> int:
                 if profiler is not None and on:
                     profiler.enable()
                 start, cpu_start, backward_start = time.perf_counter(), time.thread_time(), backward_cpu()
+                proc_start = time.process_time()
                 step()
                 spent = time.thread_time() - cpu_start  # before the closing synchronize, which may spin
                 spent_all = spent + backward_cpu() - backward_start
+                spent_proc = time.process_time() - proc_start  # every thread of the rank: the recorder's own too
                 if profiler is not None and on:
                     profiler.disable()
                 if checked:
@@ -281,8 +305,9 @@ def main() -> int:
                 wall.append(time.perf_counter() - start)
                 cpu.append(spent)
                 cpu_all.append(spent_all)
-            blocks[on].append((min(wall), min(cpu), min(cpu_all)))
-            steps[on].append(list(zip(wall, cpu, cpu_all)))
+                cpu_proc.append(spent_proc)
+            blocks[on].append((min(wall), min(cpu), min(cpu_all), min(cpu_proc)))
+            steps[on].append(list(zip(wall, cpu, cpu_all, cpu_proc)))
             recorded[on] += recorder._events_recorded() - events
             collectives[on] += sequence() - issued
             timed_steps[on] += args.block
@@ -292,6 +317,8 @@ def main() -> int:
     dist.all_gather_object(every, {on: [b[1] for b in blocks[on]] for on in (True, False)})
     every_all: list = [None] * dist.get_world_size()  # the same for the recording threads together
     dist.all_gather_object(every_all, {on: [b[2] for b in blocks[on]] for on in (True, False)})
+    every_proc: list = [None] * dist.get_world_size()  # every thread of the rank (the writer's, the progress thread's)
+    dist.all_gather_object(every_proc, {on: [b[3] for b in blocks[on]] for on in (True, False)})
     progress = recorder._progress
     if profiler is not None:
         profiler.dump_stats(args.profile)
@@ -303,6 +330,8 @@ def main() -> int:
         cpu_mid, cpu_lo, cpu_hi, _ = paired(cpu_on, cpu_off)
         all_on, all_off = ([sum(column) for column in zip(*(r[on] for r in every_all))] for on in (True, False))
         all_mid, all_lo, all_hi, _ = paired(all_on, all_off)
+        proc_on, proc_off = ([sum(column) for column in zip(*(r[on] for r in every_proc))] for on in (True, False))
+        proc_mid, proc_lo, proc_hi, _ = paired(proc_on, proc_off)
         print(
             f"loop: backend={args.backend} world={dist.get_world_size()} dim={args.dim} layers={args.layers} "
             f"tokens={args.tokens} {kernels} kernels; {pairs} pairs of blocks of {args.block} timed steps "
@@ -326,6 +355,11 @@ def main() -> int:
             f"backward thread(s)): off {statistics.median(all_off) / world * 1e3:.3f} ms, on "
             f"{statistics.median(all_on) / world * 1e3:.3f} ms; "
             f"paired {all_mid:+.2f}% (CI {all_lo:+.2f}..{all_hi:+.2f})"
+        )
+        print(
+            f"process CPU per step and rank (every thread: the recorder's writer and progress threads too): off "
+            f"{statistics.median(proc_off) / world * 1e3:.3f} ms, on {statistics.median(proc_on) / world * 1e3:.3f} ms; "
+            f"paired {proc_mid:+.2f}% (CI {proc_lo:+.2f}..{proc_hi:+.2f})"
         )
         poller = progress._fr_poller
         polls = (
@@ -356,6 +390,8 @@ def main() -> int:
                         "cpu_by_rank": every,
                         "cpu_all_on": all_on,
                         "cpu_all_off": all_off,
+                        "cpu_proc_on": proc_on,
+                        "cpu_proc_off": proc_off,
                         "rank0_steps": steps,
                     }
                 )
@@ -365,6 +401,9 @@ def main() -> int:
                 "immediate": "deferred formatting vs immediate",
                 "progress": "progress thread vs idle",
                 "gil": "GIL-free cache hits vs the GIL taken",
+                "kernels": "dispatcher kernels vs none",
+                "hooks": "evidence hooks vs passing through",
+                "flush": f"writer every {default_flush_ms:g} ms vs every {args.flush_ms:g} ms",
             }[args.versus]
             print(
                 f"{what}: {per_step:.0f} collectives/step, training-thread CPU "

@@ -180,6 +180,15 @@ class Recorder:
         if self._native is not None and self._fd is not None:  # [native seam]
             self._native.flush()
 
+    def before_finalization(self) -> None:
+        """The interpreter is about to finalize (the last atexit handler of ours): from now on the
+        native kernel leaves the Works it held alive instead of destroying them. A tensor's
+        destruction lets go of the GIL for a moment, and a daemon thread (the progress thread, if
+        it was still in a call) that takes the GIL back while the interpreter finalizes is ended
+        inside that destructor: ``std::terminate``, the job killed by SIGABRT after it finished."""
+        if self._native is not None:  # [native seam]
+            self._native.stop_releasing()
+
     def close(self, reason: str) -> None:
         """Write the coverage record and stop the progress thread (once)."""
         if self._fd is None or self._progress.stopping:

@@ -71,7 +71,8 @@ def install(run_dir: Path, max_events: int | None = None):
     process_group_hooks.after_init(recorder.open)
     if dist.is_initialized():
         recorder.open()
-    atexit.register(recorder.flush)  # runs last: records buffered after close (late evidence) reach the file
+    atexit.register(recorder.before_finalization)  # registered first, runs last (atexit runs them in reverse)
+    atexit.register(recorder.flush)  # records buffered after close (late evidence) reach the file
     atexit.register(lambda: recorder.close("exit") if dist.is_initialized() else None)
     _flush_before_os_exit(recorder)
     _recorder = recorder

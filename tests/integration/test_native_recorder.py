@@ -222,6 +222,19 @@ def test_deferred_formatting_writes_the_same_bytes_as_formatting_at_once(native_
         assert lines["1"] == lines["0"], f"rank {rank}: deferred and immediate formatting differ"
 
 
+def test_works_released_while_the_interpreter_exits_do_not_abort_the_job(native_built, tmp_path):
+    """Daemon threads polling the kernel destroy the Works it held (and with them tensors whose Python
+    objects outlived the job's reference) while the interpreter exits: the job must still exit 0.
+    The kernel before this change (Works destroyed without the GIL, each tensor taking it back on its
+    own) aborted this job 7 times in 8 ("terminate called without an active exception")."""
+    for attempt in range(3):
+        env = recorded_env(tmp_path / f"run{attempt}", MOEDOCTOR_NATIVE="1")
+        result = run_command([sys.executable, str(REPO / "tests" / "jobs" / "native_exit_works.py")], timeout=90,
+                             env=env)
+        assert result.returncode == 0 and "terminate called" not in result.output, result.tail()
+        assert "exiting" in result.output, result.tail()
+
+
 def test_progress_thread_inside_the_kernel_at_exit_does_not_abort_the_job(native_built):
     """A healthy job must not die at exit because the recorder's thread was in a GIL-free native call."""
     for _ in range(3):

@@ -369,6 +369,10 @@ class NativeKernels:
         caller's thread); dropped once recording stopped."""
         self._m.append(record)
 
+    def stop_releasing(self) -> None:
+        """At exit, before finalization: ``poll`` destroys no Work from now on (``Recorder.before_finalization``)."""
+        self._m.stop_releasing()
+
     def write_error(self) -> int:
         """The errno of the kernel's first failed write (0: none); it has stopped writing since."""
         return self._m.write_error()
@@ -412,6 +416,14 @@ class NativeKernels:
         """Record a call-site cache hit without taking the GIL (on: ``environment.gil_free()``'s default)
         or with it; on only where the cache is (the kernel says)."""
         self.gil_free = bool(self._m.set_gil_free(on))
+
+    def flush_every(self) -> float:
+        """The writer thread's period in milliseconds."""
+        return float(self._m.flush_every())
+
+    def set_flush_every(self, ms: float) -> None:
+        """Benchmarks: the writer thread wakes every ``ms`` milliseconds (at least 0.1) instead."""
+        self._m.set_flush_every(float(ms))
 
     def set_defer(self, on: bool) -> None:
         """Benchmarks: format the records on the writer thread (on, the default) or at once on the

@@ -275,6 +275,8 @@ struct Entry {
 static constexpr size_t PENDING_CAPACITY = 1024;
 static constexpr size_t KEPT_BYTES = 4096;  // a slot's strings keep at most this capacity between uses
 static constexpr auto FLUSH_EVERY = std::chrono::milliseconds(2);
+// The writer thread's period in microseconds: FLUSH_EVERY unless a benchmark sets it (set_flush_every).
+static std::atomic<int64_t> flush_every_us{std::chrono::duration_cast<std::chrono::microseconds>(FLUSH_EVERY).count()};
 static constexpr size_t OUT_CAPACITY = 1 << 20;
 // Two lists of slots: the kernels fill one (buffer_mu, briefly), a flush swaps it for the other and
 // formats that one with only write_mu held (so the kernels go on meanwhile). Slots are reused: their
@@ -551,7 +553,7 @@ static void start_writer() {
   std::call_once(writer_started, [] {
     std::thread([] {
       for (;;) {
-        std::this_thread::sleep_for(FLUSH_EVERY);
+        std::this_thread::sleep_for(std::chrono::microseconds(flush_every_us.load(std::memory_order_relaxed)));
         if (used.load(std::memory_order_relaxed) > 0) flush_buffer();
       }
     }).detach();
@@ -1787,6 +1789,13 @@ static void set_defer(bool value) {
 
 static void set_clock(bool value) { clock_on = value; }
 
+// Benchmarks: the writer thread's period (benchmarks/always_on.py --versus flush); returns the one before.
+static double set_flush_every(double ms) {
+  const int64_t before = flush_every_us.exchange(std::max<int64_t>(100, static_cast<int64_t>(ms * 1000.0)));
+  return before / 1000.0;
+}
+static double flush_every() { return flush_every_us.load() / 1000.0; }
+
 static py::tuple kernel_time() {
   return py::make_tuple(kernel_calls.load(), kernel_ns.load(), gil_ns.load(), walk_ns.load(), write_ns.load(),
                         pre_ns.load(), post_ns.load());
@@ -1989,9 +1998,11 @@ static bool completed(const PendingWork& item) {
 
 // The ids of the tracked collectives seen complete since the last poll (Progress._poll_pending_locked's
 // rules: the Work says so, or a later collective of its group has completed).
-static std::vector<int64_t> poll_completed_without_gil() {
+static std::mutex release_mu;  // held while poll() destroys the Works it released
+static bool releasing_stopped = false;
+
+static std::vector<int64_t> poll_completed_without_gil(std::vector<c10::intrusive_ptr<c10d::Work>>& released) {
   std::vector<int64_t> done;
-  std::vector<c10::intrusive_ptr<c10d::Work>> released;  // destroyed outside the lock
   {
     std::lock_guard<std::mutex> guard(S.pending_mu);
     auto mark = [&](PendingWork& item) {
@@ -2037,15 +2048,40 @@ static std::vector<int64_t> poll_completed_without_gil() {
       S.pending.pop_front();
     }
   }
-  released.clear();
   std::sort(done.begin(), done.end());
-  return done;  // converted to a list once pybind11 holds the GIL again
+  return done;
 }
 static std::vector<int64_t> poll_completed() {
   std::vector<int64_t> done;
-  // Work destructors run without the GIL, as torch's own holders do
-  without_gil([&] { done = poll_completed_without_gil(); });
+  // The released Works are destroyed below, with the GIL held again. Ours is often a Work's last
+  // reference, and with it the last one of its tensors; a tensor whose Python object outlived the
+  // job's own reference hands that object back to Python as it goes, taking the GIL for it. Without
+  // the GIL held, that is one GIL hand-off per tensor, against the training thread; and while the
+  // interpreter finalizes, a daemon thread taking the GIL is ended by pthread_exit inside a
+  // destructor (std::terminate, see without_gil). On the heap: a thread ended in taking the GIL back
+  // unwinds past them and leaves them alive (the process is going down), never destroys them then.
+  // Destroying a tensor also lets go of the GIL for a moment (THPVariable_clear), so a thread that
+  // destroys Works while the interpreter finalizes can be ended inside a destructor even with the GIL
+  // held: after stop_releasing() (the exit handler), they are left alive instead.
+  // release_mu is taken without the GIL (never wait for it holding the GIL: the destroying thread
+  // needs the GIL back), then the GIL.
+  auto* released = new std::vector<c10::intrusive_ptr<c10d::Work>>;
+  std::unique_lock<std::mutex> guard(release_mu, std::defer_lock);
+  without_gil([&] {
+    done = poll_completed_without_gil(*released);
+    guard.lock();
+  });
+  if (!releasing_stopped) delete released;
   return done;  // converted to a list once pybind11 holds the GIL again
+}
+
+// Called at interpreter exit (the recorder's atexit handler, before finalization): no Work is destroyed
+// by poll() from here on; one being destroyed now is waited for, the GIL released meanwhile.
+static void stop_releasing() {
+  without_gil([] {
+    std::lock_guard<std::mutex> guard(release_mu);
+    releasing_stopped = true;
+  });
 }
 
 // ({group name: (collectives, p2p ops) recorded}, dropped), for the coverage record.
@@ -2179,9 +2215,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_checkpoint", &set_checkpoint);
   m.def("set_assume_completed", &set_assume_completed);
   m.def("poll", &poll_completed);
+  m.def("stop_releasing", &stop_releasing);
   m.def("counts", &counts);
   m.def("kernel_time", &kernel_time);
   m.def("set_clock", &set_clock);
+  m.def("set_flush_every", &set_flush_every);
+  m.def("flush_every", &flush_every);
   m.def("set_defer", &set_defer);
   m.def("fast_walk_agrees", &fast_walk_agrees);
   m.def("set_site_cache", &set_site_cache);
