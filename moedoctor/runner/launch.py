@@ -359,11 +359,19 @@ class _Run:
         if status.idle_seconds < min(status.limit, timeout / 2) or now - self._judged_at < 1.0:
             return self._judgement is not None and self._judgement.proven and status.idle_seconds >= status.limit
         self._judged_at = now
-        # The meters were last read before the stack sample above, which can take seconds (py-spy on
-        # a loaded host): read them again, or the time spent sampling would count as every rank's
-        # silence, and a rank working all along would be judged to make no progress.
+        # The traces and the meters were last read before the stack sample above, which can take
+        # seconds (py-spy on a loaded host): read both again. Collectives that moved meanwhile end
+        # this silence (judged now, it would mix an old silence with ranks seen later: a rank that
+        # left the barrier and exited, judged dead); and the time spent sampling must not count as
+        # every rank's silence, or a rank working all along would be judged to make no progress.
+        self.tracker.poll()
+        if self.tracker.last_progress() != self._silence_of:
+            return False
         self.activity.sample(pids)
         evidence = {rank: self._evidence(rank, t, pids) for rank, t in sorted(self.tracker.ranks.items())}
+        self.tracker.poll()  # and once more: a rank that completed its collectives and exited while it was read
+        if self.tracker.last_progress() != self._silence_of:
+            return False
         if self.exchange is not None:  # no shared run directory: the other nodes judge their own ranks
             self.exchange.local_states = {r: e.to_dict(timeout) for r, e in evidence.items() if r in pids}
             for rank, (published, doc) in self.exchange.remote.items():
