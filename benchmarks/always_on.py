@@ -24,13 +24,19 @@ thread keeps waking every 2 ms (it writes only when records are buffered).
                                                        # or idle (off)
   python benchmarks/always_on.py --versus gil          # recorder on throughout: call-site cache hits recorded
                                                        # without the GIL (on) or with it (off)
+  python benchmarks/always_on.py --versus kernels      # recorder on throughout: dispatcher kernels on or off
+  python benchmarks/always_on.py --versus hooks        # recorder on throughout: evidence hooks on or passing through
+  python benchmarks/always_on.py --versus flush        # recorder on throughout: the kernel's writer every 2 ms (on)
+                                                       # or every --flush-ms (off)
   moedoctor run -- torchrun --nproc_per_node 2 benchmarks/always_on.py   # the recorder as installed by `moedoctor run`
 
 Without torchrun's environment the script starts itself under ``torch.distributed.run``. The last
 line is ``always-on: N collectives/step, training-thread CPU +X% (CI lo..hi), step time +Y% (CI lo..hi)``.
 Before it, the recording threads' CPU: the training thread's with that of the threads that run
 backward (on GPUs, autograd's device threads, where FSDP2's backward collectives are recorded; on CPU
-the training thread itself), paired the same way; ``--pool`` pools it too where the dumps have it.
+the training thread itself), and the process CPU (every thread of the rank: the recorder's writer and
+progress threads, the backend's), paired the same way; ``--pool`` pools them too where the dumps have
+them.
 """
 
 from __future__ import annotations
@@ -276,7 +282,7 @@ def main() -> int:
                 recorder.register_kernels() if on else recorder.unregister_kernels()
             elif args.versus == "hooks":  # the kernels and the progress thread on in both
                 recorder.paused = not on
-            elif args.versus == "flush":  # the recorder on in both; the writer thread wakes less often in the off blocks
+            elif args.versus == "flush":  # the recorder on in both; the writer wakes less often in the off blocks
                 recorder._native.set_flush_every(default_flush_ms if on else args.flush_ms)
             else:
                 recorder.resume() if on else recorder.pause()
@@ -358,7 +364,8 @@ def main() -> int:
         )
         print(
             f"process CPU per step and rank (every thread: the recorder's writer and progress threads too): off "
-            f"{statistics.median(proc_off) / world * 1e3:.3f} ms, on {statistics.median(proc_on) / world * 1e3:.3f} ms; "
+            f"{statistics.median(proc_off) / world * 1e3:.3f} ms, "
+            f"on {statistics.median(proc_on) / world * 1e3:.3f} ms; "
             f"paired {proc_mid:+.2f}% (CI {proc_lo:+.2f}..{proc_hi:+.2f})"
         )
         poller = progress._fr_poller
