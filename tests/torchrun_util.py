@@ -141,3 +141,24 @@ def live_processes(matches) -> list[int]:
         except OSError:
             continue  # exited while we looked
     return found
+
+
+#: What moedoctor prints when it raises an alarm (online desync, hang watchdog, the report after).
+ALARMS = ("moedoctor: desync", "moedoctor: hang", "Desync detected while the job ran", "No trace after")
+
+
+def torch_exit_abort(result: JobResult, run_dir: Path) -> bool:
+    """The job did its work, then a rank aborted at interpreter exit with "terminate called without
+    an active exception": a known PyTorch/Gloo teardown race (Gloo's threads outlive
+    ``destroy_process_group`` in DDP jobs), seen under plain ``torchrun`` too, in a few percent of
+    runs. No alarm, no hang, no divergence: not moedoctor's doing, so the run is retried once. (The
+    recorder's own way to cause it, destroying the Works it held while the interpreter finalized, is
+    tested on its own: ``test_native_recorder.py::test_works_released_while_the_interpreter_exits_do_not_abort_the_job``.)"""
+    import json
+
+    if result.returncode == 0 or "terminate called without an active exception" not in result.output:
+        return False
+    if any(a in line for line in result.output.splitlines() for a in ALARMS):
+        return False
+    manifest_path = run_dir / "manifest.json"
+    return manifest_path.exists() and json.loads(manifest_path.read_text())["hang"] is None

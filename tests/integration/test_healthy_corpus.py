@@ -25,15 +25,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from torchrun_util import FIXTURES, REPO, JobResult, job_env, run_command, torchrun_command
+from torchrun_util import (ALARMS, FIXTURES, REPO, JobResult, job_env, run_command, torch_exit_abort,
+                           torchrun_command)
 
 from moedoctor.analysis import analyze, load_run
 from moedoctor.render.json_report import report_to_dict
 
 HANG_TIMEOUT = 20
 JOB_TIMEOUT = 120.0
-#: What moedoctor prints when it raises an alarm (online desync, hang watchdog, the report after).
-ALARMS = ("moedoctor: desync", "moedoctor: hang", "Desync detected while the job ran", "No trace after")
 
 CORPUS = sorted(p.parent for p in FIXTURES.glob("healthy_*/expected.yaml"))
 
@@ -80,19 +79,6 @@ def test_healthy_job_at_four_ranks(name, tmp_path):
     """The jobs whose ``expected.yaml`` has ``max_nproc: 4`` (2-D meshes (2, 2), 4 pipeline stages,
     experts over 4 ranks, 2 simulated nodes), at 4 ranks: slow on 2 cores, so heavy."""
     check_healthy_run(name, tmp_path / "run", nproc=4)
-
-
-def torch_exit_abort(result: JobResult, run_dir: Path) -> bool:
-    """The job did its work, then a rank aborted at interpreter exit with "terminate called without
-    an active exception": a known PyTorch/Gloo teardown race (Gloo's threads outlive
-    ``destroy_process_group`` in DDP jobs), seen under plain ``torchrun`` too, in a few percent of
-    runs. No alarm, no hang, no divergence: not moedoctor's doing, so the run is retried once."""
-    if result.returncode == 0 or "terminate called without an active exception" not in result.output:
-        return False
-    if any(a in line for line in result.output.splitlines() for a in ALARMS):
-        return False
-    manifest_path = run_dir / "manifest.json"
-    return manifest_path.exists() and json.loads(manifest_path.read_text())["hang"] is None
 
 
 def check_healthy_run(name: str, run_dir: Path, nproc: int | None = None) -> None:

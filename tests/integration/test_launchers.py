@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from torchrun_util import FIXTURES, REPO, JobResult, job_env, live_processes, run_command
+from torchrun_util import FIXTURES, REPO, JobResult, job_env, live_processes, run_command, torch_exit_abort
 
 from moedoctor.errors import EXIT_HANG
 
@@ -90,7 +90,12 @@ def assert_diagnosed(run_dir: Path, result: JobResult, verdict: str, culprits: l
 
 def test_mp_spawn_healthy(tmp_path):
     run_dir = tmp_path / "run"
-    result = moedoctor_run(run_dir, sys.executable, str(LAUNCHERS / "spawn_uneven_shards.py"))
+    command = (sys.executable, str(LAUNCHERS / "spawn_uneven_shards.py"))
+    result = moedoctor_run(run_dir, *command)
+    if torch_exit_abort(result, run_dir):  # a DDP job on Gloo: PyTorch's own teardown race, retried once
+        print(f"a rank aborted at exit (PyTorch teardown race); retrying once\n{result.tail(20)}")
+        run_dir = tmp_path / "run-retry"
+        result = moedoctor_run(run_dir, *command)
     assert_healthy(run_dir, result)
     assert "done" in result.output
     exits = manifest(run_dir)["ranks"]
