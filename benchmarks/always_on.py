@@ -149,18 +149,12 @@ def pool(files: list[str]) -> int:
     every = lambda key: [x for run in runs for x in run[key]]  # noqa: E731
     cpu, step = paired(every("cpu_on"), every("cpu_off")), paired(every("step_on"), every("step_off"))
     print(f"pooled: {len(runs)} runs, {cpu[3]} pairs")
-    with_all = [run for run in runs if "cpu_all_on" in run]  # dumps from before it lack the field
-    if with_all:
-        mid, lo, hi, n = paired(
-            [x for run in with_all for x in run["cpu_all_on"]], [x for run in with_all for x in run["cpu_all_off"]]
-        )
-        print(f"recording threads' CPU (training + backward), {n} pairs: {mid:+.2f}% (CI {lo:+.2f}..{hi:+.2f})")
-    with_proc = [run for run in runs if "cpu_proc_on" in run]
-    if with_proc:
-        mid, lo, hi, n = paired(
-            [x for run in with_proc for x in run["cpu_proc_on"]], [x for run in with_proc for x in run["cpu_proc_off"]]
-        )
-        print(f"process CPU (every thread), {n} pairs: {mid:+.2f}% (CI {lo:+.2f}..{hi:+.2f})")
+    extra = {"cpu_all": "recording threads' CPU (training + backward)", "cpu_proc": "process CPU (every thread)"}
+    for key, what in extra.items():
+        having = [run for run in runs if f"{key}_on" in run]  # dumps from before the field lack it
+        if having:
+            mid, lo, hi, n = paired(*([x for run in having for x in run[f"{key}_{side}"]] for side in ("on", "off")))
+            print(f"{what}, {n} pairs: {mid:+.2f}% (CI {lo:+.2f}..{hi:+.2f})")
     print(always_on_line(runs[0]["collectives_per_step"], cpu, step))
     return 0
 
@@ -318,25 +312,28 @@ def main() -> int:
             collectives[on] += sequence() - issued
             timed_steps[on] += args.block
     recorder.pause()  # the report's own collectives below are not the loop's
-    # The training threads' CPU of all ranks, summed block by block: each rank's is a measurement.
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, {on: [b[1] for b in blocks[on]] for on in (True, False)})
-    every_all: list = [None] * dist.get_world_size()  # the same for the recording threads together
-    dist.all_gather_object(every_all, {on: [b[2] for b in blocks[on]] for on in (True, False)})
-    every_proc: list = [None] * dist.get_world_size()  # every thread of the rank (the writer's, the progress thread's)
-    dist.all_gather_object(every_proc, {on: [b[3] for b in blocks[on]] for on in (True, False)})
+    # Every rank's CPU figures (training thread, recording threads, process), summed over the ranks
+    # block by block: each rank's is a measurement.
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {on: [b[1:] for b in blocks[on]] for on in (True, False)})
+
+    def summed(column: int) -> tuple[list[float], list[float]]:  # (on blocks, off blocks)
+        on_off = ([sum(r[on][i][column] for r in gathered) for i in range(len(blocks[on]))] for on in (True, False))
+        return tuple(on_off)  # type: ignore[return-value]
+
+    every = [{on: [b[0] for b in r[on]] for on in (True, False)} for r in gathered]  # the training thread's, by rank
     progress = recorder._progress
     if profiler is not None:
         profiler.dump_stats(args.profile)
     if rank == 0:
         per_step = collectives[True] / max(timed_steps[True], 1)
         wall_on, wall_off = [b[0] for b in blocks[True]], [b[0] for b in blocks[False]]
-        cpu_on, cpu_off = ([sum(column) for column in zip(*(r[on] for r in every))] for on in (True, False))
+        cpu_on, cpu_off = summed(0)
         step_mid, step_lo, step_hi, pairs = paired(wall_on, wall_off)
         cpu_mid, cpu_lo, cpu_hi, _ = paired(cpu_on, cpu_off)
-        all_on, all_off = ([sum(column) for column in zip(*(r[on] for r in every_all))] for on in (True, False))
+        all_on, all_off = summed(1)
         all_mid, all_lo, all_hi, _ = paired(all_on, all_off)
-        proc_on, proc_off = ([sum(column) for column in zip(*(r[on] for r in every_proc))] for on in (True, False))
+        proc_on, proc_off = summed(2)
         proc_mid, proc_lo, proc_hi, _ = paired(proc_on, proc_off)
         print(
             f"loop: backend={args.backend} world={dist.get_world_size()} dim={args.dim} layers={args.layers} "

@@ -364,13 +364,11 @@ class _Run:
         # this silence (judged now, it would mix an old silence with ranks seen later: a rank that
         # left the barrier and exited, judged dead); and the time spent sampling must not count as
         # every rank's silence, or a rank working all along would be judged to make no progress.
-        self.tracker.poll()
-        if self.tracker.last_progress() != self._silence_of:
+        if self._silence_ended():
             return False
         self.activity.sample(pids)
         evidence = {rank: self._evidence(rank, t, pids) for rank, t in sorted(self.tracker.ranks.items())}
-        self.tracker.poll()  # and once more: a rank that completed its collectives and exited while it was read
-        if self.tracker.last_progress() != self._silence_of:
+        if self._silence_ended():  # once more: a rank that completed its collectives and exited while it was read
             return False
         if self.exchange is not None:  # no shared run directory: the other nodes judge their own ranks
             self.exchange.local_states = {r: e.to_dict(timeout) for r, e in evidence.items() if r in pids}
@@ -400,6 +398,11 @@ class _Run:
             return True
         self.observer.busy(judgement)
         return False
+
+    def _silence_ended(self) -> bool:
+        """The traces read again: collectives moved since this silence began (it is over)."""
+        self.tracker.poll()
+        return self.tracker.last_progress() != self._silence_of
 
     def _evidence(self, rank: int, t: RankProgress, pids: Mapping[int, int]) -> RankEvidence:
         pending = None

@@ -1789,10 +1789,9 @@ static void set_defer(bool value) {
 
 static void set_clock(bool value) { clock_on = value; }
 
-// Benchmarks: the writer thread's period (benchmarks/always_on.py --versus flush); returns the one before.
-static double set_flush_every(double ms) {
-  const int64_t before = flush_every_us.exchange(std::max<int64_t>(100, static_cast<int64_t>(ms * 1000.0)));
-  return before / 1000.0;
+// Benchmarks: the writer thread's period (benchmarks/always_on.py --versus flush), at least 0.1 ms.
+static void set_flush_every(double ms) {
+  flush_every_us.store(std::max<int64_t>(100, static_cast<int64_t>(ms * 1000.0)));
 }
 static double flush_every() { return flush_every_us.load() / 1000.0; }
 
@@ -1996,11 +1995,12 @@ static bool completed(const PendingWork& item) {
   }
 }
 
-// The ids of the tracked collectives seen complete since the last poll (Progress._poll_pending_locked's
-// rules: the Work says so, or a later collective of its group has completed).
 static std::mutex release_mu;  // held while poll() destroys the Works it released
-static bool releasing_stopped = false;
+static bool releasing_stopped = false;  // stop_releasing() ran: the interpreter is about to finalize
 
+// The ids of the tracked collectives seen complete since the last poll (Progress._poll_pending_locked's
+// rules: the Work says so, or a later collective of its group has completed); the Works it lets go of
+// go into ``released``, for the caller to destroy.
 static std::vector<int64_t> poll_completed_without_gil(std::vector<c10::intrusive_ptr<c10d::Work>>& released) {
   std::vector<int64_t> done;
   {
@@ -2057,7 +2057,7 @@ static std::vector<int64_t> poll_completed() {
   // often a Work's last reference, and with it the last one of its tensors, and a tensor whose Python
   // object outlived the job's own reference takes the GIL for a moment to hand it back (destroyed with
   // the GIL held instead, in batches, the training thread waited on the GIL for whole batches: step
-  // time +5.6% against +1.7% for the progress thread working, CPU FSDP2 loop). While the interpreter
+  // time +5.6% against +1.7-2.5% for the progress thread working, CPU FSDP2 loop). While the interpreter
   // finalizes, a daemon thread taking the GIL is ended by pthread_exit, and inside a destructor that
   // is std::terminate: so after stop_releasing() (the recorder's last exit handler, before
   // finalization) they are left alive instead, and a destruction under way then is waited for. On the
