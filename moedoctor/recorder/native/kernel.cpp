@@ -98,7 +98,10 @@ struct CodeOffsetHash {
 struct PendingWork {
   int64_t event;
   int group;
-  c10::intrusive_ptr<c10d::Work> work;  // null: the op returned no Work (monitored_barrier_)
+  // null: the op returned no Work (monitored_barrier_, NCCL without async_op), or its completion comes
+  // from its future instead (by_future)
+  c10::intrusive_ptr<c10d::Work> work;
+  bool by_future = false;  // the Work's CPU future reports completion (future_done), no Work is held
 };
 
 // -- state --------------------------------------------------------------------------------------
@@ -1800,9 +1803,22 @@ static py::tuple kernel_time() {
                         pre_ns.load(), post_ns.load());
 }
 
-// Per op (index into S.specs): its returned object was seen to be a Work once, type-checked.
+// Per op (index into S.specs): its returned object was seen to be a Work once, type-checked; its Work
+// has no future (getFuture threw once).
 static constexpr size_t MAX_CHECKED = 256;
 static std::atomic<bool> work_checked[MAX_CHECKED];
+static std::atomic<bool> no_future[MAX_CHECKED];
+
+// The events whose Work's CPU future completed since the last poll(): appended by the future's callback,
+// on whichever thread completes it (a Gloo worker, or the kernel's own when it is complete already).
+// Never freed: a backend's thread may complete a future while the static destructors run.
+static std::mutex& future_mu = *new std::mutex;
+static std::vector<int64_t>& future_done = *new std::vector<int64_t>;
+
+static void mark_future_done(int64_t event) {
+  std::lock_guard<std::mutex> guard(future_mu);
+  future_done.push_back(event);
+}
 
 struct RecordingKernel final : public c10::OperatorKernel {
   explicit RecordingKernel(size_t index) : index(index) {}
@@ -1840,24 +1856,57 @@ struct RecordingKernel final : public c10::OperatorKernel {
       throw;
     }
     inside = false;
-    if (event >= 0 && spec.c10d) {
-      c10::intrusive_ptr<c10d::Work> work;
-      try {
-        // isObject, not isCustomClass (a registry lookup by type name).
-        if (!stack->empty() && stack->back().isObject()) {
-          if (index < MAX_CHECKED && work_checked[index].load(std::memory_order_relaxed)) {
-            if (c10d::Work* held = peek_custom_class<c10d::Work>(stack->back())) {  // null: an empty Work
-              work = c10::intrusive_ptr<c10d::Work>::reclaim_copy(held);
-            }
-          } else {  // the first time per op: toCustomClass checks the object really is a Work
-            work = stack->back().toCustomClass<c10d::Work>();
-            if (index < MAX_CHECKED) work_checked[index].store(true, std::memory_order_relaxed);
+    if (event >= 0 && spec.c10d) keep_track(event, group_id, stack);
+  }
+
+  // Queues the collective for the progress thread's poll(). A Work whose future is a CPU one (Gloo,
+  // MPI: marked complete when the backend has run the collective) reports its completion through a
+  // callback on that future, and no reference to it is kept: the job's own holder destroys it, with
+  // its tensors, when it would without the recorder (held here instead, the progress thread was the
+  // last holder of most Works, and destroying them was its main cost: ~10 us a Work on the CPU FSDP2
+  // loop, on the cores the ranks use). Any other Work (NCCL with async_op: its future completes when
+  // the collective is enqueued, not run) is held, and asked isCompleted() by poll().
+  void keep_track(int64_t event, int group_id, torch::jit::Stack* stack) {
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      // isObject, not isCustomClass (a registry lookup by type name).
+      c10d::Work* held = nullptr;
+      if (!stack->empty() && stack->back().isObject()) {
+        if (index < MAX_CHECKED && work_checked[index].load(std::memory_order_relaxed)) {
+          held = peek_custom_class<c10d::Work>(stack->back());  // null: an empty Work
+        } else {  // the first time per op: toCustomClass checks the object really is a Work
+          held = stack->back().toCustomClass<c10d::Work>().get();
+          if (index < MAX_CHECKED) work_checked[index].store(true, std::memory_order_relaxed);
+        }
+      }
+      if (held != nullptr) {
+        // getFuture throws where a Work has none (Gloo's send/recv): asked once per op.
+        if (index < MAX_CHECKED && !no_future[index].load(std::memory_order_relaxed)) {
+          try {
+            future = held->getFuture();
+          } catch (...) {
+            no_future[index].store(true, std::memory_order_relaxed);
           }
         }
+        if (!future || !future->devices().empty()) {
+          future.reset();
+          work = c10::intrusive_ptr<c10d::Work>::reclaim_copy(held);
+        }
+      }
+    } catch (...) {
+    }
+    {
+      std::lock_guard<std::mutex> guard(S.pending_mu);
+      S.fresh.push_back(PendingWork{event, group_id, std::move(work), static_cast<bool>(future)});
+    }
+    // After the item is queued, so that a poll() that takes the mark always finds it (the callback runs
+    // here at once when the collective is complete already).
+    if (future) {
+      try {
+        future->addCallback([event](c10::ivalue::Future&) { mark_future_done(event); }, false);
       } catch (...) {
       }
-      std::lock_guard<std::mutex> guard(S.pending_mu);
-      S.fresh.push_back(PendingWork{event, group_id, std::move(work)});
     }
   }
 
@@ -1985,8 +2034,10 @@ static void set_assume_completed(bool value) {
   S.assume_completed = value;
 }
 
-static bool completed(const PendingWork& item) {
+// future_marks: the events whose future completed (sorted), taken from future_done by this poll.
+static bool completed(const PendingWork& item, const std::vector<int64_t>& future_marks) {
   if (S.assume_completed) return true;
+  if (item.by_future) return std::binary_search(future_marks.begin(), future_marks.end(), item.event);
   if (!item.work) return false;
   try {
     return item.work->isCompleted();
@@ -2003,8 +2054,14 @@ static bool releasing_stopped = false;  // stop_releasing() ran: the interpreter
 // go into ``released``, for the caller to destroy.
 static std::vector<int64_t> poll_completed_without_gil(std::vector<c10::intrusive_ptr<c10d::Work>>& released) {
   std::vector<int64_t> done;
+  std::vector<int64_t> future_marks;
   {
     std::lock_guard<std::mutex> guard(S.pending_mu);
+    {  // every event marked here is queued already (keep_track adds the callback after queueing)
+      std::lock_guard<std::mutex> marks_guard(future_mu);
+      future_marks.swap(future_done);
+    }
+    std::sort(future_marks.begin(), future_marks.end());
     auto mark = [&](PendingWork& item) {
       done.push_back(item.event);
       auto it = S.last_done.find(item.group);
@@ -2013,12 +2070,12 @@ static std::vector<int64_t> poll_completed_without_gil(std::vector<c10::intrusiv
       } else if (item.event > it->second) {
         it->second = item.event;
       }
-      released.push_back(std::move(item.work));
+      if (item.work) released.push_back(std::move(item.work));
     };
     for (size_t n = S.fresh.size(); n > 0; --n) {
       PendingWork item = std::move(S.fresh.front());
       S.fresh.pop_front();
-      if (completed(item)) {
+      if (completed(item, future_marks)) {
         mark(item);
       } else {
         S.pending.push_back(std::move(item));
@@ -2028,7 +2085,7 @@ static std::vector<int64_t> poll_completed_without_gil(std::vector<c10::intrusiv
     for (size_t n = S.pending.size(); n > 0; --n) {
       PendingWork item = std::move(S.pending.front());
       S.pending.pop_front();
-      if (completed(item)) {
+      if (completed(item, future_marks)) {
         mark(item);
       } else {
         still.push_back(std::move(item));
@@ -2038,13 +2095,13 @@ static std::vector<int64_t> poll_completed_without_gil(std::vector<c10::intrusiv
       auto it = S.last_done.find(item.group);
       if (it != S.last_done.end() && item.event < it->second) {
         done.push_back(item.event);
-        released.push_back(std::move(item.work));
+        if (item.work) released.push_back(std::move(item.work));
       } else {
         S.pending.push_back(std::move(item));
       }
     }
     while (S.pending.size() > MAX_PENDING) {  // the oldest: its completion stays unknown
-      released.push_back(std::move(S.pending.front().work));
+      if (S.pending.front().work) released.push_back(std::move(S.pending.front().work));
       S.pending.pop_front();
     }
   }
