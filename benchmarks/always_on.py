@@ -26,6 +26,8 @@ thread keeps waking every 2 ms (it writes only when records are buffered).
                                                        # without the GIL (on) or with it (off)
   python benchmarks/always_on.py --versus kernels      # recorder on throughout: dispatcher kernels on or off
   python benchmarks/always_on.py --versus hooks        # recorder on throughout: evidence hooks on or passing through
+  python benchmarks/always_on.py --versus futures      # recorder on throughout: Gloo Works report completion
+                                                       # through their future, not held (on), or held and polled
   python benchmarks/always_on.py --versus flush        # recorder on throughout: the kernel's writer every 2 ms (on)
                                                        # or every --flush-ms (off)
   moedoctor run -- torchrun --nproc_per_node 2 benchmarks/always_on.py   # the recorder as installed by `moedoctor run`
@@ -84,7 +86,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--versus",
         default="paused",
-        choices=["paused", "immediate", "progress", "gil", "flush", "kernels", "hooks"],
+        choices=["paused", "immediate", "progress", "gil", "flush", "kernels", "hooks", "futures"],
         help="what the on blocks are compared with: the recorder paused (the always-on A/B), or the recorder on "
         "with the native kernel formatting each record on the training thread (MOEDOCTOR_DEFER_FORMAT=0's path; "
         "the on blocks defer it to the writer thread, the default), or the recorder on with its progress thread "
@@ -93,7 +95,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "blocks record call-site cache hits without it, the default), or the recorder on with the native kernel's "
         "writer thread waking every --flush-ms instead of its default period (the on blocks: the default), or the "
         "recorder on with its dispatcher kernels off the dispatcher (kernels) or its evidence hooks passing through "
-        "(hooks) in the off blocks: each part's share",
+        "(hooks) in the off blocks: each part's share, or the recorder on with every Work held and polled by the "
+        "progress thread in the off blocks (futures; the on blocks: a Work with a CPU future reports through it)",
     )
     parser.add_argument(
         "--flush-ms",
@@ -195,7 +198,7 @@ def main() -> int:
     # Installed before the model is built, as `moedoctor run`'s bootstrap does at torch's import.
     recorder = installed_recorder() or install(Path(tempfile.mkdtemp(prefix="moedoctor-always-on-")))
     kernels = "native" if recorder._native is not None else "python"
-    if args.versus in ("immediate", "gil", "flush") and recorder._native is None:
+    if args.versus in ("immediate", "gil", "flush", "futures") and recorder._native is None:
         raise SystemExit(f"--versus {args.versus} needs the native kernel")
     if args.poll_interval is not None:
         recorder._progress.poll_interval = args.poll_interval
@@ -276,6 +279,8 @@ def main() -> int:
                 recorder.register_kernels() if on else recorder.unregister_kernels()
             elif args.versus == "hooks":  # the kernels and the progress thread on in both
                 recorder.paused = not on
+            elif args.versus == "futures":  # the recorder on in both; every Work held and polled in the off blocks
+                recorder._native.set_work_futures(on)
             elif args.versus == "flush":  # the recorder on in both; the writer wakes less often in the off blocks
                 recorder._native.set_flush_every(default_flush_ms if on else args.flush_ms)
             else:
@@ -407,6 +412,7 @@ def main() -> int:
                 "gil": "GIL-free cache hits vs the GIL taken",
                 "kernels": "dispatcher kernels vs none",
                 "hooks": "evidence hooks vs passing through",
+                "futures": "Works' completion from their futures vs Works held and polled",
                 "flush": f"writer every {default_flush_ms:g} ms vs every {args.flush_ms:g} ms",
             }[args.versus]
             print(

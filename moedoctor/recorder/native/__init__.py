@@ -425,6 +425,11 @@ class NativeKernels:
         """Benchmarks: the writer thread wakes every ``ms`` milliseconds (at least 0.1) instead."""
         self._m.set_flush_every(float(ms))
 
+    def set_work_futures(self, on: bool) -> None:
+        """Benchmarks: a Work with a CPU future reports its completion through it and is not held (on,
+        the default), or every Work is held and asked ``isCompleted()`` by the progress thread."""
+        self._m.set_work_futures(bool(on))
+
     def set_defer(self, on: bool) -> None:
         """Benchmarks: format the records on the writer thread (on, the default) or at once on the
         recording thread (``MOEDOCTOR_DEFER_FORMAT=0``); what is pending is written first."""

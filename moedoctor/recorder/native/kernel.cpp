@@ -1815,6 +1815,11 @@ static std::atomic<bool> no_future[MAX_CHECKED];
 static std::mutex& future_mu = *new std::mutex;
 static std::vector<int64_t>& future_done = *new std::vector<int64_t>;
 
+// Benchmarks (set_work_futures): off, every Work is held and asked isCompleted(), as before futures were
+// used (benchmarks/always_on.py --versus futures).
+static std::atomic<bool> work_futures{true};
+static void set_work_futures(bool on) { work_futures.store(on); }
+
 static void mark_future_done(int64_t event) {
   std::lock_guard<std::mutex> guard(future_mu);
   future_done.push_back(event);
@@ -1882,7 +1887,8 @@ struct RecordingKernel final : public c10::OperatorKernel {
       }
       if (held != nullptr) {
         // getFuture throws where a Work has none (Gloo's send/recv): asked once per op.
-        if (index < MAX_CHECKED && !no_future[index].load(std::memory_order_relaxed)) {
+        if (index < MAX_CHECKED && !no_future[index].load(std::memory_order_relaxed) &&
+            work_futures.load(std::memory_order_relaxed)) {
           try {
             future = held->getFuture();
           } catch (...) {
@@ -2273,6 +2279,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernel_time", &kernel_time);
   m.def("set_clock", &set_clock);
   m.def("set_flush_every", &set_flush_every);
+  m.def("set_work_futures", &set_work_futures);
   m.def("flush_every", &flush_every);
   m.def("set_defer", &set_defer);
   m.def("fast_walk_agrees", &fast_walk_agrees);
