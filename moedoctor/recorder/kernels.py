@@ -154,7 +154,7 @@ class PythonKernels:
             event_id = None
             if writer.fd is not None:
                 try:
-                    event_id, group_id = self._record(spec, args, kwargs)
+                    event_id, group_id, on_cpu = self._record(spec, args, kwargs)
                 except Exception as e:  # the job must never fail because of the recorder
                     recorder.internal_error(spec.qualified, e)
             inside.active = True
@@ -165,14 +165,15 @@ class PythonKernels:
             if event_id is not None and track:
                 work = out[-1] if isinstance(out, tuple) else out
                 reduce_op = args[spec.reduce_op] if spec.reduce_op is not None and spec.reduce_op < len(args) else None
-                recorder.fresh.append((event_id, group_id, work, reduce_op))
+                recorder.fresh.append((event_id, group_id, work, reduce_op, on_cpu))
             return out
 
         return kernel
 
-    def _record(self, spec: OpSpec, args: tuple, kwargs: dict) -> tuple[int | None, int]:
-        """Write one collective record; returns its event id (None once the cap is reached) and
-        its group's id. The hot path of every collective: formatted by hand (json.dumps costs three
+    def _record(self, spec: OpSpec, args: tuple, kwargs: dict) -> tuple[int | None, int, bool]:
+        """Write one collective record; returns its event id (None once the cap is reached), its
+        group's id, and whether its first input tensor is on the CPU (its Work's future then reports
+        completion: recorder/progress.py). The hot path of every collective: formatted by hand (json.dumps costs three
         times as much), each argument fetched once."""
         records = self._records
         count = len(args)
@@ -184,7 +185,7 @@ class PythonKernels:
             group_name = group_arg if isinstance(group_arg, str) else group_arg.group_name
         inputs = _tensors(_arg(spec, spec.inputs, args, kwargs))
         if inputs and type(inputs[0]) not in _PLAIN and _traced(inputs[0]):
-            return None, -1  # torch.compile tracing the collective with fake tensors: nothing is sent
+            return None, -1, False  # torch.compile tracing the collective with fake tensors: nothing is sent
         attribution = callsite.attribute(3)
         outputs = _tensors(_arg(spec, spec.outputs, args, kwargs))
         reduce_op = counts = splits = root = module = peer_json = None
@@ -237,7 +238,7 @@ class PythonKernels:
                 seq = records.seq[group_name] = records.seq.get(group_name, 0) + 1
             if records.written >= records.max_events:
                 records.drop()
-                return None, gid
+                return None, gid, False
             records.written += 1
             records.write(
                 encode_collective(
@@ -265,7 +266,7 @@ class PythonKernels:
                     device=device,
                 ).encode()
             )
-        return event_id, gid
+        return event_id, gid, bool(inputs) and inputs[0].device.type == "cpu"
 
     def _phase(self, attribution: callsite.Attribution) -> Phase:
         recorder = self._recorder

@@ -33,9 +33,10 @@ class Progress:
     def __init__(self, recorder: Recorder, poll_interval: float):
         self._recorder = recorder
         self.poll_interval = poll_interval
-        #: (event, group, Work, ReduceOp) appended by the kernels; the thread pops them.
-        self.fresh: deque[tuple[int, int, object, object]] = deque()
-        self._pending: deque[tuple[int, int, object]] = deque()  # (event, group, Work) not yet complete
+        #: (event, group, Work, ReduceOp, on CPU) appended by the kernels; the thread pops them.
+        self.fresh: deque[tuple[int, int, object, object, bool]] = deque()
+        #: (event, group, Work, its CPU future or None) not yet complete
+        self._pending: deque[tuple[int, int, object, object]] = deque()
         self._last_done: dict[int, int] = {}  # group id -> latest event id seen complete
         self._deferred: deque[tuple[Callable, Callable]] = deque()  # evidence waiting on the GPU
         self._snapshot_seen = 0.0
@@ -162,9 +163,11 @@ class Progress:
     def _poll_pending_locked(self) -> None:
         """Write which tracked collectives completed since the last poll, in one record.
 
-        A work counts as complete when it says so, or when a later collective of its group has
-        completed: one group's collectives run in issue order (some works, such as Gloo's emulated
-        reduce-scatter, never report completion themselves).
+        A work counts as complete when it says so, or, for a collective on CPU tensors, when its
+        future does (the native kernel's rule: a CPU future completes when the backend has run the
+        collective; a CUDA one, NCCL's, when it is enqueued), or when a later collective of its group
+        has completed: one group's collectives run in issue order (some works, such as Gloo's
+        emulated reduce-scatter, never report completion themselves).
 
         A c10d collective still running at its first poll also gets its reduce op resolved and
         written (``ReduceOp.op()`` is too slow for the hot path): these are the collectives a hang
@@ -174,29 +177,30 @@ class Progress:
         last_done = self._last_done
         # The kernels append on the right while this pops on the left; deque makes both thread-safe.
         for _ in range(len(self.fresh)):
-            event_id, group_id, work, reduce_op = self.fresh.popleft()
+            event_id, group_id, work, reduce_op, on_cpu = self.fresh.popleft()
             if isinstance(work, torch.ScriptObject):  # c10d ops hand back the TorchScript wrapper
                 work = Work.unbox(work)
-            if self.completed(work):
+            future = self.cpu_future(work) if on_cpu else None
+            if self.completed(work, future):
                 done.append(event_id)
                 last_done[group_id] = max(event_id, last_done.get(group_id, -1))
                 continue
             if reduce_op is not None:
                 annotations.append(annotation_line(event_id, reduce_name(reduce_op)))
-            self._pending.append((event_id, group_id, work))
+            self._pending.append((event_id, group_id, work, future))
         still = []
         for _ in range(len(self._pending)):
             item = self._pending.popleft()
-            if self.completed(item[2]):
+            if self.completed(item[2], item[3]):
                 done.append(item[0])
                 last_done[item[1]] = max(item[0], last_done.get(item[1], -1))
             else:
                 still.append(item)
-        for event_id, group_id, work in still:
-            if event_id < last_done.get(group_id, -1):
-                done.append(event_id)
+        for item in still:
+            if item[0] < last_done.get(item[1], -1):
+                done.append(item[0])
             else:
-                self._pending.append((event_id, group_id, work))
+                self._pending.append(item)
         while len(self._pending) > MAX_PENDING:
             self._pending.popleft()  # the oldest: its completion stays unknown
         if done or annotations:
@@ -205,9 +209,17 @@ class Progress:
             self._recorder.records.write_locked(b"".join(annotations))
 
     @staticmethod
-    def completed(work) -> bool:
+    def cpu_future(work):
+        """The future of a CPU collective's Work, or None where it has none (Gloo's send/recv)."""
         try:
-            return work.is_completed()
+            return work.get_future()
+        except Exception:
+            return None
+
+    @staticmethod
+    def completed(work, future=None) -> bool:
+        try:
+            return (future is not None and future.done()) or work.is_completed()
         except Exception:  # a work that failed (its rank is going down): never completed
             return False
 
