@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,7 +40,6 @@ def diagnose_and_verify(run_dir: Path, script: Path, nproc: int = 2, timeout: fl
                         ) -> tuple[dict, JobResult, JobResult]:
     """``moedoctor run`` on ``script``, then the verify command its report printed, run as printed:
     ``(report, run result, verify result)``; the verify result's returncode is 2 when none was printed."""
-    import json
     import shlex
 
     moedoctor = [sys.executable, "-m", "moedoctor"]
@@ -55,8 +55,6 @@ def diagnose_and_verify(run_dir: Path, script: Path, nproc: int = 2, timeout: fl
 def passed_checks(run_dir: Path, fix: str, verified: JobResult) -> dict[str, dict]:
     """The checks of ``moedoctor verify --fix FIX``'s ``verification.json`` in ``run_dir``, by name,
     after asserting that the verification passed (the log tail and the checks shown if not)."""
-    import json
-
     verification = json.loads((run_dir / f"verify-{fix}" / "verification.json").read_text())
     checks = {c["name"]: c for c in verification["checks"]}
     assert verified.returncode == 0 and verification["passed"], f"{json.dumps(checks, indent=1)}\n{verified.tail(30)}"
@@ -153,9 +151,8 @@ def torch_exit_abort(result: JobResult, run_dir: Path) -> bool:
     ``destroy_process_group`` in DDP jobs), seen under plain ``torchrun`` too, in a few percent of
     runs. No alarm, no hang, no divergence: not moedoctor's doing, so the run is retried once. (The
     recorder's own way to cause it, destroying the Works it held while the interpreter finalized, is
-    tested on its own: ``test_native_recorder.py::test_works_released_while_the_interpreter_exits_do_not_abort_the_job``.)"""
-    import json
-
+    tested on its own: ``test_native_recorder.py::``
+    ``test_works_released_while_the_interpreter_exits_do_not_abort_the_job``.)"""
     if result.returncode == 0 or "terminate called without an active exception" not in result.output:
         return False
     if any(a in line for line in result.output.splitlines() for a in ALARMS):

@@ -2068,6 +2068,9 @@ static std::vector<int64_t> poll_completed_without_gil(std::vector<c10::intrusiv
       future_marks.swap(future_done);
     }
     std::sort(future_marks.begin(), future_marks.end());
+    auto release = [&](PendingWork& item) {  // a Work held (none for by_future items): the caller destroys it
+      if (item.work) released.push_back(std::move(item.work));
+    };
     auto mark = [&](PendingWork& item) {
       done.push_back(item.event);
       auto it = S.last_done.find(item.group);
@@ -2076,7 +2079,7 @@ static std::vector<int64_t> poll_completed_without_gil(std::vector<c10::intrusiv
       } else if (item.event > it->second) {
         it->second = item.event;
       }
-      if (item.work) released.push_back(std::move(item.work));
+      release(item);
     };
     for (size_t n = S.fresh.size(); n > 0; --n) {
       PendingWork item = std::move(S.fresh.front());
@@ -2101,13 +2104,13 @@ static std::vector<int64_t> poll_completed_without_gil(std::vector<c10::intrusiv
       auto it = S.last_done.find(item.group);
       if (it != S.last_done.end() && item.event < it->second) {
         done.push_back(item.event);
-        if (item.work) released.push_back(std::move(item.work));
+        release(item);
       } else {
         S.pending.push_back(std::move(item));
       }
     }
     while (S.pending.size() > MAX_PENDING) {  // the oldest: its completion stays unknown
-      if (S.pending.front().work) released.push_back(std::move(S.pending.front().work));
+      release(S.pending.front());
       S.pending.pop_front();
     }
   }
